@@ -1,0 +1,326 @@
+"""
+DA3PO: DAPO plus Direct Advantage Amplification (DAA) of the correct responses on hard prompts.
+Paper: "Learning from Hard Prompts: Difficulty-aware Advantage Amplification in Dynamic Sampling", arXiv:2608.27982.
+Formulas and pitfalls: ../shared/ALGORITHMS.md (sections 1-6); DAPO is arXiv:2503.14476.
+
+One RL step: roll out G completions per prompt -> verify (+1/-1 plus DAPO's overlong shaping) -> dynamic sampling
+(keep groups with 0 < #correct < G) -> GRPO advantages -> DAA: A <- lam * A for correct completions of groups whose
+pass rate p_hat = #correct / G is below tau -> DAPO's token-level clipped loss (clip-higher), several mini-batch updates.
+
+Why DAA (Sec. 6.2 of ALGORITHMS.md, `--theory` prints it): dynamic sampling drops all-wrong groups, which raises the
+expected advantage of a surviving incorrect response on a prompt with pass rate p by alpha- = 1/(1-(1-p)^(G-1)) but
+that of a correct one only by alpha+ = 1/(1-p^(G-1)); for p < 0.5 the correct ones are under-weighted (gamma < 1).
+
+--algo presets (every knob stays overridable): da3po (default), dapo (lam=1), grpo, dr_grpo, gspo; see PRESETS.
+
+Deviations from the paper (each tagged "[dev N]" in the code):
+  1) The paper's full text is not available; tau is not given there. We use tau = 0.5, the value at which the theory's
+     imbalance gamma crosses 1, and a strict p_hat < tau (ALGORITHMS.md 6.1).
+  2) Learning rate, batch sizes and lengths default to the built-in CPU demo, not to the paper's GPU runs; the README
+     lists the paper-scale commands.
+  3) GRPO and GSPO presets use no KL term (kl_coef=0, as DAPO and GSPO do); `--kl_coef 0.04` restores DeepSeekMath's.
+
+Run:
+  python da3po.py                                                          # built-in demo, CPU or GPU, ~3 min
+  python da3po.py --algo dapo --steps 3 --out_dir /tmp/x                   # a baseline, smoke test
+  python da3po.py --model Qwen/Qwen3-4B-Base --train_data dapo17k.parquet --lr 1e-6 ...   # 1 GPU
+  torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...       # N GPUs
+  python da3po.py --theory                                                 # the amplification factors, exact and MC
+"""
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from common import (BOXED_INSTRUCTION, Logger, PromptStream, all_reduce_sum, cleanup_dist, config_dict,
+                    demo_model_path, dynamic_sampling, evaluate, format_step, group_advantages, hf_generate,
+                    latest_checkpoint, load_data, load_model, loss_weights, make_batch, micro_batches, parse_config,
+                    policy_loss, print0, rng_state, roll_groups, save_checkpoint, set_rng_state, setup_dist,
+                    token_logprobs)
+
+# -----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path. Defaults run the CPU demo."""
+    # run
+    algo: str = "da3po"  # preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset
+    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (tiny model built and warm-started in code)
+    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
+    eval_data: str = "arith"  # same choices; 'arith' uses the held-out split
+    out_dir: str = "out/da3po"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
+    seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
+    steps: int = 40  # RL steps (one rollout batch each)
+    device: str = ""  # '' = cuda if available, else cpu
+    dtype: str = "float32"  # model weights dtype: float32 | bfloat16
+    # rollout
+    prompts_per_step: int = 32  # groups trained on per step, across all ranks (train batch size in DAPO)
+    group_size: int = 8  # G: completions per prompt
+    dynamic_sampling: bool = True  # DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts
+    oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
+    max_gen_batches: int = 4  # cap on generation batches per step; at the cap, warn and train on what was kept
+    max_new_tokens: int = 12  # L_max: hard limit on completion length
+    temperature: float = 1.0  # rollout sampling temperature
+    top_p: float = 1.0  # rollout nucleus sampling
+    rollout_batch_size: int = 512  # sequences per generate call (memory knob)
+    prompt_template: str = "auto"  # auto (chat template if the tokenizer has one) | chat | plain
+    instruction: str = "auto"  # appended to each problem; auto = none for the demo model, the \boxed{} request otherwise
+    answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
+    # reward (DAPO)
+    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off
+    overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
+    # Direct Advantage Amplification, Eq. (DAA)
+    lam: float = 2.0  # lambda: multiplier of the advantage of correct completions on hard prompts; 1 = off (DAPO)
+    tau: float = 0.5  # hard prompt: group pass rate p_hat < tau (strict) [dev 1]
+    # advantages and loss
+    std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
+    seq_ratio: bool = False  # GSPO: length-normalised sequence-level importance ratio
+    clip_low: float = 0.2  # epsilon_low: ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28  # epsilon_high: ratio clipped above at 1 + clip_high (clip-higher)
+    clip_ratio_c: float = 0.0  # dual clip for negative advantages (verl uses 3.0); 0 = off
+    kl_coef: float = 0.0  # beta: k3 KL penalty to the initial model; 0 = none, as in DAPO [dev 3]
+    # optimisation
+    lr: float = 1e-4  # AdamW learning rate (paper scale: 1e-6) [dev 2]
+    weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer updates
+    grad_clip: float = 1.0  # max global gradient norm
+    mini_batch_size: int = 16  # prompts per optimizer update (so prompts_per_step / mini_batch_size updates per step)
+    micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; does not change the math)
+    # evaluation, logging, checkpoints
+    eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
+    eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k)
+    eval_size: int = 0  # eval problems to use; 0 = all
+    eval_temperature: float = 1.0  # eval sampling temperature
+    eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
+    eval_batch_size: int = 128  # eval problems per generate call
+    sample_every: int = 10  # write a few completions to samples.jsonl every N steps
+    save_every: int = 0  # checkpoint every N steps (and at the end); 0 = only at the end
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    eval_only: bool = False  # evaluate --model on --eval_data and exit
+    theory: bool = False  # print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit
+    # built-in demo model
+    demo_hidden: int = 128  # hidden size of the demo model
+    demo_layers: int = 2  # layers of the demo model
+    demo_sft_steps: int = 800  # supervised warm-start steps (run once per cache folder)
+    cache_dir: str = ""  # where the demo model is cached; '' = $DA3PO_CACHE or ~/.cache/da3po
+
+
+# Each preset sets the knobs its paper uses; anything given on the command line wins.
+PRESETS = {
+    "da3po": {},
+    "dapo": {"lam": 1.0},
+    "grpo": {"lam": 1.0, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
+             "overlong_buffer": 0},
+    "dr_grpo": {"lam": 1.0, "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
+                "clip_high": 0.2, "overlong_buffer": 0},
+    "gspo": {"lam": 1.0, "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
+             "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "mini_batch_size": 8},  # 4 updates per step
+}
+
+# -----------------------------------------------------------------------------------------------------------------
+# Algorithm: Direct Advantage Amplification and the theory behind it
+
+
+def daa(advantages: torch.Tensor, correct: torch.Tensor, lam: float, tau: float):
+    """DAA: multiply the (already group-normalised) advantage of correct completions of groups with p_hat < tau by lam.
+
+    advantages, correct: (N, G). p_hat is the correctness rate, never the shaped reward (with +-1 rewards the mean
+    reward is 2 p_hat - 1). Amplifying rewards instead would do nothing: a two-level reward is invariant under the
+    z-score. No renormalisation afterwards: the amplified groups deliberately stop summing to zero.
+    Returns (amplified advantages (N, G), which entries were amplified (N, G) bool)."""
+    p_hat = correct.float().mean(-1, keepdim=True)  # (N, 1)
+    amplified = correct & (p_hat < tau)  # (N, G) [dev 1]
+    return torch.where(amplified, lam * advantages, advantages), amplified
+
+
+def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
+    """(alpha+, alpha-, gamma): how much dynamic sampling scales the expected advantage of a correct / an incorrect
+    completion on a prompt with pass rate p, and their ratio. The other G-1 outcomes are Bernoulli(p); a group survives
+    unless all G agree, and an advantage is 0 on a uniform group, so E[A | y, kept] = E[A | y] / P(kept | y)."""
+    alpha_plus = 1.0 / (1.0 - p ** (G - 1))
+    alpha_minus = 1.0 / (1.0 - (1.0 - p) ** (G - 1))
+    return alpha_plus, alpha_minus, alpha_plus / alpha_minus
+
+
+def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000, seed: int = 0) -> tuple[float, float, float]:
+    """The same factors by simulation: GRPO advantages of completion 0 over random groups, averaged over the kept
+    groups vs over all groups (where a dropped uniform group contributes advantage 0)."""
+    g = torch.Generator().manual_seed(seed)
+    correct = torch.rand(num_groups, G, generator=g) < p  # (N, G)
+    adv = group_advantages(correct.float(), std_norm=True)
+    kept = (correct.sum(-1) > 0) & (correct.sum(-1) < G)
+    y = correct[:, 0]
+    factor = lambda sel: adv[sel & kept, 0].mean().item() / adv[sel, 0].mean().item()  # noqa: E731
+    alpha_plus, alpha_minus = factor(y), factor(~y)
+    return alpha_plus, alpha_minus, alpha_plus / alpha_minus
+
+
+def print_theory():
+    print("dynamic-sampling amplification of the expected advantage (exact | Monte Carlo, 200k groups)")
+    print(f"{'G':>3} {'p':>5} | {'alpha+':>7} {'alpha-':>7} {'gamma':>6} | {'alpha+':>7} {'alpha-':>7} {'gamma':>6}")
+    for G in (4, 8, 16):
+        for p in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9):
+            exact, mc = amplification_factors(p, G), monte_carlo_factors(p, G)
+            print(f"{G:3d} {p:5.2f} | " + " ".join(f"{x:7.2f}" for x in exact[:2]) + f" {exact[2]:6.2f} | "
+                  + " ".join(f"{x:7.2f}" for x in mc[:2]) + f" {mc[2]:6.2f}")
+
+# -----------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def main(cfg: Config):
+    if cfg.theory:
+        return print_theory()
+    d = setup_dist(cfg.device)
+    torch.manual_seed(cfg.seed)  # identical initialisation on every rank
+    G, world = cfg.group_size, d.world_size
+    assert G > 1, "--group_size must be > 1 (advantages are relative to the group)"
+    assert cfg.prompts_per_step % cfg.mini_batch_size == 0, "--prompts_per_step must be a multiple of --mini_batch_size"
+    assert cfg.mini_batch_size % world == 0, f"--mini_batch_size must divide over {world} ranks"
+    num_updates = cfg.prompts_per_step // cfg.mini_batch_size
+    gen_groups = math.ceil(cfg.prompts_per_step * (cfg.oversample if cfg.dynamic_sampling else 1) / world) * world
+    if cfg.instruction == "auto":
+        cfg.instruction = "" if cfg.model == "demo" else BOXED_INSTRUCTION
+    print0(f"{cfg.prompts_per_step} groups x {G} = {cfg.prompts_per_step * G} sequences per step "
+           f"({cfg.prompts_per_step * G // world} per rank), {num_updates} optimizer updates per step")
+
+    # model, optimizer, data
+    path = demo_model_path(cfg, d) if cfg.model == "demo" else cfg.model
+    model, tok = load_model(path, d.device, cfg.dtype)
+    ref_model = load_model(path, d.device, cfg.dtype)[0].eval() if cfg.kl_coef > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    train_problems = load_data(cfg.train_data, "train", cfg.seed)
+    eval_problems = load_data(cfg.eval_data, "eval", cfg.seed)[:cfg.eval_size or None]
+    stream = PromptStream(train_problems, cfg.seed)
+
+    def generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p):
+        return hf_generate(model, tok, prompts, cfg.max_new_tokens, temperature, top_p, cfg.rollout_batch_size)
+
+    def run_eval(step):
+        gen = lambda prompts: generate(prompts, cfg.eval_temperature, cfg.eval_top_p)  # noqa: E731
+        metrics = {"step": step, **evaluate(gen, tok, eval_problems, cfg, d.rank, world)}
+        logger.log(metrics)
+        levels = " ".join(f"L{k[-1]} {v:.2f}" for k, v in metrics.items() if k.startswith("eval/acc_level"))
+        logger.line(f"eval step {step}: acc {metrics['eval/acc']:.3f} | pass@{cfg.eval_samples} "
+                    f"{metrics.get(f'eval/pass@{cfg.eval_samples}', float('nan')):.3f} | {levels}")
+        return metrics
+
+    start_step = 0
+    if cfg.resume and (ckpt := latest_checkpoint(cfg.out_dir)):
+        model, tok = load_model(ckpt, d.device, cfg.dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+        state = torch.load(os.path.join(ckpt, f"trainer_rank{d.rank}.pt"), weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        stream.position, start_step = state["data_position"], state["step"]
+        set_rng_state(state["rng"])
+        print0(f"resumed from {ckpt} (step {start_step})")
+    else:
+        torch.manual_seed(cfg.seed + d.rank)  # sampling differs per rank
+    logger = Logger(cfg.out_dir, d.is_main, resume_step=start_step if cfg.resume else -1)
+    if d.is_main:
+        print0("config: " + " ".join(f"{k}={v}" for k, v in config_dict(cfg, world).items()))
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(config_dict(cfg, world), f, indent=1)
+    if cfg.eval_only:
+        run_eval(start_step)
+        return cleanup_dist()
+
+    first_eval = run_eval(0) if start_step == 0 else None
+    for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
+                     disable=not d.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in log files
+        t0 = time.time()
+        # 1) roll out G completions per prompt, verify, and keep mixed groups (dynamic sampling)
+        roll = lambda problems: roll_groups(generate, tok, problems, cfg, G)  # noqa: E731
+        groups, m = dynamic_sampling(stream, roll, cfg.prompts_per_step, gen_groups,
+                                     cfg.max_gen_batches if cfg.dynamic_sampling else 1, d.rank, world,
+                                     cfg.dynamic_sampling)
+        m["time/rollout_s"] = time.time() - t0
+        # 2) GRPO advantages, then DAA on the correct completions of hard groups
+        batch = make_batch(groups, tok.pad_token_id) if groups else None
+        sums = {"loss": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "grad_norm": 0.0, "tokens": 0.0}
+        if batch is not None:
+            adv = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
+            adv, amplified = daa(adv, batch["correct"].view(-1, G), cfg.lam, cfg.tau)
+            batch["advantage"] = adv.flatten()  # (B,)
+            batch = {k: v.to(d.device) for k, v in batch.items()}
+            m["daa/amplified_frac"] = all_reduce_sum(amplified.float().sum()).item() / (cfg.prompts_per_step * G)
+            rows_per_update = len(groups) // num_updates * G
+            # 3) old log-probs from the trainer; with a single update per step they equal the current ones (on-policy)
+            if num_updates > 1:
+                batch["old_logp"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
+                with torch.no_grad():
+                    for rows, mb in micro_batches(batch, torch.arange(len(batch["mask"])), cfg.micro_batch_size):
+                        T = mb["mask"].shape[1]
+                        batch["old_logp"][rows, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
+                                                                     cfg.temperature)[0]
+            # 4) optimizer updates over mini-batches; each sums micro-batch losses with global token weights
+            for u in range(num_updates):
+                rows = torch.arange(u * rows_per_update, (u + 1) * rows_per_update)
+                batch.setdefault("weight", torch.zeros_like(batch["mask"], dtype=torch.float))
+                batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
+                opt.zero_grad(set_to_none=True)
+                for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
+                    T = mb["mask"].shape[1]
+                    logp, entropy = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
+                                                   with_entropy=True)
+                    old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+                    ref_logp = None
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref_logp = token_logprobs(ref_model, mb["input_ids"], mb["attention_mask"], T,
+                                                      cfg.temperature)[0]
+                    loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low,
+                                              cfg.clip_high, cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
+                    loss.backward()
+                    sums["loss"] += loss.item()
+                    sums["entropy"] += (entropy * mb["mask"]).sum().item()
+                    sums["clip_low"] += stats["clip_low"].item()
+                    sums["clip_high"] += stats["clip_high"].item()
+                    sums["tokens"] += mb["mask"].sum().item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                sums["grad_norm"] += grad_norm.item()
+                if torch.isfinite(grad_norm):  # a NaN/inf gradient skips the update instead of poisoning the weights
+                    opt.step()
+                sched.step()
+        # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
+        totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
+        tokens = max(totals["tokens"], 1.0)
+        m.update({"step": step, "train/loss": totals["loss"] / num_updates, "train/entropy": totals["entropy"] / tokens,
+                  "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
+                  "train/grad_norm": sums["grad_norm"] / num_updates, "train/lr": sched.get_last_lr()[0],
+                  "time/step_s": time.time() - t0})
+        m.setdefault("daa/amplified_frac", 0.0)
+        logger.log(m)
+        logger.line(format_step(step, cfg.steps, m) + f" | amp {m['daa/amplified_frac']:.2f}")
+        if cfg.sample_every and step % cfg.sample_every == 0 and groups:
+            g = groups[0]
+            for text, r in list(zip(g["texts"], g["reward"]))[:4]:
+                logger.log({"step": step, "prompt": g["prompt"], "answer": g["answer"], "completion": text,
+                            "reward": r}, "samples.jsonl")
+            logger.line(f"sample: {g['prompt']!r} -> {g['texts'][0]!r} (answer {g['answer']}, reward {g['reward'][0]:+.2f})")
+        # 6) evaluation and checkpoints
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+            run_eval(step)
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+            save_checkpoint(cfg.out_dir, step, model, tok, {"optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "rng": rng_state(), "data_position": stream.position,
+                            "step": step})
+    last_eval = run_eval(cfg.steps)
+    if first_eval is not None:
+        print0(f"eval/acc before {first_eval['eval/acc']:.3f} -> after {last_eval['eval/acc']:.3f}")
+    cleanup_dist()
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, presets=PRESETS))

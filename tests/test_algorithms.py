@@ -1,0 +1,176 @@
+"""Formulas against hand-worked values. Run: python -m pytest -q tests/test_algorithms.py"""
+import math
+
+import pytest
+import torch
+
+import common
+from da3po import amplification_factors, daa, monte_carlo_factors
+
+
+def test_grpo_advantages_hand_worked():
+    # [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) = 0.5774 -> +-0.866
+    adv = common.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), eps=0.0)
+    assert torch.allclose(adv, torch.tensor([[0.8660, -0.8660, -0.8660, 0.8660]]), atol=1e-4)
+    # +-1 rewards, one correct of 4: mean -0.5, unbiased std 1 -> [1.5, -0.5, -0.5, -0.5]
+    adv = common.group_advantages(torch.tensor([[1.0, -1.0, -1.0, -1.0]]), eps=0.0)
+    assert torch.allclose(adv, torch.tensor([[1.5, -0.5, -0.5, -0.5]]))
+    # a uniform group gets zero advantage, not NaN
+    assert torch.equal(common.group_advantages(torch.tensor([[1.0, 1.0, 1.0]])), torch.zeros(1, 3))
+    # Dr. GRPO: mean-centred only
+    adv = common.group_advantages(torch.tensor([[1.0, -1.0, -1.0, -1.0]]), std_norm=False)
+    assert torch.allclose(adv, torch.tensor([[1.5, -0.5, -0.5, -0.5]]))
+    adv = common.group_advantages(torch.tensor([[2.0, 0.0]]), std_norm=False)
+    assert torch.allclose(adv, torch.tensor([[1.0, -1.0]]))
+
+
+def test_two_level_rewards_give_the_same_advantages():
+    # why DAA must act on advantages: scaling a two-level reward changes nothing after the z-score
+    correct = torch.tensor([[1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    a = common.group_advantages(correct)
+    b = common.group_advantages(2 * correct - 1)
+    c = common.group_advantages(2.0 * correct)
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(a, c, atol=1e-5)
+
+
+def test_daa_touches_only_correct_completions_of_hard_groups():
+    correct = torch.tensor([[1, 0, 0, 0],    # p_hat 0.25 < 0.5: correct one amplified
+                            [1, 1, 0, 0],    # p_hat 0.5 == tau: NOT amplified (strict <)
+                            [1, 1, 1, 0],    # easy group: untouched
+                            [0, 0, 0, 0]], dtype=torch.bool)  # no correct completion: nothing to amplify
+    adv = torch.arange(16, dtype=torch.float).view(4, 4) - 7.5
+    out, amplified = daa(adv, correct, lam=2.0, tau=0.5)
+    expected_mask = torch.zeros(4, 4, dtype=torch.bool)
+    expected_mask[0, 0] = True
+    assert torch.equal(amplified, expected_mask)
+    assert out[0, 0] == 2.0 * adv[0, 0]
+    assert torch.equal(out[~expected_mask], adv[~expected_mask])
+    # tau above 0.5 includes the p_hat = 0.5 group; lam = 1 is the identity
+    out, amplified = daa(adv, correct, lam=3.0, tau=0.6)
+    assert amplified[1].tolist() == [True, True, False, False] and out[1, 1] == 3.0 * adv[1, 1]
+    assert torch.equal(daa(adv, correct, lam=1.0, tau=0.5)[0], adv)
+
+
+def test_amplification_factors_match_the_paper_numbers():
+    for G, p, expected in [(8, 0.1, (1.00, 1.92, 0.52)), (16, 0.1, (1.00, 1.26, 0.79))]:
+        got = amplification_factors(p, G)
+        assert [round(x, 2) for x in got] == list(expected)
+        mc = monte_carlo_factors(p, G, num_groups=100_000)
+        assert all(abs(a - b) < 0.05 for a, b in zip(got, mc)), (got, mc)
+    assert amplification_factors(0.5, 8)[2] == pytest.approx(1.0)
+    assert amplification_factors(0.3, 8)[2] < 1 < amplification_factors(0.7, 8)[2]
+
+
+def test_policy_loss_equals_the_formula_on_a_toy_batch():
+    # 2 sequences x 3 tokens; the last token of sequence 2 is padding
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, -3.0]])
+    old = torch.tensor([[-1.1, -0.2, -2.0], [-0.6, -1.4, -9.0]])
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weights = common.loss_weights(mask, "token-mean", max_new_tokens=3)
+    loss, stats = common.policy_loss(logp, old, adv, weights, clip_low=0.2, clip_high=0.28)
+    expected = 0.0
+    for i in range(2):
+        for t in range(3):
+            if mask[i, t]:
+                r = math.exp(logp[i, t] - old[i, t])
+                expected += max(-adv[i] * r, -adv[i] * min(max(r, 0.8), 1.28)) / 5
+    assert loss.item() == pytest.approx(float(expected), rel=1e-6)
+    # ratios: e^0.1 (ok), e^-0.3=0.74 (A>0, below: not clipped), 1, e^0.4=1.49 (A<0, above: not clipped), e^-0.1
+    assert stats["clip_low"].item() == 0 and stats["clip_high"].item() == 0
+    # seq-mean-token-mean and Dr. GRPO's constant normaliser
+    w = common.loss_weights(mask, "seq-mean-token-mean", 3)
+    assert torch.allclose(w, torch.tensor([[1 / 6, 1 / 6, 1 / 6], [1 / 4, 1 / 4, 0.0]]))
+    w = common.loss_weights(mask, "seq-mean-token-sum-norm", 10)
+    assert torch.allclose(w, mask / 20)
+
+
+def test_policy_loss_clipping_and_gspo_ratio():
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-0.5, 0.0]])  # token 0 ratio e^0.5 = 1.65 > 1.28
+    w = torch.tensor([[0.5, 0.5]])
+    loss, stats = common.policy_loss(logp, old, torch.tensor([1.0]), w, 0.2, 0.28)
+    assert stats["clip_high"].item() == 1
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-0.5)  # clipped token gets no gradient
+    # GSPO: sequence ratio exp(mean log ratio) = e^0.25 = 1.28 shared by both tokens -> inside 1 + 0.3
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    loss, _ = common.policy_loss(logp, old, torch.tensor([1.0]), w, 0.3, 0.3, seq_ratio=True)
+    assert loss.item() == pytest.approx(-math.exp(0.25), rel=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.full((1, 2), -0.5 * math.exp(0.25)))
+    # dual clip caps the loss of a negative advantage at -A * c
+    loss, _ = common.policy_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([-1.0]),
+                                 torch.tensor([[1.0]]), 0.2, 0.28, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(3.0)
+
+
+def test_kl_penalty_is_k3():
+    logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]])
+    loss, _ = common.policy_loss(logp, logp, torch.tensor([0.0]), torch.tensor([[1.0]]), 0.2, 0.2,
+                                 ref_logp=ref, kl_coef=0.5)
+    assert loss.item() == pytest.approx(0.5 * (math.exp(-0.5) + 0.5 - 1), rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_microbatch_split_does_not_change_loss_or_gradient(demo_dir, loss_agg):
+    """One update in one micro-batch vs in uneven micro-batches (sizes 1, 4, 2, 5): same loss, same gradient."""
+    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 8, (12,), generator=g)]
+    completions = [torch.randint(10, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (12,), generator=g)]
+    ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
+    T = mask.shape[1]
+    with torch.no_grad():
+        old = common.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(12, T, generator=g)
+    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old,
+             "advantage": torch.randn(12, generator=g), "weight": common.loss_weights(mask, loss_agg, 10)}
+
+    def run(sizes):
+        model.zero_grad()
+        total, start = 0.0, 0
+        for size in sizes:
+            rows = torch.arange(start, start + size)
+            start += size
+            for _, mb in common.micro_batches(batch, rows, size):
+                logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+                loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
+                loss.backward()
+                total += loss.item()
+        return total, [p.grad.clone() for p in model.parameters()]
+
+    loss_one, grads_one = run([12])
+    loss_many, grads_many = run([1, 4, 2, 5])
+    assert loss_one == pytest.approx(loss_many, rel=1e-5, abs=1e-7)
+    for a, b in zip(grads_one, grads_many):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in grads_one)
+
+
+def test_token_logprobs_match_generate_scores(demo_dir):
+    """The trainer's log-probs of sampled tokens equal the ones generate() sampled from (left padding included)."""
+    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    prompts = [tok("12+3", add_special_tokens=False)["input_ids"], tok("7+456", add_special_tokens=False)["input_ids"]]
+    ids, attn, _ = common.pad_prompt_completion(prompts, [[]] * 2, tok.pad_token_id)
+    ids, attn = ids[:, :-1], attn[:, :-1]
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=5, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, min_new_tokens=5)
+    gen_logp = torch.stack([s.log_softmax(-1) for s in out.logits], 1).gather(-1, out.sequences[:, -5:, None])[..., 0]
+    full_attn = torch.cat([attn, torch.ones(2, 5, dtype=attn.dtype)], 1)
+    logp, entropy = common.token_logprobs(model, out.sequences, full_attn, 5, with_entropy=True)
+    assert torch.allclose(logp, gen_logp, atol=1e-4)
+    assert (entropy >= 0).all()
+
+
+def test_pass_at_k():
+    assert common.pass_at_k(32, 3, 8) == pytest.approx(1 - math.comb(29, 8) / math.comb(32, 8))
+    assert common.pass_at_k(4, 0, 1) == 0.0 and common.pass_at_k(4, 4, 4) == 1.0
+    assert common.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+
+
+def test_overlong_shaping():
+    # L_max 20, buffer 4: penalty starts after 16 tokens, reaches -1 at 20
+    assert common.shaped_reward(True, 16, 20, 4) == 1.0
+    assert common.shaped_reward(True, 18, 20, 4) == pytest.approx(0.5)
+    assert common.shaped_reward(False, 20, 20, 4) == pytest.approx(-2.0)
+    assert common.shaped_reward(True, 20, 20, 0) == 1.0
