@@ -31,6 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our one line per step
 
 # -----------------------------------------------------------------------------------------------------------------
 # 1. Config -> CLI
@@ -258,8 +261,6 @@ def warm_start(model, tok, problems: list[dict], steps: int, batch_size: int = 6
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
     """Load a causal LM and its tokenizer from a local Hugging Face folder or a hub id (left padding for generation)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # our own line per step is the progress report
     try:
         tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).to(device)

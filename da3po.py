@@ -57,7 +57,7 @@ class Config:
     eval_data: str = "arith"  # same choices; 'arith' uses the held-out split
     out_dir: str = "out/da3po"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
-    steps: int = 40  # RL steps (one rollout batch each)
+    steps: int = 60  # RL steps (one rollout batch each)
     device: str = ""  # '' = cuda if available, else cpu
     dtype: str = "float32"  # model weights dtype: float32 | bfloat16
     # rollout
