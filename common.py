@@ -170,6 +170,79 @@ def broadcast_object(obj):
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
+
+def shard_model(model, d: DistInfo, dtype: str = "float32", grad_checkpointing: bool = False,
+                cpu_offload: bool = False):
+    """FSDP2 (`fully_shard`) per decoder layer and at the root under torchrun; the model unchanged in a plain run.
+
+    Weights stay float32 (the optimizer's master copy); with dtype=bfloat16 FSDP gathers them as bf16 for compute
+    and reduces gradients in float32. Gradients are SUMMED over ranks (divide factor 1), because our loss weights
+    already divide by the global token / sequence counts (loss_weights), so no rank-count rescaling is needed."""
+    if grad_checkpointing:  # recompute activations in backward: memory for ~30% more compute
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if not is_dist():
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    units = list(model.model.layers) + [model]  # one all-gather per layer keeps peak memory at about one layer
+    for unit in units:
+        fully_shard(unit, **kw)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no pre-multiplied sum
+    return model
+
+
+def rollout_copy(model, d: DistInfo, dtype: str = "float32"):
+    """The model that generates. In a plain run it is the training model itself. Under FSDP every rank keeps a full,
+    unsharded copy (synced by sync_rollout before each rollout) and generates with no collectives: generating on the
+    sharded module deadlocks when ranks stop at different lengths (notes/cpu-stack.md). Call before shard_model."""
+    if not is_dist():
+        return model
+    import copy
+    return copy.deepcopy(model).to(getattr(torch, dtype)).eval().requires_grad_(False)
+
+
+def sync_rollout(model, rollout_model):
+    """Copy the trainer's current weights into the rollout copy (gathered one tensor at a time; no-op if the same)."""
+    if rollout_model is model:
+        return
+    target = rollout_model.state_dict()
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value  # DTensor shard -> full tensor
+        target[name].copy_(full)
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (over all ranks under FSDP) and return it as a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def local_state(obj):
+    """Optimizer state with every DTensor shard replaced by its local tensor, so it can be torch.save'd per rank."""
+    if isinstance(obj, dict):
+        return {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [local_state(v) for v in obj]
+    return obj.to_local() if hasattr(obj, "to_local") else obj
+
+
+def load_optimizer_state(opt, state: dict):
+    """Inverse of local_state: load, then wrap each state tensor back into the DTensor layout of its parameter."""
+    opt.load_state_dict(state)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import DTensor
+                for k, v in opt.state.get(p, {}).items():
+                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
+                        opt.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements)
+
 # -----------------------------------------------------------------------------------------------------------------
 # 3. Model and tokenizer. `--model demo` builds a tiny Qwen3-style model and a character-level tokenizer in code,
 #    warm-starts it with a short supervised pass on the arith task, saves it with save_pretrained and then loads it
@@ -1931,8 +2004,9 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir: str, step: int, model, tok, rank_state: dict, keep: int = 2):
-    """Write step_<step>/ atomically: the model (rank 0) and one trainer-state file per rank; keep the newest `keep`."""
+def save_checkpoint(out_dir: str, step: int, model, plain_model, tok, rank_state: dict, keep: int = 2):
+    """Write step_<step>/ atomically: the model (rank 0, through `plain_model`, an unsharded module of the same
+    architecture, e.g. the rollout copy) and one trainer-state file per rank; keep the newest `keep` checkpoints."""
     rank = dist.get_rank() if is_dist() else 0
     path = os.path.join(out_dir, f"step_{step:06d}")
     tmp = path + ".tmp"
@@ -1943,7 +2017,7 @@ def save_checkpoint(out_dir: str, step: int, model, tok, rank_state: dict, keep:
         dist.barrier()
     state_dict = full_state_dict(model)
     if rank == 0:
-        model.save_pretrained(tmp, state_dict=state_dict)
+        plain_model.save_pretrained(tmp, state_dict=state_dict)
         tok.save_pretrained(tmp)
     torch.save(rank_state, os.path.join(tmp, f"trainer_rank{rank}.pt"))
     if is_dist():
@@ -1965,5 +2039,8 @@ def latest_checkpoint(out_dir: str) -> str | None:
 
 
 def full_state_dict(model) -> dict:
-    """The full (unsharded) model state dict; a plain state_dict outside FSDP."""
-    return model.state_dict()
+    """The full (unsharded) model state dict, on CPU; under FSDP every rank must call it and rank 0 gets the tensors."""
+    if not is_dist():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

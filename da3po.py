@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (BOXED_INSTRUCTION, Logger, PromptStream, all_reduce_sum, cleanup_dist, config_dict,
-                    demo_model_path, dynamic_sampling, evaluate, format_step, group_advantages, hf_generate,
-                    latest_checkpoint, load_data, load_model, loss_weights, make_batch, micro_batches, parse_config,
-                    policy_loss, print0, rng_state, roll_groups, save_checkpoint, set_rng_state, setup_dist,
+from common import (BOXED_INSTRUCTION, Logger, PromptStream, all_reduce_sum, cleanup_dist, clip_grad_norm,
+                    config_dict, demo_model_path, dynamic_sampling, evaluate, format_step, group_advantages,
+                    hf_generate, latest_checkpoint, load_data, load_model, load_optimizer_state, local_state,
+                    loss_weights, make_batch, micro_batches, parse_config, policy_loss, print0, rng_state,
+                    roll_groups, rollout_copy, save_checkpoint, set_rng_state, setup_dist, shard_model, sync_rollout,
                     token_logprobs)
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -59,7 +60,9 @@ class Config:
     seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
     steps: int = 60  # RL steps (one rollout batch each)
     device: str = ""  # '' = cuda if available, else cpu
-    dtype: str = "float32"  # model weights dtype: float32 | bfloat16
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (weights and optimizer state stay float32)
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
+    cpu_offload: bool = False  # FSDP2: keep sharded parameters and optimizer state on CPU (large models, few GPUs)
     # rollout
     prompts_per_step: int = 32  # groups trained on per step, across all ranks (train batch size in DAPO)
     group_size: int = 8  # G: completions per prompt
@@ -193,17 +196,22 @@ def main(cfg: Config):
            f"({cfg.prompts_per_step * G // world} per rank), {num_updates} optimizer updates per step")
 
     # model, optimizer, data
-    path = demo_model_path(cfg, d) if cfg.model == "demo" else cfg.model
-    model, tok = load_model(path, d.device, cfg.dtype)
-    ref_model = load_model(path, d.device, cfg.dtype)[0].eval() if cfg.kl_coef > 0 else None
+    ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    base = demo_model_path(cfg, d) if cfg.model == "demo" else cfg.model
+    model, tok = load_model(ckpt or base, d.device)  # float32 master weights; --dtype sets the compute dtype
+    policy = rollout_copy(model, d, cfg.dtype)  # what generates: the model itself, or a full copy per rank under FSDP
+    model = shard_model(model, d, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    ref_model = shard_model(load_model(base, d.device)[0].eval().requires_grad_(False), d, cfg.dtype) \
+        if cfg.kl_coef > 0 else None  # the KL anchor is the initial model, also after a resume
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    amp = lambda: torch.autocast(d.device.type, getattr(torch, cfg.dtype), enabled=cfg.dtype != "float32")  # noqa: E731
     train_problems = load_data(cfg.train_data, "train", cfg.seed)
     eval_problems = load_data(cfg.eval_data, "eval", cfg.seed)[:cfg.eval_size or None]
     stream = PromptStream(train_problems, cfg.seed)
 
     def generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p):
-        return hf_generate(model, tok, prompts, cfg.max_new_tokens, temperature, top_p, cfg.rollout_batch_size)
+        return hf_generate(policy, tok, prompts, cfg.max_new_tokens, temperature, top_p, cfg.rollout_batch_size)
 
     def run_eval(step):
         gen = lambda prompts: generate(prompts, cfg.eval_temperature, cfg.eval_top_p)  # noqa: E731
@@ -215,12 +223,9 @@ def main(cfg: Config):
         return metrics
 
     start_step = 0
-    if cfg.resume and (ckpt := latest_checkpoint(cfg.out_dir)):
-        model, tok = load_model(ckpt, d.device, cfg.dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    if ckpt:
         state = torch.load(os.path.join(ckpt, f"trainer_rank{d.rank}.pt"), weights_only=False)
-        opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         stream.position, start_step = state["data_position"], state["step"]
         set_rng_state(state["rng"])
@@ -262,8 +267,9 @@ def main(cfg: Config):
                 with torch.no_grad():
                     for rows, mb in micro_batches(batch, torch.arange(len(batch["mask"])), cfg.micro_batch_size):
                         T = mb["mask"].shape[1]
-                        batch["old_logp"][rows, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
-                                                                     cfg.temperature)[0]
+                        with amp():
+                            batch["old_logp"][rows, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"],
+                                                                         T, cfg.temperature)[0]
             # 4) optimizer updates over mini-batches; each sums micro-batch losses with global token weights
             for u in range(num_updates):
                 rows = torch.arange(u * rows_per_update, (u + 1) * rows_per_update)
@@ -272,14 +278,15 @@ def main(cfg: Config):
                 opt.zero_grad(set_to_none=True)
                 for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
                     T = mb["mask"].shape[1]
-                    logp, entropy = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
-                                                   with_entropy=True)
+                    with amp():
+                        logp, entropy = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
+                                                       cfg.temperature, with_entropy=True)
+                        ref_logp = None
+                        if ref_model is not None:
+                            with torch.no_grad():
+                                ref_logp = token_logprobs(ref_model, mb["input_ids"], mb["attention_mask"], T,
+                                                          cfg.temperature)[0]
                     old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
-                    ref_logp = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref_logp = token_logprobs(ref_model, mb["input_ids"], mb["attention_mask"], T,
-                                                      cfg.temperature)[0]
                     loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low,
                                               cfg.clip_high, cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
                     loss.backward()
@@ -288,11 +295,12 @@ def main(cfg: Config):
                     sums["clip_low"] += stats["clip_low"].item()
                     sums["clip_high"] += stats["clip_high"].item()
                     sums["tokens"] += mb["mask"].sum().item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                grad_norm = clip_grad_norm(model, cfg.grad_clip)
                 sums["grad_norm"] += grad_norm.item()
                 if torch.isfinite(grad_norm):  # a NaN/inf gradient skips the update instead of poisoning the weights
                     opt.step()
                 sched.step()
+            sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
         # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
         totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
         tokens = max(totals["tokens"], 1.0)
@@ -313,7 +321,7 @@ def main(cfg: Config):
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             run_eval(step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-            save_checkpoint(cfg.out_dir, step, model, tok, {"optimizer": opt.state_dict(),
+            save_checkpoint(cfg.out_dir, step, model, policy, tok, {"optimizer": local_state(opt.state_dict()),
                             "scheduler": sched.state_dict(), "rng": rng_state(), "data_position": stream.position,
                             "step": step})
     last_eval = run_eval(cfg.steps)
