@@ -100,6 +100,53 @@ def config_dict(cfg, world_size: int = 1) -> dict:
     return {**asdict(cfg), "_world_size": world_size, "_torch": torch.__version__,
             "_transformers": transformers.__version__, "_git_commit": commit}
 
+def check_config(cfg, world_size: int):
+    """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded."""
+    choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+               "dtype": ("float32", "bfloat16", "float16"), "prompt_template": PROMPT_TEMPLATES,
+               "answer_format": ("boxed", "answer_line", "auto")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
+    for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer"):
+        if getattr(cfg, name) < 0:
+            die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size", "max_new_tokens", "eval_samples",
+                 "max_gen_batches", "rollout_batch_size", "eval_batch_size", "keep_last", "max_bad_updates"):
+        if getattr(cfg, name) < 1:
+            die(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.group_size < 2:
+        die(f"--group_size must be >= 2 (advantages are relative to the group), got {cfg.group_size}")
+    if cfg.prompts_per_step % cfg.mini_batch_size:
+        die(f"--prompts_per_step {cfg.prompts_per_step} is not a multiple of --mini_batch_size {cfg.mini_batch_size}")
+    if cfg.mini_batch_size % world_size:
+        die(f"--mini_batch_size {cfg.mini_batch_size} does not divide over {world_size} ranks")
+    if cfg.overlong_buffer >= cfg.max_new_tokens:
+        die(f"--overlong_buffer {cfg.overlong_buffer} must be below --max_new_tokens {cfg.max_new_tokens}")
+    if cfg.oversample < 1:
+        die(f"--oversample must be >= 1, got {cfg.oversample}")
+    if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
+        die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
+
+
+_STOP = {"signal": None}
+
+
+def handle_stop_signals():
+    """SIGTERM (preemption) or Ctrl-C: finish the current step, checkpoint, exit cleanly. A second Ctrl-C aborts."""
+    def handler(signum, frame):
+        if _STOP["signal"] == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _STOP["signal"] = signum
+        print(f"\nsignal {signal.Signals(signum).name}: stopping after this step (checkpoint first)", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def stop_requested() -> bool:
+    """True on every rank once any rank got a stop signal (ranks must leave the loop together)."""
+    return all_reduce_sum(torch.tensor(float(_STOP["signal"] is not None))).item() > 0
+
 # -----------------------------------------------------------------------------------------------------------------
 # 2. Distributed. A plain `python` run is world size 1 and none of this does anything; under torchrun the process
 #    group is initialised from the environment (NCCL on GPUs, gloo on CPU).
@@ -325,7 +372,7 @@ def warm_start(model, tok, problems: list[dict], steps: int, batch_size: int = 6
     acc = 0.0
     for _ in tqdm(range(steps), desc="demo warm start", leave=False, disable=not sys.stderr.isatty()):
         batch = rng.sample(problems, batch_size)
-        prompts = [tok(format_prompt(tok, p["prompt"], "auto"), add_special_tokens=False)["input_ids"] for p in batch]
+        prompts = [tok(format_prompt(tok, p["prompt"], "none"), add_special_tokens=False)["input_ids"] for p in batch]
         answers = [tok(f"\\boxed{{{p['answer']}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                    for p in batch]
         ids, attn, mask = pad_prompt_completion(prompts, answers, tok.pad_token_id)
@@ -349,7 +396,7 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
         tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).to(device)
     except (OSError, ValueError) as e:  # a missing folder, an unknown hub id, or offline without a cached copy
-        raise SystemExit(f"error: --model {name!r}: cannot load it ({str(e).splitlines()[0]})")
+        die(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]})")
     tok.padding_side = "left"
     if tok.pad_token_id is None:  # many base models ship no pad token; any id works since padding is masked out
         tok.pad_token = tok.eos_token
@@ -394,62 +441,141 @@ def arith_problems(seed: int, eval_per_level: int = 50, train_per_level: int = 4
     return train, evals
 
 
+DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                 "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+                 "Remember to put your answer on its own line after \"Answer:\".")  # DAPO-Math-17k's own wording
+
+
+def die(message: str):
+    """A user error (bad flag, file or data): one line on stderr and exit status 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _field(row: dict, key: str):
+    """row["a"]["b"] for key "a.b"; None when any part is missing."""
+    for part in key.split("."):
+        if not isinstance(row, dict) or part not in row:
+            return None
+        row = row[part]
+    return row
+
+
+def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = "") -> dict:
+    """One problem record from a row of any supported schema (keys tried in order unless given by flag):
+      plain / MATH-500 / AIME / OpenR1-Math-220k   problem | question, answer | final_answer
+      DAPO-Math-17k                                prompt (chat list; the instruction is already in it),
+                                                   reward_model.ground_truth
+      GSM8K                                        question, answer ending in '#### <number>'
+    `where` (file:line) goes into every error message."""
+    if not isinstance(row, dict):
+        die(f"{where}: expected a JSON object per row, got {type(row).__name__}")
+    prompt = _field(row, prompt_key) if prompt_key else next(
+        (row[k] for k in ("problem", "question", "prompt") if row.get(k) not in (None, "", [])), None)
+    answer = _field(row, answer_key) if answer_key else next(
+        (v for k in ("answer", "final_answer", "reward_model.ground_truth", "ground_truth")
+         if (v := _field(row, k)) not in (None, "", [])), None)
+    if prompt in (None, "", []):
+        die(f"{where}: no problem text (looked for {prompt_key or 'problem, question, prompt'}; "
+            f"row keys: {', '.join(sorted(row))}; set --prompt_key)")
+    if answer in (None, "", []):
+        die(f"{where}: no answer (looked for {answer_key or 'answer, final_answer, reward_model.ground_truth'}; "
+            f"row keys: {', '.join(sorted(row))}; set --answer_key)")
+    templated = isinstance(prompt, list)  # chat-format prompt (DAPO-Math-17k): use the user turn as written
+    if templated:
+        prompt = next((m.get("content", "") for m in reversed(prompt) if isinstance(m, dict)
+                       and m.get("role") == "user"), "")
+    if isinstance(answer, list):  # OlympiadBench stores final answers as a list
+        answer = ", ".join(map(str, answer))
+    answer = str(answer)
+    if "####" in answer:  # GSM8K: the final number follows '####'
+        answer = answer.rsplit("####", 1)[1].strip()
+    level = row.get("level", 0)
+    level = int(level) if isinstance(level, int) or (isinstance(level, str) and level.isdigit()) else 0
+    return {"prompt": str(prompt), "answer": answer, "level": level, "templated": templated}
+
+
 def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
-    """Problem/answer rows from a .jsonl, .json or .parquet file; errors name the file and line."""
+    """Problem records from a .jsonl, .json or .parquet file; every error names the file and line (row)."""
     if not os.path.isfile(path):
-        raise SystemExit(f"error: data file {path!r} not found (use 'arith' for the built-in task)")
+        die(f"data file {path!r} not found (use 'arith' for the built-in task)")
     ext = os.path.splitext(path)[1].lower()
-    rows = []
+    problems = []
     if ext == ".jsonl":
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        rows.append((i, json.loads(line)))
+                        row = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise SystemExit(f"error: {path}:{i}: not valid JSON ({e.msg})")
+                        die(f"{path}:{i}: not valid JSON ({e.msg})")
+                    problems.append(problem_from_row(row, f"{path}:{i}", prompt_key, answer_key))
     elif ext == ".json":
         try:
-            data = json.load(open(path, encoding="utf-8"))
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"error: {path}:{e.lineno}: not valid JSON ({e.msg})")
-        rows = list(enumerate(data if isinstance(data, list) else data.get("data", []), 1))
+            die(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
+        rows = data if isinstance(data, list) else data.get("data") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            die(f"{path}: expected a list of rows (or {{\"data\": [...]}})")
+        problems = [problem_from_row(r, f"{path}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
     elif ext == ".parquet":
-        import pyarrow.parquet as pq  # optional dependency, only for parquet files
-        rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
+        try:
+            import pyarrow.parquet as pq  # optional dependency, only for parquet files
+        except ImportError:
+            die(f"{path}: reading parquet needs pyarrow (pip install pyarrow)")
+        problems = [problem_from_row(r, f"{path}: row {i}", prompt_key, answer_key)
+                    for i, r in enumerate(pq.read_table(path).to_pylist(), 1)]
     else:
-        raise SystemExit(f"error: data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
-    problems = []
-    for i, row in rows:
-        pk = prompt_key or next((k for k in ("problem", "question", "prompt") if k in row), None)
-        ak = answer_key or next((k for k in ("answer", "solution", "ground_truth") if k in row), None)
-        if not isinstance(row, dict) or pk not in row or ak not in row:
-            raise SystemExit(f"error: {path}:{i}: row needs a problem field (problem/question/prompt) and an answer "
-                             f"field (answer/solution/ground_truth), got keys {sorted(row) if isinstance(row, dict) else type(row).__name__}")
-        problems.append({"prompt": str(row[pk]), "answer": str(row[ak]), "level": int(row.get("level", 0) or 0)})
+        die(f"data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
     if not problems:
-        raise SystemExit(f"error: data file {path!r} holds no rows")
+        die(f"data file {path!r} holds no rows")
     return problems
 
 
-def load_data(spec: str, split: str, seed: int, prompt_key: str = "", answer_key: str = "") -> list[dict]:
-    """`arith` (the built-in task, split 'train' or 'eval') or a path to a problem/answer file."""
+def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
+    """`arith` (the built-in task, split 'train' or 'eval'), a local .jsonl/.json/.parquet file, or a hub dataset
+    name (`name` or `name:split`) when the optional `datasets` package is installed and the machine is online."""
     if spec == "arith":
         train, evals = arith_problems(seed=0)  # the task itself is fixed; --seed changes the order, not the problems
         return train if split == "train" else evals
-    return load_problems(spec, prompt_key, answer_key)
+    if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
+        return load_problems(spec, prompt_key, answer_key)
+    name, _, hub_split = spec.partition(":")
+    try:
+        import datasets
+    except ImportError:
+        die(f"data {spec!r}: no such file, and loading hub datasets needs `pip install datasets`")
+    try:
+        rows = datasets.load_dataset(name, split=hub_split or "train")
+    except Exception as e:  # datasets raises many types (offline, missing, bad split); the message says which
+        die(f"data {spec!r}: cannot load it from the hub ({str(e).splitlines()[0]})")
+    return [problem_from_row(r, f"{spec}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
 
 
-def format_prompt(tok, problem: str, template: str = "auto", instruction: str = "") -> str:
-    """The text the model sees: the tokenizer's chat template when it has one (or template='chat'), else a plain
-    'Question: ... Answer:' template that asks for the final answer in \\boxed{}."""
-    content = f"{problem}\n{instruction}" if instruction else problem
-    if template == "chat" or (template == "auto" and getattr(tok, "chat_template", None)):
-        return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
-    if template not in ("auto", "plain"):
-        raise SystemExit(f"error: --prompt_template {template!r}: choose auto, chat or plain")
-    return f"Question: {problem}\n{instruction or BOXED_INSTRUCTION}\nAnswer:"
+PROMPT_TEMPLATES = ("auto", "chat", "plain", "dapo", "none")
+
+
+def format_prompt(tok, problem: str, template: str = "chat") -> str:
+    """The text the model sees, by --prompt_template:
+      chat   the problem + "put your final answer within \\boxed{}", in the tokenizer's chat template (if it has one)
+      plain  'Question: ... <boxed request> Answer:' without any chat markup (base models without a chat template)
+      dapo   DAPO-Math-17k's wording (final line 'Answer: ...'), in the chat template if there is one
+      none   the problem text alone, in the chat template if there is one (the demo model; pre-templated rows)
+    ('auto' is resolved by resolve_template before this is called.)"""
+    text = {"chat": f"{problem}\n{BOXED_INSTRUCTION}", "plain": f"Question: {problem}\n{BOXED_INSTRUCTION}\nAnswer:",
+            "dapo": DAPO_TEMPLATE.format(problem=problem), "none": problem}[template]
+    if template != "plain" and getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return text
+
+
+def resolve_template(template: str, model: str, tok) -> str:
+    """'auto': none for the demo model (trained on bare sums), chat when the tokenizer has a chat template, else plain."""
+    if template != "auto":
+        return template
+    return "none" if model == "demo" else "chat" if getattr(tok, "chat_template", None) else "plain"
 
 
 class PromptStream:
@@ -1494,6 +1620,9 @@ def _worker_main(conn, inherited, parent_pid: int):
             return
 
 
+VERIFIER_TIMEOUTS = [0]  # symbolic comparisons cut off at their deadline in this process (logged per step)
+
+
 class _Worker:
     def __init__(self, proc, conn):
         self.proc, self.conn, self.tasks = proc, conn, 0
@@ -1568,6 +1697,7 @@ class _Pool:
                     if now >= deadline:
                         del busy[conn]
                         self._discard(worker)  # hard timeout: result stays False
+                        VERIFIER_TIMEOUTS[0] += 1
         finally:
             for worker, _, _ in busy.values():  # interrupted mid-batch: workers are in an unknown state
                 self._discard(worker)
@@ -1780,7 +1910,7 @@ def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> list[dic
     """G completions for each problem, verified and rewarded. One group = one prompt:
     {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
      "answer", "level", "prompt"}. `generate_fn(prompt_ids_list) -> (completions, truncated)` is the rollout engine."""
-    prompt_ids = [tok(format_prompt(tok, p["prompt"], cfg.prompt_template, cfg.instruction),
+    prompt_ids = [tok(format_prompt(tok, p["prompt"], "none" if p.get("templated") else cfg.prompt_template),
                       add_special_tokens=False)["input_ids"] for p in problems]
     completions, truncated = generate_fn([ids for ids in prompt_ids for _ in range(G)])
     texts = tok.batch_decode(completions, skip_special_tokens=True)
@@ -1947,6 +2077,20 @@ def evaluate(generate_fn, tok, problems: list[dict], cfg, rank: int = 0, world_s
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
     return out
 
+def evaluate_sets(generate_fn, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0, world_size: int = 1) -> dict:
+    """evaluate() on each named eval set: keys eval/<set>/acc, eval/<set>/pass@k, ... per set, and the unprefixed
+    eval/acc, eval/pass@k (the mean over sets) and eval/acc_level<l> (over all sets) for the run's headline."""
+    out, per_set = {}, []
+    for name, problems in eval_sets.items():
+        m = evaluate(generate_fn, tok, problems, cfg, rank, world_size)
+        per_set.append(m)
+        out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in m.items()})
+    for key in per_set[0]:
+        values = [m[key] for m in per_set if key in m]
+        out[key] = sum(values) / len(values)
+    return out
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # 10. Logging: one fixed-format line per step (through tqdm.write, so the bar stays intact) and one JSON record per
 #     step and per evaluation in metrics.jsonl, the source of truth. samples.jsonl holds a few completions now and then.
@@ -1969,6 +2113,15 @@ class Logger:
     def line(self, text: str):
         if self.enabled:
             tqdm.write(text)
+
+
+def log_samples(logger: "Logger", step: int, group: dict, n: int = 4):
+    """A few completions of one group to samples.jsonl, and one of them to the console."""
+    for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
+        logger.log({"step": step, "prompt": group["prompt"], "answer": group["answer"], "completion": text,
+                    "reward": reward}, "samples.jsonl")
+    logger.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} (answer {group['answer']}, "
+                f"reward {group['reward'][0]:+.2f})")
 
 
 def _truncate_jsonl(path: str, last_step: int):

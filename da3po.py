@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (BOXED_INSTRUCTION, Logger, PromptStream, all_reduce_sum, cleanup_dist, clip_grad_norm,
-                    config_dict, demo_model_path, dynamic_sampling, evaluate, format_step, group_advantages,
-                    hf_generate, latest_checkpoint, load_data, load_model, load_optimizer_state, local_state,
-                    loss_weights, make_batch, micro_batches, parse_config, policy_loss, print0, rng_state,
-                    roll_groups, rollout_copy, save_checkpoint, set_rng_state, setup_dist, shard_model, sync_rollout,
+from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, all_reduce_sum, check_config, cleanup_dist,
+                    clip_grad_norm, config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets, format_step,
+                    group_advantages, handle_stop_signals, hf_generate, latest_checkpoint, load_data, load_model,
+                    load_optimizer_state, local_state, log_samples, loss_weights, make_batch, micro_batches,
+                    parse_config, policy_loss, print0, resolve_template, rng_state, roll_groups, rollout_copy,
+                    save_checkpoint, set_rng_state, setup_dist, shard_model, stop_requested, sync_rollout,
                     token_logprobs)
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -73,9 +74,10 @@ class Config:
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
-    prompt_template: str = "auto"  # auto (chat template if the tokenizer has one) | chat | plain
-    instruction: str = "auto"  # appended to each problem; auto = none for the demo model, the \boxed{} request otherwise
+    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, chat if the tokenizer has one)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
+    prompt_key: str = ""  # data field holding the problem ('' = try problem, question, prompt; dots for nested)
+    answer_key: str = ""  # data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)
     # reward (DAPO)
     overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off
     overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
@@ -105,8 +107,10 @@ class Config:
     eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
     eval_batch_size: int = 128  # eval problems per generate call
     sample_every: int = 10  # write a few completions to samples.jsonl every N steps
-    save_every: int = 0  # checkpoint every N steps (and at the end); 0 = only at the end
+    save_every: int = 0  # checkpoint every N steps (and at the end, and on SIGTERM/SIGINT); 0 = only at the end
+    keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
     resume: bool = False  # continue from the latest checkpoint in out_dir
+    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row (each is skipped)
     eval_only: bool = False  # evaluate --model on --eval_data and exit
     theory: bool = False  # print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit
     # built-in demo model
@@ -183,22 +187,27 @@ def main(cfg: Config):
     if cfg.theory:
         return print_theory()
     d = setup_dist(cfg.device)
-    torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     G, world = cfg.group_size, d.world_size
-    assert G > 1, "--group_size must be > 1 (advantages are relative to the group)"
-    assert cfg.prompts_per_step % cfg.mini_batch_size == 0, "--prompts_per_step must be a multiple of --mini_batch_size"
-    assert cfg.mini_batch_size % world == 0, f"--mini_batch_size must divide over {world} ranks"
+    check_config(cfg, world)  # a flag combination that cannot work stops here with exit code 2
+    if not 0 < cfg.tau <= 1:
+        die(f"--tau must be in (0, 1], got {cfg.tau}")
+    if cfg.lam <= 0:
+        die(f"--lam must be > 0, got {cfg.lam}")
     num_updates = cfg.prompts_per_step // cfg.mini_batch_size
     gen_groups = math.ceil(cfg.prompts_per_step * (cfg.oversample if cfg.dynamic_sampling else 1) / world) * world
-    if cfg.instruction == "auto":
-        cfg.instruction = "" if cfg.model == "demo" else BOXED_INSTRUCTION
     print0(f"{cfg.prompts_per_step} groups x {G} = {cfg.prompts_per_step * G} sequences per step "
            f"({cfg.prompts_per_step * G // world} per rank), {num_updates} optimizer updates per step")
 
-    # model, optimizer, data
+    # data first (a bad file fails in a second), then model, optimizer
+    train_problems = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
+    eval_sets = {os.path.splitext(os.path.basename(spec))[0]: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)
+                 [:cfg.eval_size or None] for spec in cfg.eval_data.split(",")}
+    stream = PromptStream(train_problems, cfg.seed)
+    torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     base = demo_model_path(cfg, d) if cfg.model == "demo" else cfg.model
     model, tok = load_model(ckpt or base, d.device)  # float32 master weights; --dtype sets the compute dtype
+    cfg.prompt_template = resolve_template(cfg.prompt_template, cfg.model, tok)
     policy = rollout_copy(model, d, cfg.dtype)  # what generates: the model itself, or a full copy per rank under FSDP
     model = shard_model(model, d, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     ref_model = shard_model(load_model(base, d.device)[0].eval().requires_grad_(False), d, cfg.dtype) \
@@ -206,21 +215,23 @@ def main(cfg: Config):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     amp = lambda: torch.autocast(d.device.type, getattr(torch, cfg.dtype), enabled=cfg.dtype != "float32")  # noqa: E731
-    train_problems = load_data(cfg.train_data, "train", cfg.seed)
-    eval_problems = load_data(cfg.eval_data, "eval", cfg.seed)[:cfg.eval_size or None]
-    stream = PromptStream(train_problems, cfg.seed)
 
     def generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p):
         return hf_generate(policy, tok, prompts, cfg.max_new_tokens, temperature, top_p, cfg.rollout_batch_size)
 
     def run_eval(step):
         gen = lambda prompts: generate(prompts, cfg.eval_temperature, cfg.eval_top_p)  # noqa: E731
-        metrics = {"step": step, **evaluate(gen, tok, eval_problems, cfg, d.rank, world)}
+        metrics = {"step": step, **evaluate_sets(gen, tok, eval_sets, cfg, d.rank, world)}
         logger.log(metrics)
-        levels = " ".join(f"L{k[-1]} {v:.2f}" for k, v in metrics.items() if k.startswith("eval/acc_level"))
+        levels = " ".join(f"L{k[14:]} {v:.2f}" for k, v in metrics.items() if k.startswith("eval/acc_level"))
         logger.line(f"eval step {step}: acc {metrics['eval/acc']:.3f} | pass@{cfg.eval_samples} "
                     f"{metrics.get(f'eval/pass@{cfg.eval_samples}', float('nan')):.3f} | {levels}")
         return metrics
+
+    def save(step):
+        save_checkpoint(cfg.out_dir, step, model, policy, tok, {
+            "optimizer": local_state(opt.state_dict()), "scheduler": sched.state_dict(), "rng": rng_state(),
+            "data_position": stream.position, "step": step}, keep=cfg.keep_last)
 
     start_step = 0
     if ckpt:
@@ -241,25 +252,28 @@ def main(cfg: Config):
         run_eval(start_step)
         return cleanup_dist()
 
+    handle_stop_signals()
     first_eval = run_eval(0) if start_step == 0 else None
+    bad_updates = 0
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
                      disable=not d.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in log files
-        t0 = time.time()
+        t0, timeouts0 = time.time(), VERIFIER_TIMEOUTS[0]
         # 1) roll out G completions per prompt, verify, and keep mixed groups (dynamic sampling)
         roll = lambda problems: roll_groups(generate, tok, problems, cfg, G)  # noqa: E731
         groups, m = dynamic_sampling(stream, roll, cfg.prompts_per_step, gen_groups,
                                      cfg.max_gen_batches if cfg.dynamic_sampling else 1, d.rank, world,
                                      cfg.dynamic_sampling)
-        m["time/rollout_s"] = time.time() - t0
+        m["time/rollout_s"], t1 = time.time() - t0, time.time()
         # 2) GRPO advantages, then DAA on the correct completions of hard groups
-        batch = make_batch(groups, tok.pad_token_id) if groups else None
-        sums = {"loss": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "grad_norm": 0.0, "tokens": 0.0}
-        if batch is not None:
+        sums = {"loss": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "grad_norm": 0.0, "tokens": 0.0,
+                "skipped": 0.0}
+        if groups:  # an all-filtered step (nothing kept) is logged and skipped
+            batch = make_batch(groups, tok.pad_token_id)
             adv = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
             adv, amplified = daa(adv, batch["correct"].view(-1, G), cfg.lam, cfg.tau)
             batch["advantage"] = adv.flatten()  # (B,)
             batch = {k: v.to(d.device) for k, v in batch.items()}
-            m["daa/amplified_frac"] = all_reduce_sum(amplified.float().sum()).item() / (cfg.prompts_per_step * G)
+            m["daa/amplified_frac"] = all_reduce_sum(amplified.float().sum()).item() / (m["train/num_groups"] * G)
             rows_per_update = len(groups) // num_updates * G
             # 3) old log-probs from the trainer; with a single update per step they equal the current ones (on-policy)
             if num_updates > 1:
@@ -271,11 +285,12 @@ def main(cfg: Config):
                             batch["old_logp"][rows, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"],
                                                                          T, cfg.temperature)[0]
             # 4) optimizer updates over mini-batches; each sums micro-batch losses with global token weights
+            batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
             for u in range(num_updates):
                 rows = torch.arange(u * rows_per_update, (u + 1) * rows_per_update)
-                batch.setdefault("weight", torch.zeros_like(batch["mask"], dtype=torch.float))
                 batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
                 opt.zero_grad(set_to_none=True)
+                update_loss = 0.0
                 for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
                     T = mb["mask"].shape[1]
                     with amp():
@@ -290,40 +305,53 @@ def main(cfg: Config):
                     loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low,
                                               cfg.clip_high, cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
                     loss.backward()
-                    sums["loss"] += loss.item()
+                    update_loss += loss.item()
                     sums["entropy"] += (entropy * mb["mask"]).sum().item()
                     sums["clip_low"] += stats["clip_low"].item()
                     sums["clip_high"] += stats["clip_high"].item()
                     sums["tokens"] += mb["mask"].sum().item()
                 grad_norm = clip_grad_norm(model, cfg.grad_clip)
-                sums["grad_norm"] += grad_norm.item()
-                if torch.isfinite(grad_norm):  # a NaN/inf gradient skips the update instead of poisoning the weights
+                finite = all_reduce_sum(torch.tensor(float(math.isfinite(update_loss)))).item() == world
+                if finite and torch.isfinite(grad_norm):  # a NaN/inf skips the update instead of poisoning weights
                     opt.step()
+                    sums["loss"] += update_loss
+                    sums["grad_norm"] += grad_norm.item() / world  # the same global norm on every rank
+                    bad_updates = 0
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    sums["skipped"] += 1.0 / world
+                    bad_updates += 1
+                    print0(f"warning: step {step} update {u}: non-finite loss or gradient; update skipped")
+                    if bad_updates >= cfg.max_bad_updates:
+                        print0(f"error: {bad_updates} non-finite updates in a row (--max_bad_updates); stopping. "
+                               f"Try a lower --lr, --dtype float32, or check the data.")
+                        raise SystemExit(1)
                 sched.step()
+            m["time/update_s"], t2 = time.time() - t1, time.time()
             sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
+            m["time/sync_s"] = time.time() - t2
         # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
         totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
-        tokens = max(totals["tokens"], 1.0)
-        m.update({"step": step, "train/loss": totals["loss"] / num_updates, "train/entropy": totals["entropy"] / tokens,
+        tokens, done = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
+        m.update({"step": step, "train/loss": totals["loss"] / done, "train/entropy": totals["entropy"] / tokens,
                   "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
-                  "train/grad_norm": sums["grad_norm"] / num_updates, "train/lr": sched.get_last_lr()[0],
+                  "train/grad_norm": totals["grad_norm"] / done, "train/skipped_updates": totals["skipped"],
+                  "train/lr": sched.get_last_lr()[0], "verify/timeouts": VERIFIER_TIMEOUTS[0] - timeouts0,
                   "time/step_s": time.time() - t0})
         m.setdefault("daa/amplified_frac", 0.0)
         logger.log(m)
         logger.line(format_step(step, cfg.steps, m) + f" | amp {m['daa/amplified_frac']:.2f}")
         if cfg.sample_every and step % cfg.sample_every == 0 and groups:
-            g = groups[0]
-            for text, r in list(zip(g["texts"], g["reward"]))[:4]:
-                logger.log({"step": step, "prompt": g["prompt"], "answer": g["answer"], "completion": text,
-                            "reward": r}, "samples.jsonl")
-            logger.line(f"sample: {g['prompt']!r} -> {g['texts'][0]!r} (answer {g['answer']}, reward {g['reward'][0]:+.2f})")
-        # 6) evaluation and checkpoints
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+            log_samples(logger, step, groups[0])
+        # 6) evaluation and checkpoints (also on SIGTERM/SIGINT, then a clean exit)
+        stop = stop_requested()
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and not stop:
             run_eval(step)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-            save_checkpoint(cfg.out_dir, step, model, policy, tok, {"optimizer": local_state(opt.state_dict()),
-                            "scheduler": sched.state_dict(), "rng": rng_state(), "data_position": stream.position,
-                            "step": step})
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
+            save(step)
+        if stop:
+            print0(f"stopped at step {step}; continue with --resume")
+            return cleanup_dist()
     last_eval = run_eval(cfg.steps)
     if first_eval is not None:
         print0(f"eval/acc before {first_eval['eval/acc']:.3f} -> after {last_eval['eval/acc']:.3f}")

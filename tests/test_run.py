@@ -28,7 +28,7 @@ def test_demo_model_save_load_round_trip(demo_dir, tmp_path):
 def test_dynamic_sampling_cap_warns_instead_of_hanging(demo_dir, capsys):
     """A task the model always fails: every group is all-wrong, so nothing is kept; the cap ends the step."""
     model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
-    cfg = Config(group_size=4, max_new_tokens=4, instruction="")
+    cfg = Config(group_size=4, max_new_tokens=4, prompt_template="none")
     impossible = [{"prompt": f"{i}+{i}", "answer": "never", "level": 0} for i in range(50)]
     stream = common.PromptStream(impossible, seed=0)
     gen = lambda prompts: common.hf_generate(model, tok, prompts, cfg.max_new_tokens)  # noqa: E731
@@ -65,8 +65,8 @@ def test_da3po_two_steps_writes_metrics(demo_dir, tmp_path):
 
 def test_eval_is_deterministic_for_the_same_weights(demo_dir):
     model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
-    cfg = Config(eval_samples=2, instruction="")
-    problems = common.load_data("arith", "eval", 0)[:24]
+    cfg = Config(eval_samples=2, prompt_template="none")
+    problems = common.load_data("arith", "eval")[:24]
     gen = lambda prompts: common.hf_generate(model, tok, prompts, cfg.max_new_tokens)  # noqa: E731
     torch.manual_seed(1)
     a = common.evaluate(gen, tok, problems, cfg)
