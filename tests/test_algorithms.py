@@ -142,8 +142,8 @@ def test_microbatch_split_does_not_change_loss_or_gradient(demo_dir, loss_agg):
     loss_one, grads_one = run([12])
     loss_many, grads_many = run([1, 4, 2, 5])
     assert loss_one == pytest.approx(loss_many, rel=1e-5, abs=1e-7)
-    for a, b in zip(grads_one, grads_many):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    for a, b in zip(grads_one, grads_many):  # float32 summation order differs between splits: compare at its scale
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max() + 1e-9, ((a - b).abs().max(), a.abs().max())
     assert any(g.abs().sum() > 0 for g in grads_one)
 
 

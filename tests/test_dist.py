@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from conftest import run_script
+from conftest import DEMO_SFT_STEPS, run_script
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
@@ -31,8 +31,8 @@ def test_two_ranks_match_one_process(demo_dir, tmp_path):
 def test_torchrun_da3po_checkpoint_loads_and_resumes(demo_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     out = tmp_path / "run"
-    args = [*TORCHRUN, "da3po.py", "--out_dir", str(out), "--cache_dir", demo_dir[1], "--demo_sft_steps", "20",
-            "--prompts_per_step", "8", "--mini_batch_size", "4", "--eval_size", "8", "--eval_samples", "2",
+    args = [*TORCHRUN, "da3po.py", "--out_dir", str(out), "--cache_dir", demo_dir[1],
+            "--demo_sft_steps", str(DEMO_SFT_STEPS), "--prompts_per_step", "8", "--mini_batch_size", "4", "--eval_size", "8", "--eval_samples", "2",
             "--save_every", "1"]
     r = run_script([*args, "--steps", "1"])
     assert r.returncode == 0, r.stderr[-3000:]

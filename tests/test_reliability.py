@@ -1,0 +1,143 @@
+"""Resume after kill -9, a kill in the middle of a checkpoint, bad input, non-finite updates.
+Run: python -m pytest -q tests/test_reliability.py"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import common
+import da3po
+from conftest import DEMO_SFT_STEPS, ROOT, run_script
+
+SMALL = ["--prompts_per_step", "8", "--mini_batch_size", "4", "--eval_size", "16", "--eval_samples", "2",
+         "--demo_sft_steps", str(DEMO_SFT_STEPS), "--eval_every", "0"]
+
+
+def records(path):
+    """metrics.jsonl without wall-clock fields (the only thing allowed to differ between runs)."""
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in open(path)]
+
+
+def test_kill_9_then_resume_reproduces_the_uninterrupted_run(demo_dir, tmp_path):
+    base = ["da3po.py", "--steps", "6", "--save_every", "3", "--cache_dir", demo_dir[1], *SMALL]
+    r = run_script([*base, "--out_dir", str(tmp_path / "a")])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    out = tmp_path / "b"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, *base, "--out_dir", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (out / "step_000003").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # kill -9: no handler runs, nothing is flushed
+    proc.wait()
+    assert not (out / "step_000006").exists(), "the run finished before the kill; the test would prove nothing"
+    r = run_script([*base, "--out_dir", str(out), "--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    a, b = records(tmp_path / "a" / "metrics.jsonl"), records(out / "metrics.jsonl")
+    assert [x["step"] for x in b] == [x["step"] for x in a]
+    later = lambda rs: [x for x in rs if x["step"] > 3]  # noqa: E731
+    assert later(b) == later(a) and len(later(a)) == 4  # steps 4, 5, 6 and the final evaluation
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {ROOT!r})
+        import common
+        model, tok = common.load_model({demo_dir[0]!r}, torch.device("cpu"))
+        common.save_checkpoint({str(tmp_path)!r}, 1, model, model, tok, {{"step": 1}})
+        torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die while writing the trainer state
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        common.save_checkpoint({str(tmp_path)!r}, 2, model, model, tok, {{"step": 2}})
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == -signal.SIGKILL
+    assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002.tmp"]  # the interrupted write is visible
+    ckpt = common.latest_checkpoint(str(tmp_path))
+    assert ckpt.endswith("step_000001")
+    model, _ = common.load_model(ckpt, torch.device("cpu"))
+    original, _ = common.load_model(demo_dir[0], torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
+    assert torch.load(os.path.join(ckpt, "trainer_rank0.pt"))["step"] == 1
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUTS = [  # (flags, message that must appear); files are created in tmp_path by name
+    (["--train_data", "{tmp}/bad.jsonl"], "bad.jsonl:2: not valid JSON"),
+    (["--train_data", "{tmp}/noanswer.jsonl"], "noanswer.jsonl:1: no answer"),
+    (["--train_data", "{tmp}/empty.jsonl"], "holds no rows"),
+    (["--train_data", "{tmp}/missing.jsonl"], "data file '{tmp}/missing.jsonl' not found"),
+    (["--eval_data", "{tmp}/rows.txt"], "unknown extension '.txt'"),
+    (["--model", "{tmp}/no_such_model"], "--model '{tmp}/no_such_model': cannot load it"),
+    (["--group_size", "1"], "--group_size must be >= 2"),
+    (["--prompts_per_step", "30"], "--prompts_per_step 30 is not a multiple of --mini_batch_size 16"),
+    (["--tau", "0"], "--tau must be in (0, 1]"),
+    (["--tau", "1.5"], "--tau must be in (0, 1]"),
+    (["--lam", "-1"], "--lam must be > 0"),
+    (["--loss_agg", "sum"], "--loss_agg 'sum': choose one of"),
+    (["--overlong_buffer", "12"], "--overlong_buffer 12 must be below --max_new_tokens 12"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS)
+def test_bad_input_stops_with_one_line_and_exit_2(flags, message, tmp_path, capsys):
+    write(tmp_path / "bad.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": \n')
+    write(tmp_path / "noanswer.jsonl", '{"problem": "1+1", "solution": "it is 2"}\n')
+    write(tmp_path / "empty.jsonl", "\n")
+    write(tmp_path / "rows.txt", "1+1 = 2\n")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        da3po.main(common.parse_config(da3po.Config, [*flags, "--out_dir", str(tmp_path / "out")], da3po.PRESETS))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message.format(tmp=tmp_path) in err[0], err
+    assert time.time() - t0 < 30  # "within a few seconds": generous, the machine is shared
+
+
+def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
+    r = run_script(["da3po.py", "--train_data", write(tmp_path / "x.jsonl", "{oops\n"), "--out_dir", str(tmp_path)])
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: {tmp_path}/x.jsonl:1: not valid JSON (Expecting property name enclosed in " \
+                               f"double quotes)"
+
+
+def test_nan_loss_skips_the_update_and_leaves_parameters_unchanged(demo_dir, tmp_path, monkeypatch, capsys):
+    real = common.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(da3po, "policy_loss", nan_loss)
+    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--cache_dir", demo_dir[1],
+                                             "--max_bad_updates", "100", "--no-dynamic_sampling", *SMALL],
+                              da3po.PRESETS)
+    da3po.main(cfg)
+    assert "non-finite loss or gradient; update skipped" in capsys.readouterr().out
+    train = [x for x in records(tmp_path / "metrics.jsonl") if "train/loss" in x]
+    assert [x["train/skipped_updates"] for x in train] == [2.0, 2.0]
+    trained, _ = common.load_model(str(tmp_path / "step_000002"), torch.device("cpu"))
+    original, _ = common.load_model(demo_dir[0], torch.device("cpu"))
+    for (name, a), b in zip(trained.state_dict().items(), original.state_dict().values()):
+        assert torch.equal(a, b), name
+    # and when it keeps happening, the run stops with a clear message instead of training on garbage
+    cfg.max_bad_updates, cfg.out_dir = 3, str(tmp_path / "stop")
+    with pytest.raises(SystemExit) as e:
+        da3po.main(cfg)
+    assert e.value.code == 1 and "3 non-finite updates in a row" in capsys.readouterr().out
