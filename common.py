@@ -1667,9 +1667,11 @@ class _Pool:
         else:
             self.idle.append(worker)
 
-    def run(self, tasks: list[tuple[str, str]], timeout: float, parallel: int) -> list[bool]:
-        """Evaluate tasks on up to `parallel` workers; each task gets `timeout` seconds from its dispatch."""
-        results = [False] * len(tasks)
+    def run(self, tasks: list[tuple[str, str]], timeout: float, parallel: int) -> list[bool | None]:
+        """Evaluate tasks on up to `parallel` workers; each task gets `timeout` seconds from its dispatch.
+        None = no answer (deadline passed or worker died): counts as not equal, but is not cached, since a loaded
+        machine can push a legitimate comparison past its deadline once."""
+        results: list[bool | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
         busy = {}  # conn -> (worker, task index, deadline)
         try:
@@ -1793,11 +1795,12 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int) ->
             with _POOL_LOCK:
                 out = _get_pool(num_workers).run(keys, timeout, min(num_workers, len(keys)))
         except Exception:
-            out = [False] * len(keys)  # e.g. fork unavailable: fail closed rather than raise
+            out = [None] * len(keys)  # e.g. fork unavailable: fail closed (False, uncached) rather than raise
         for key, value in zip(keys, out):
-            _cache_put(key, value)
+            if value is not None:
+                _cache_put(key, value)
             for i in todo[key]:
-                results[i] = value
+                results[i] = bool(value)
     return results
 
 
