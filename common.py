@@ -571,11 +571,13 @@ def format_prompt(tok, problem: str, template: str = "chat") -> str:
     return text
 
 
-def resolve_template(template: str, model: str, tok) -> str:
-    """'auto': none for the demo model (trained on bare sums), chat when the tokenizer has a chat template, else plain."""
+def resolve_template(template: str, tok) -> str:
+    """'auto': none for the demo model and its checkpoints (trained on bare sums; recognised by its chat template),
+    chat when the tokenizer has a chat template, else plain."""
     if template != "auto":
         return template
-    return "none" if model == "demo" else "chat" if getattr(tok, "chat_template", None) else "plain"
+    chat = getattr(tok, "chat_template", None)
+    return "none" if chat == DEMO_CHAT_TEMPLATE else "chat" if chat else "plain"
 
 
 class PromptStream:
@@ -2116,6 +2118,19 @@ class Logger:
     def line(self, text: str):
         if self.enabled:
             tqdm.write(text)
+
+
+def format_eval(step: int, metrics: dict, set_names: list[str]) -> list[str]:
+    """Printed lines of an evaluation: avg@k, pass@1..k and per-level accuracy, one line per eval set."""
+    lines = []
+    for name in set_names:
+        prefix = f"eval/{name}/"
+        m = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+        passes = " | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("pass@"))
+        levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in m.items() if k.startswith("acc_level") and k != "acc_level0")
+        label = f" [{name}]" if len(set_names) > 1 else ""
+        lines.append(f"eval step {step}{label}: acc {m['acc']:.3f} | {passes}" + (f" | {levels}" if levels else ""))
+    return lines
 
 
 def log_samples(logger: "Logger", step: int, group: dict, n: int = 4):

@@ -38,7 +38,8 @@ import torch
 from tqdm import tqdm
 
 from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, all_reduce_sum, check_config, cleanup_dist,
-                    clip_grad_norm, config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets, format_step,
+                    clip_grad_norm, config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets, format_eval,
+                    format_step,
                     group_advantages, handle_stop_signals, hf_generate, latest_checkpoint, load_data, load_model,
                     load_optimizer_state, local_state, log_samples, loss_weights, make_batch, micro_batches,
                     parse_config, policy_loss, print0, resolve_template, rng_state, roll_groups, rollout_copy,
@@ -207,7 +208,7 @@ def main(cfg: Config):
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     base = demo_model_path(cfg, d) if cfg.model == "demo" else cfg.model
     model, tok = load_model(ckpt or base, d.device)  # float32 master weights; --dtype sets the compute dtype
-    cfg.prompt_template = resolve_template(cfg.prompt_template, cfg.model, tok)
+    cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     policy = rollout_copy(model, d, cfg.dtype)  # what generates: the model itself, or a full copy per rank under FSDP
     model = shard_model(model, d, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     ref_model = shard_model(load_model(base, d.device)[0].eval().requires_grad_(False), d, cfg.dtype) \
@@ -223,9 +224,8 @@ def main(cfg: Config):
         gen = lambda prompts: generate(prompts, cfg.eval_temperature, cfg.eval_top_p)  # noqa: E731
         metrics = {"step": step, **evaluate_sets(gen, tok, eval_sets, cfg, d.rank, world)}
         logger.log(metrics)
-        levels = " ".join(f"L{k[14:]} {v:.2f}" for k, v in metrics.items() if k.startswith("eval/acc_level"))
-        logger.line(f"eval step {step}: acc {metrics['eval/acc']:.3f} | pass@{cfg.eval_samples} "
-                    f"{metrics.get(f'eval/pass@{cfg.eval_samples}', float('nan')):.3f} | {levels}")
+        for line in format_eval(step, metrics, list(eval_sets)):
+            logger.line(line)
         return metrics
 
     def save(step):
