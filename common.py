@@ -200,6 +200,14 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks (a copy; identity in a single process)."""
+    x = x.detach().clone().float()
+    if is_dist():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def all_gather_list(items: list) -> list:
     """Concatenate a picklable list from every rank, in rank order (identity in a single process)."""
     if not is_dist():
@@ -1932,12 +1940,14 @@ def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> list[dic
 
 
 def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_groups: int, max_gen_batches: int,
-                     rank: int = 0, world_size: int = 1, enabled: bool = True) -> tuple[list[dict], dict]:
+                     rank: int = 0, world_size: int = 1, enabled: bool = True, on_generated=None
+                     ) -> tuple[list[dict], dict]:
     """DAPO dynamic sampling: roll out batches of `gen_groups` fresh prompts (each rank its stride), keep the groups
     whose correctness is mixed (0 < #correct < G, judged on correctness, never the shaped reward), and repeat until
     `num_groups` groups are kept across all ranks or `max_gen_batches` batches were generated. Then truncate to exactly
     `num_groups` and hand each rank its stride. When the cap is hit it warns and returns what was kept (a multiple of
-    the world size, possibly none): it never raises and never loops forever.
+    the world size, possibly none): it never raises and never loops forever. `on_generated(groups)`, if given, sees
+    every generated batch (all ranks' groups, kept or not), e.g. to keep running pass-rate statistics.
 
     Returns (this rank's kept groups, stats over every group generated on every rank)."""
     kept, generated, n_batches = [], [], 0
@@ -1945,6 +1955,8 @@ def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_group
         groups = all_gather_list(roll_fn(stream.next(gen_groups)[rank::world_size]))  # every rank sees every group
         n_batches += 1
         generated += groups
+        if on_generated is not None:
+            on_generated(groups)
         kept += [g for g in groups if not enabled or 0 < sum(g["correct"]) < len(g["correct"])]
     if len(kept) < num_groups:
         print0(f"warning: dynamic sampling kept {len(kept)}/{num_groups} groups after {n_batches} generation batches "

@@ -19,6 +19,8 @@ Deviations from the paper (each tagged "[dev N]" in the code):
   2) Learning rate, batch sizes and lengths default to the built-in CPU demo, not to the paper's GPU runs; the README
      lists the paper-scale commands.
   3) GRPO and GSPO presets use no KL term (kl_coef=0, as DAPO and GSPO do); `--kl_coef 0.04` restores DeepSeekMath's.
+  4) Our extension, off by default: `--lam adaptive` sets the factor to 1/gamma(p, G) (the paper's stated future
+     work), and `--p_estimate running` estimates p from every sample of the prompt so far, not only the current G.
 
 Run:
   python da3po.py                                                          # built-in demo, CPU or GPU, ~3 min
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, all_reduce_sum, check_config, cleanup_dist,
+from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, all_reduce_max, all_reduce_sum, check_config, cleanup_dist,
                     clip_grad_norm, config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets, format_eval,
                     format_step,
                     group_advantages, handle_stop_signals, hf_generate, latest_checkpoint, load_data, load_model,
@@ -83,8 +85,11 @@ class Config:
     overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off
     overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
     # Direct Advantage Amplification, Eq. (DAA)
-    lam: float = 2.0  # lambda: multiplier of the advantage of correct completions on hard prompts; 1 = off (DAPO)
+    lam: str = "2.0"  # lambda: multiplier of correct completions' advantages on hard prompts; 1 = off (DAPO);
+    #                   'adaptive' = 1/gamma(p, G), the theory's imbalance, capped at lam_max (our extension [dev 4])
     tau: float = 0.5  # hard prompt: group pass rate p_hat < tau (strict) [dev 1]
+    lam_max: float = 4.0  # cap of the adaptive factor; binds for running estimates (p_hat >= 1/G keeps it <= ~1.65)
+    p_estimate: str = "group"  # pass rate used by DAA: group (p_hat of the G samples) | running (per-prompt, all epochs)
     # advantages and loss
     std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
@@ -124,12 +129,12 @@ class Config:
 # Each preset sets the knobs its paper uses; anything given on the command line wins.
 PRESETS = {
     "da3po": {},
-    "dapo": {"lam": 1.0},
-    "grpo": {"lam": 1.0, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
+    "dapo": {"lam": "1"},
+    "grpo": {"lam": "1", "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
-    "dr_grpo": {"lam": 1.0, "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
+    "dr_grpo": {"lam": "1", "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
                 "clip_high": 0.2, "overlong_buffer": 0},
-    "gspo": {"lam": 1.0, "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
+    "gspo": {"lam": "1", "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
              "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "mini_batch_size": 8},  # 4 updates per step
 }
 
@@ -137,16 +142,33 @@ PRESETS = {
 # Algorithm: Direct Advantage Amplification and the theory behind it
 
 
-def daa(advantages: torch.Tensor, correct: torch.Tensor, lam: float, tau: float):
-    """DAA: multiply the (already group-normalised) advantage of correct completions of groups with p_hat < tau by lam.
+def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None):
+    """DAA: multiply the (already group-normalised) advantage of correct completions of groups with p < tau by lam.
 
-    advantages, correct: (N, G). p_hat is the correctness rate, never the shaped reward (with +-1 rewards the mean
-    reward is 2 p_hat - 1). Amplifying rewards instead would do nothing: a two-level reward is invariant under the
-    z-score. No renormalisation afterwards: the amplified groups deliberately stop summing to zero.
+    advantages, correct: (N, G). p (N, 1) is the pass-rate estimate, by default p_hat = #correct / G of the group:
+    the correctness rate, never the shaped reward (with +-1 rewards the mean reward is 2 p_hat - 1). lam is a number
+    or a (N, 1) tensor of per-group factors (adaptive DAA). Amplifying rewards instead would do nothing: a two-level
+    reward is invariant under the z-score. No renormalisation afterwards: amplified groups stop summing to zero.
     Returns (amplified advantages (N, G), which entries were amplified (N, G) bool)."""
-    p_hat = correct.float().mean(-1, keepdim=True)  # (N, 1)
-    amplified = correct & (p_hat < tau)  # (N, G) [dev 1]
+    p = correct.float().mean(-1, keepdim=True) if p is None else p  # (N, 1)
+    amplified = correct & (p < tau)  # (N, G) [dev 1]
     return torch.where(amplified, lam * advantages, advantages), amplified
+
+
+def adaptive_lam(p: torch.Tensor, G: int, lam_max: float) -> torch.Tensor:
+    """[dev 4] Amplification that exactly undoes the dynamic-sampling imbalance: 1/gamma = alpha-/alpha+ =
+    (1 - p^(G-1)) / (1 - (1-p)^(G-1)) (> 1 for p < 0.5), capped at lam_max. Example: G=8, p=1/8 -> 1.65."""
+    p = p.clamp(1e-6, 1 - 1e-6)
+    return ((1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1))).clamp(max=lam_max)
+
+
+def count_passes(counts: dict, groups: list[dict]):
+    """[dev 4] Running per-prompt pass counts over every group generated so far (all epochs, all ranks), for
+    --p_estimate running: more samples than the current G give a less noisy p for DAA."""
+    for g in groups:
+        c = counts.setdefault(f"{g['prompt']}\x00{g['answer']}", [0, 0])
+        c[0] += sum(g["correct"])
+        c[1] += len(g["correct"])
 
 
 def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
@@ -192,8 +214,14 @@ def main(cfg: Config):
     check_config(cfg, world)  # a flag combination that cannot work stops here with exit code 2
     if not 0 < cfg.tau <= 1:
         die(f"--tau must be in (0, 1], got {cfg.tau}")
-    if cfg.lam <= 0:
+    try:
+        lam = "adaptive" if cfg.lam == "adaptive" else float(cfg.lam)
+    except ValueError:
+        die(f"--lam must be a number or 'adaptive', got {cfg.lam!r}")
+    if lam != "adaptive" and lam <= 0:
         die(f"--lam must be > 0, got {cfg.lam}")
+    if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
+        die(f"--p_estimate must be group or running and --lam_max >= 1, got {cfg.p_estimate!r}, {cfg.lam_max}")
     num_updates = cfg.prompts_per_step // cfg.mini_batch_size
     gen_groups = math.ceil(cfg.prompts_per_step * (cfg.oversample if cfg.dynamic_sampling else 1) / world) * world
     print0(f"{cfg.prompts_per_step} groups x {G} = {cfg.prompts_per_step * G} sequences per step "
@@ -231,14 +259,14 @@ def main(cfg: Config):
     def save(step):
         save_checkpoint(cfg.out_dir, step, model, policy, tok, {
             "optimizer": local_state(opt.state_dict()), "scheduler": sched.state_dict(), "rng": rng_state(),
-            "data_position": stream.position, "step": step}, keep=cfg.keep_last)
+            "data_position": stream.position, "step": step, "pass_counts": pass_counts}, keep=cfg.keep_last)
 
-    start_step = 0
+    start_step, pass_counts = 0, {}  # pass_counts: prompt -> [#correct, #samples] for --p_estimate running
     if ckpt:
         state = torch.load(os.path.join(ckpt, f"trainer_rank{d.rank}.pt"), weights_only=False)
         load_optimizer_state(opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        stream.position, start_step = state["data_position"], state["step"]
+        stream.position, start_step, pass_counts = state["data_position"], state["step"], state["pass_counts"]
         set_rng_state(state["rng"])
         print0(f"resumed from {ckpt} (step {start_step})")
     else:
@@ -262,7 +290,8 @@ def main(cfg: Config):
         roll = lambda problems: roll_groups(generate, tok, problems, cfg, G)  # noqa: E731
         groups, m = dynamic_sampling(stream, roll, cfg.prompts_per_step, gen_groups,
                                      cfg.max_gen_batches if cfg.dynamic_sampling else 1, d.rank, world,
-                                     cfg.dynamic_sampling)
+                                     cfg.dynamic_sampling, on_generated=(lambda gs: count_passes(pass_counts, gs))
+                                     if cfg.p_estimate == "running" else None)
         m["time/rollout_s"], t1 = time.time() - t0, time.time()
         # 2) GRPO advantages, then DAA on the correct completions of hard groups
         sums = {"loss": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "grad_norm": 0.0, "tokens": 0.0,
@@ -270,7 +299,17 @@ def main(cfg: Config):
         if groups:  # an all-filtered step (nothing kept) is logged and skipped
             batch = make_batch(groups, tok.pad_token_id)
             adv = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
-            adv, amplified = daa(adv, batch["correct"].view(-1, G), cfg.lam, cfg.tau)
+            correct = batch["correct"].view(-1, G)  # (N, G)
+            p = correct.float().mean(-1, keepdim=True)  # p_hat (N, 1)
+            if cfg.p_estimate == "running":
+                p = torch.tensor([[pass_counts[f"{g['prompt']}\x00{g['answer']}"][0] /
+                                   pass_counts[f"{g['prompt']}\x00{g['answer']}"][1]] for g in groups])
+            factor = adaptive_lam(p, G, cfg.lam_max) if lam == "adaptive" else lam
+            adv, amplified = daa(adv, correct, factor, cfg.tau, p)
+            applied = (factor * torch.ones_like(p)).expand_as(adv)[amplified]  # the factor of each amplified one
+            m["daa/lam_mean"] = all_reduce_sum(applied.sum()).item() / max(1.0, all_reduce_sum(
+                torch.tensor(float(len(applied)))).item())  # over all ranks; 0 when nothing was amplified
+            m["daa/lam_max"] = all_reduce_max(applied.max() if len(applied) else torch.tensor(0.0)).item()
             batch["advantage"] = adv.flatten()  # (B,)
             batch = {k: v.to(d.device) for k, v in batch.items()}
             m["daa/amplified_frac"] = all_reduce_sum(amplified.float().sum()).item() / (m["train/num_groups"] * G)
@@ -338,7 +377,8 @@ def main(cfg: Config):
                   "train/grad_norm": totals["grad_norm"] / done, "train/skipped_updates": totals["skipped"],
                   "train/lr": sched.get_last_lr()[0], "verify/timeouts": VERIFIER_TIMEOUTS[0] - timeouts0,
                   "time/step_s": time.time() - t0})
-        m.setdefault("daa/amplified_frac", 0.0)
+        for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max"):
+            m.setdefault(key, 0.0)
         logger.log(m)
         logger.line(format_step(step, cfg.steps, m) + f" | amp {m['daa/amplified_frac']:.2f}")
         if cfg.sample_every and step % cfg.sample_every == 0 and groups:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import common
+import da3po
 from da3po import amplification_factors, daa, monte_carlo_factors
 
 
@@ -174,3 +175,31 @@ def test_overlong_shaping():
     assert common.shaped_reward(True, 18, 20, 4) == pytest.approx(0.5)
     assert common.shaped_reward(False, 20, 20, 4) == pytest.approx(-2.0)
     assert common.shaped_reward(True, 20, 20, 0) == 1.0
+
+
+def test_adaptive_lam_undoes_the_dynamic_sampling_imbalance():
+    G = 8
+    correct = torch.zeros(3, G, dtype=torch.bool)
+    correct[0, 0] = True                 # p_hat = 1/8
+    correct[1, :4] = True                # p_hat = 1/2 = tau: not amplified
+    correct[2, :6] = True                # p_hat = 3/4: easy
+    p = correct.float().mean(-1, keepdim=True)
+    factor = da3po.adaptive_lam(p, G, lam_max=4.0)
+    alpha_plus, alpha_minus, _ = amplification_factors(1 / 8, G)
+    assert factor[0, 0].item() == pytest.approx(alpha_minus / alpha_plus, rel=1e-5)  # = 1 / gamma
+    adv = common.group_advantages(2 * correct.float() - 1)
+    out, amplified = daa(adv, correct, factor, tau=0.5)
+    assert amplified.sum() == 1 and amplified[0, 0]
+    assert out[0, 0] == pytest.approx(adv[0, 0].item() * alpha_minus / alpha_plus, rel=1e-5)
+    assert torch.equal(out[1:], adv[1:])  # no correct completion with p_hat >= tau is touched
+    # the cap holds where 1/gamma is large: a running estimate p = 0.01 at G = 8 gives 1/gamma = 14.72
+    assert da3po.adaptive_lam(torch.tensor([[0.01]]), 8, lam_max=100.0).item() == pytest.approx(14.72, abs=0.01)
+    assert da3po.adaptive_lam(torch.tensor([[0.01]]), 8, lam_max=4.0).item() == 4.0
+    assert da3po.adaptive_lam(torch.tensor([[0.5]]), 8, lam_max=4.0).item() == pytest.approx(1.0)
+
+
+def test_running_pass_counts():
+    counts = {}
+    da3po.count_passes(counts, [{"prompt": "1+1", "answer": "2", "correct": [True, False]}])
+    da3po.count_passes(counts, [{"prompt": "1+1", "answer": "2", "correct": [True, True, True, False]}])
+    assert counts == {"1+1\x002": [4, 6]}

@@ -9,7 +9,7 @@ def test_flag_forms_and_presets():
     cfg = common.parse_config(Config, ["--lr=1e-5", "--steps", "7", "--no-dynamic_sampling"], PRESETS)
     assert cfg.lr == 1e-5 and cfg.steps == 7 and cfg.dynamic_sampling is False
     cfg = common.parse_config(Config, ["--algo", "dr_grpo"], PRESETS)
-    assert cfg.std_norm is False and cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.lam == 1.0
+    assert cfg.std_norm is False and cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.lam == "1"
     # an explicit flag beats the preset
     cfg = common.parse_config(Config, ["--algo=gspo", "--clip_high", "0.001"], PRESETS)
     assert cfg.seq_ratio is True and cfg.clip_low == 3e-4 and cfg.clip_high == 0.001

@@ -59,7 +59,7 @@ def test_da3po_two_steps_writes_metrics(demo_dir, tmp_path):
         assert 0 <= evals[-1][key] <= 1
     assert any(k.startswith("eval/acc_level") for k in evals[-1])
     cfg = json.load(open(out / "config.json"))
-    assert cfg["steps"] == 2 and cfg["algo"] == "da3po" and cfg["lam"] == 2.0
+    assert cfg["steps"] == 2 and cfg["algo"] == "da3po" and cfg["lam"] == "2.0"
     assert sorted(os.listdir(out / "step_000002"))[:2] == ["chat_template.jinja", "config.json"]
     assert "step    2/2 |" in r.stdout and "eval/acc before" in r.stdout
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
