@@ -51,12 +51,18 @@ hf_logging.disable_progress_bar()  # transformers' load/save bars would interlea
 
 
 def _field_comments(cls) -> dict[str, str]:
-    """Map each dataclass field to the trailing comment on its line, so `--help` shows the same text as the code."""
-    comments = {}
+    """Map each dataclass field to the trailing comment on its line (plus comment lines right below it written as
+    '#   more text', i.e. indented after the '#'), so `--help` shows the same text as the code."""
+    comments, last = {}, None
     for line in inspect.getsource(cls).splitlines():
         m = re.match(r"\s*(\w+)\s*:\s*[\w\[\], |]+\s*=\s*.*?#\s*(.*)$", line)
         if m:
-            comments[m.group(1)] = m.group(2).strip()
+            last = m.group(1)
+            comments[last] = m.group(2).strip()
+        elif last and re.match(r"\s*#\s{2,}\S", line):  # '#   more text' right below continues the comment
+            comments[last] += " " + line.strip().lstrip("#").strip()
+        else:
+            last = None
     return comments
 
 

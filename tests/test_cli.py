@@ -36,4 +36,5 @@ def test_help_documents_every_field(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for name in Config.__dataclass_fields__:
         assert f"--{name}" in out
-    assert "lambda: multiplier of the advantage of correct completions on hard prompts" in out
+    assert "lambda: multiplier of correct completions' advantages on hard prompts" in out
+    assert "'adaptive' = 1/gamma(p, G), the theory's imbalance, capped at lam_max" in out  # continuation line
