@@ -1973,6 +1973,7 @@ def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_group
              "train/acc": sum(flat("correct")) / len(flat("correct")),
              "train/keep_rate": sum(0 < sum(g["correct"]) < len(g["correct"]) for g in generated) / len(generated),
              "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
+             "train/num_completions": len(flat("completions")),
              "train/response_len": sum(map(len, flat("completions"))) / len(flat("completions")),
              "train/truncated_frac": sum(flat("truncated")) / len(flat("truncated"))}
     return kept[rank::world_size], stats
