@@ -315,15 +315,16 @@ def main(cfg: Config):
             batch["advantage"] = adv.flatten()  # (B,)
             batch = {k: v.to(d.device) for k, v in batch.items()}
             rows_per_update = len(groups) // num_updates * G
-            # 3) old log-probs from the trainer; with a single update per step they equal the current ones (on-policy)
-            if num_updates > 1:
-                batch["old_logp"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-                with torch.no_grad():
-                    for rows, mb in micro_batches(batch, torch.arange(len(batch["mask"])), cfg.micro_batch_size):
-                        T = mb["mask"].shape[1]
-                        with amp():
-                            batch["old_logp"][rows, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"],
-                                                                         T, cfg.temperature)[0]
+            # 3) old log-probs from the trainer, before any update. The first mini-batch is trained before the weights
+            #    move, so its old log-probs are the current ones (logp.detach() below): only later mini-batches need a pass
+            batch["old_logp"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
+            with torch.no_grad():
+                later = torch.arange(rows_per_update, len(batch["mask"]))
+                for rows, mb in micro_batches(batch, later, cfg.micro_batch_size):
+                    T = mb["mask"].shape[1]
+                    with amp():
+                        batch["old_logp"][rows, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
+                                                                     cfg.temperature)[0]
             # 4) optimizer updates over mini-batches; each sums micro-batch losses with global per-bin token weights
             batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
             for u in range(num_updates):
@@ -347,7 +348,7 @@ def main(cfg: Config):
                             with torch.no_grad():
                                 ref_logp = token_logprobs(ref_model, mb["input_ids"], mb["attention_mask"], T,
                                                           cfg.temperature)[0]
-                    old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+                    old_logp = logp.detach() if u == 0 else mb["old_logp"]
                     if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights (logged only)
                         sums["logprob_diff"] += ((old_logp - mb["sampling_logp"]).abs() * mb["mask"]).sum().item()
                     weight = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)  # (B, T): w_mu / #tokens of bin mu
