@@ -1,7 +1,6 @@
 """torchrun + FSDP2 on CPU (gloo): the same update as one process, and runs/checkpoints of the real script.
 Run: python -m pytest -q tests/test_dist.py"""
 import json
-import sys
 
 import torch
 
