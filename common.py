@@ -628,6 +628,8 @@ class PromptStream:
 #    answers go through our own tokenizer and parser, which build sympy objects directly, with size limits first and
 #    the symbolic step in a forked worker process that is killed at its deadline. Public: extract_answer,
 #    math_equal, verify_batch, close_verifier_pool; the reward is DAPO's +-1 plus overlong shaping.
+#    Sub-sections: 5a extraction, 5b normalisation and plain numbers, 5c parser, 5d comparison of parsed values,
+#    5e worker pool and public API (shaped_reward, the reward itself, follows 5e).
 
 
 # Decides whether a model's final answer matches the gold answer, for RLVR rewards.
@@ -635,18 +637,28 @@ class PromptStream:
 # cost: normalised string equality, plain-number equality (both inline, microseconds), and finally a
 # symbolic comparison (own LaTeX parser -> sympy objects -> exact/numeric checks) that runs in a worker
 # process with a hard timeout. Model output is untrusted: nothing here calls eval/exec/sympify/parse_expr.
+# A wrong verdict costs one noisy reward, a hang or a crash costs the whole run, so every doubtful path
+# (unparseable, too large, too slow, worker died) answers "not equal" rather than raising or waiting.
 
+# Safety bounds, all checked before sympy sees anything: together they cap what one hostile or degenerate
+# completion can cost (a 1 MB completion, 9^9^9^9, ((((...)))) nesting) at about one worker timeout per pair.
 _EXTRACT_WINDOW = 20_000  # only the tail of a completion is scanned: answers come last, and 1 MB stays cheap
 _MAX_LEN = 1000           # answers longer than this (after extraction) are rejected, never parsed
 _MAX_NEST = 50            # bracket nesting limit; keeps the recursive-descent parser far from RecursionError
 _MAX_EXP = 10_000         # largest exponent magnitude we will ever build (blocks 9^9^9^9, 10^{10^{10}})
 _MAX_BITS = 100_000       # largest integer power we let sympy evaluate (about 30k digits)
+# A decimal was rounded by whoever wrote it (3.1416 for pi is right), so it gets a relative tolerance; integers
+# and fractions are exact, and a tolerance on them would accept 12000023 for 12000024 (they differ by 8e-8).
 _REL_TOL = 1e-4           # relative tolerance, used only when an answer contains a decimal literal
 _CACHE_SIZE = 100_000     # LRU entries keyed by the normalised (pred, gold) pair
 _MAX_TASKS_PER_WORKER = 5000  # recycle workers now and then: sympy caches grow without bound
 
-# ----- answer extraction -----
+# -----------------------------------------------------------------------------------------------------------------
+# 5a. Answer extraction: the last \boxed{...} (or \fbox) of a completion, else its last 'Answer: ...' line.
+#     Python's re cannot match nested braces, so braces are paired by one linear scan (_match_braces) instead;
+#     nothing here backtracks, and a 1 MB completion costs one pass over its last _EXTRACT_WINDOW characters.
 
+# (?![a-zA-Z]) keeps longer macro names out; [\s>*#_]* lets '**Answer:**', '> Answer:' and '## Answer:' match.
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _ANSWER_LINE_RE = re.compile(r"[\s>*#_]*answer\s*:\s*(.*)", re.IGNORECASE)
 
@@ -672,6 +684,8 @@ def _last_boxed(text: str) -> str | None:
     matches = list(_BOX_RE.finditer(text))
     if not matches:
         return None
+    # The last box wins: models box intermediate results too, and the final answer comes last (the rule of
+    # last_boxed_only_string in the MATH benchmark's code, reused by lm-eval and verl). Empty boxes are passed over.
     pairs = _match_braces(text)  # one pass for all candidates keeps this linear even with 1000s of \boxed
     for m in reversed(matches):
         j = m.end()
@@ -702,6 +716,7 @@ def _clean_answer_value(value: str) -> str:
 
 def extract_answer(text: str, answer_format: str = "auto") -> str | None:
     """Return the final answer in `text` (last \\boxed{} and/or last 'Answer:' line), or None."""
+    # Never raises: a reward function that throws on one odd completion would stop a training step.
     try:
         if not isinstance(text, str) or answer_format not in ("boxed", "answer_line", "auto"):
             return None
@@ -710,6 +725,7 @@ def extract_answer(text: str, answer_format: str = "auto") -> str | None:
             boxed = _last_boxed(text)
             if boxed is not None or answer_format == "boxed":
                 return boxed  # a \boxed answer takes priority over any 'Answer:' line
+        # Last line first, for the same reason as the last box: earlier 'Answer:' lines may be drafts.
         for line in reversed(text.splitlines()):
             m = _ANSWER_LINE_RE.match(line)
             if m:
@@ -721,17 +737,26 @@ def extract_answer(text: str, answer_format: str = "auto") -> str | None:
         return None
 
 
-# ----- string normalisation -----
-# Everything here is plain string work on <= 1000 chars with linear regexes (no nested quantifiers).
+# -----------------------------------------------------------------------------------------------------------------
+# 5b. String normalisation and plain-number fast paths. _normalize maps the many spellings of one answer (\dfrac,
+#     90^\circ, '10 cm', a unicode minus) to one string; _quick_check then settles most pairs inline, in
+#     microseconds and without sympy: string, word, clock-time and exact-number equality.
+#     Everything here is plain string work on at most 4 * _MAX_LEN chars (_verify_pairs refuses longer answers) with
+#     linear regexes (no nested quantifiers), so it cannot be made slow by its input.
 
+# Unicode math that models (and some gold files) write, as the LaTeX the parser knows. U+00BA, the ordinal
+# indicator, is a common stand-in for the degree sign.
 _UNICODE = {"\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u00b7": "\\cdot ",
             "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt", "\u2264": "\\le ", "\u2265": "\\ge ",
             "\u2260": "\\ne ", "\u00b1": "\\pm ", "\u222a": "\\cup ", "\u2208": "\\in ", "\u00ba": "\u00b0"}
+# Wrappers whose content is kept: a unit ('\text{cm}'), a word ('\text{odd}') or a choice ('\textbf{(B)}').
 _TEXT_CMDS = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textup|mathrm|mathbf|mathit|mathsf|mathtt"
                         r"|mbox|operatorname|boldsymbol|mathbb|mathcal)\s*\{")
 _TRIG_RE = re.compile(r"\\(?:sin|cos|tan|sec|csc|cot)")
 _DEGREE_RE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|\u00b0")
+# A unit word: two or more letters, maybe a period and a small power (cm^2, sq., meters). One letter is a variable.
 _UNIT_WORD = re.compile(r"[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?")
+# Answers made of words only ('odd', 'Evelyn', 'no solution'): compared as text, never parsed as products.
 _WORDS_RE = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
 
 
@@ -741,7 +766,7 @@ def _unwrap_text_commands(s: str) -> str:
         m = _TEXT_CMDS.search(s)
         if not m:
             break
-        close = _match_braces(s[m.end() - 1:]).get(0)
+        close = _match_braces(s[m.end() - 1:]).get(0)  # offset of the '}' matching the wrapper's '{'
         if close is None:
             break
         inner = s[m.end():m.end() - 1 + close]
@@ -757,6 +782,7 @@ def _strip_units(s: str) -> str:
     k = len(words)
     while k > 1 and _UNIT_WORD.fullmatch(words[k - 1]):
         k -= 1
+    # Only strip when what remains ends in a number or a '}' (\frac{..}{..}): 'no solution' must keep its words.
     if k < len(words) and words[k - 1] and words[k - 1][-1] in "0123456789}":
         return " ".join(words[:k])
     return s
@@ -764,14 +790,16 @@ def _strip_units(s: str) -> str:
 
 def _normalize(s: str) -> str:
     """Canonical string form of an answer: the key for string equality, the cache and the parser input."""
+    # The order matters: units are stripped after whitespace is collapsed, and the spaces they needed go last.
     s = "".join(ch for ch in str(s) if ch >= " " or ch in "\t\n").strip()
     if "\\boxed" in s or "\\fbox" in s:
-        s = _last_boxed(s) or s
+        s = _last_boxed(s) or s  # gold answers sometimes arrive boxed too
     for k, v in _UNICODE.items():
         s = s.replace(k, v)
-    s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")
+    s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")  # currency and math delimiters
     s = re.sub(r"\\(?:left|right)\.", "", s)  # invisible delimiters
     s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle)(?![a-zA-Z])", "", s)
+    # Display-style variants mean the same value: one spelling keeps string equality and the cache key effective.
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
     s = _unwrap_text_commands(s)
@@ -794,8 +822,10 @@ def _normalize(s: str) -> str:
     return s
 
 
-# ----- plain numbers (fast path, no sympy) -----
-
+# Plain numbers, the bulk of RL answers, are settled here without sympy. Values are fractions.Fraction, never
+# float: 0.1 is exactly 1/10 and a 30-digit integer is compared digit by digit. Exponents are at most 4 digits,
+# so 10^exponent stays cheap. Shapes: _NUM_RE 12, -3.5, .5, 1e-3; _SCI_RE 2.5\times10^{3}; _FRAC_RE \frac{3}{4},
+# \frac34; _SLASH_RE 3/4; _MIXED_RE 2\frac{1}{2}, '1 1/2'; _TIME_RE clock times; _SIMPLE_LHS_RE 'x=5', "f'=3".
 _NUM_RE = re.compile(r"([-+]?)(\d+\.?\d*|\.\d+)(?:[eE]([-+]?\d{1,4}))?")
 _SCI_RE = re.compile(r"([-+]?\d*\.?\d+)(?:\\times|\\cdot|\*)10\^\{?([-+]?\d{1,4})\}?")
 _FRAC_RE = re.compile(r"([-+]?)\\frac(?:\{(\d+)\}|(\d))(?:\{(\d+)\}|(\d))")
@@ -809,13 +839,14 @@ def _parse_number(s: str) -> tuple[Fraction, bool, bool] | None:
     """Parse a plain number -> (value, has_decimal_point, is_percent); None if `s` is anything else."""
     pct = s.endswith("%")
     s = s[:-1] if pct else s
+    # Only well-formed groups of three digits are separators, so the list '1,2' never reads as 12.
     if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d{1,3}(?: \d{3})+(?:\.\d+)?", s):
         s = s.replace(",", "").replace(" ", "")  # thousands separators: 7,425,000 / 1 000
     m = _NUM_RE.fullmatch(s) or _SCI_RE.fullmatch(s)
     if m:
         mantissa, exp = (m.group(1) + m.group(2), m.group(3)) if m.re is _NUM_RE else (m.group(1), m.group(2))
         value = Fraction(mantissa) * Fraction(10) ** int(exp or 0)  # exponent <= 4 digits, so this is cheap
-        return value, "." in s or "e-" in s.lower(), pct
+        return value, "." in s or "e-" in s.lower(), pct  # 1e-3 is a decimal too: it gets the tolerance
     m = _FRAC_RE.fullmatch(s)
     if m:
         num, den = int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
@@ -834,7 +865,7 @@ def _parse_number(s: str) -> tuple[Fraction, bool, bool] | None:
 
 def _numbers_match(a: tuple, b: tuple) -> bool:
     """Exact equality for exact numbers; relative _REL_TOL when either side was written as a decimal."""
-    loose = a[1] or b[1]
+    loose = a[1] or b[1]  # why decimals only: see _REL_TOL
     for x in (a[0], a[0] / 100) if a[2] else (a[0],):  # '50%' may mean 50 or 0.5: accept either
         for y in (b[0], b[0] / 100) if b[2] else (b[0],):
             if x == y or (loose and abs(x - y) <= Fraction(_REL_TOL) * max(abs(x), abs(y))):
@@ -855,6 +886,8 @@ def _parse_time(s: str) -> int | None:
 
 def _quick_check(pred: str, gold: str) -> tuple[tuple[str, str], bool | None]:
     """Cheap inline checks. Returns the normalised pair (cache key) and True/False, or None if undecided."""
+    # The key is taken before the left-hand-side stripping below: the symbolic path sees the full strings and
+    # drops labels itself (_unlabel), so cache, pool and this function all agree on one key per pair.
     p, g = _normalize(pred), _normalize(gold)
     key = (p, g)
     if not p or not g:
@@ -862,6 +895,7 @@ def _quick_check(pred: str, gold: str) -> tuple[tuple[str, str], bool | None]:
     if p == g:
         return key, True
     if _WORDS_RE.fullmatch(p) and _WORDS_RE.fullmatch(g) and max(map(len, (p + " " + g).split())) >= 3:
+        # Needs one word of 3+ letters: 'x y' or 'ab' may be a product of variables and still goes to the parser.
         return key, p.lower() == g.lower()  # plain words ('odd', 'Evelyn'): never parse them as products
     tp, tg = _parse_time(p), _parse_time(g)
     if tp is not None and tg is not None:
@@ -874,13 +908,24 @@ def _quick_check(pred: str, gold: str) -> tuple[tuple[str, str], bool | None]:
     np_, ng = _parse_number(p), _parse_number(g)
     if np_ is not None and ng is not None:
         return key, _numbers_match(np_, ng)
-    return key, None
+    return key, None  # undecided: the caller tries the cache, then the worker pool
 
 
-# ----- LaTeX / plain-math parser: tokens -> sympy objects, never eval -----
+# -----------------------------------------------------------------------------------------------------------------
+# 5c. Parser: normalised answer -> tokens -> sympy objects, built by hand. sympify/parse_expr run Python's eval on
+#     their input (sympy's docs warn against using them on unsanitised strings), so they are never called here.
+#     Anything that could explode (powers, factorials, binomials, sums) is size-checked before sympy evaluates it,
+#     and anything not understood raises _ParseError, which every caller reads as "not equal".
+
 
 class _ParseError(Exception):
+    """An answer the parser does not understand or refuses to build; callers turn it into 'not equal'."""
     pass
+
+
+# Non-scalar answers get their own small containers, converted to sympy only when compared (_to_set): sympy's
+# FiniteSet drops duplicates, Interval(2, 1) collapses to EmptySet, Tuple forgets its brackets, and Eq(1, 1)
+# evaluates to True, while a comparison needs to see exactly what was written.
 
 
 class _Tup:
@@ -901,17 +946,22 @@ class _Rel:
         self.parts, self.ops = parts, ops
 
 
+# Tokens: numbers (multi-digit, split later where LaTeX says so: \frac12, x_12), backslash commands, operators and
+# single letters (so 'xy' is x*y). Any other character is a _ParseError: nothing is silently skipped.
 _TOKEN_RE = re.compile(r"\s*(?:(?P<num>\d+\.?\d*|\.\d+)|(?P<cmd>\\[a-zA-Z]+|\\.)"
                        r"|(?P<op>\*\*|<=|>=|!=|==|[-+*/^_=<>()\[\]{},;:|!'&%\u00b0])|(?P<let>[a-zA-Z]))")
+# Spacing and sizing macros, for input that skipped _normalize, and \text / \mathrm left without a brace group.
 _SKIP_CMDS = {"\\,", "\\;", "\\:", "\\!", "\\ ", "\\quad", "\\qquad", "\\left", "\\right", "\\displaystyle",
               "\\limits", "\\mathrm", "\\text"}
 _RELOPS = {"=": "=", "==": "=", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!=", "\\le": "<=",
            "\\leq": "<=", "\\leqslant": "<=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=", "\\lt": "<",
            "\\gt": ">", "\\ne": "!=", "\\neq": "!=", "\\approx": "~", "\\in": "in"}
+# The only callables an answer can reach; any other name becomes a Symbol, never a lookup.
 _FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "sec": sp.sec, "csc": sp.csc, "cot": sp.cot,
           "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan, "sinh": sp.sinh, "cosh": sp.cosh,
           "tanh": sp.tanh, "ln": sp.log, "log": sp.log, "exp": sp.exp, "max": sp.Max, "min": sp.Min,
           "gcd": sp.gcd, "lcm": sp.lcm}
+# \sin^{-1} x is \arcsin x (not 1 / \sin x), while \sin^2 x is (\sin x)^2.
 _INVERSE = {"sin": sp.asin, "cos": sp.acos, "tan": sp.atan}
 _CONSTS = {"pi": sp.pi, "infty": sp.oo, "infin": sp.oo}
 _MATRIX_ENVS = {"matrix", "pmatrix", "bmatrix", "Bmatrix", "vmatrix", "smallmatrix", "array"}
@@ -923,7 +973,7 @@ _NOT_ATOM = {"cdot", "times", "div", "pm", "mp", "cup", "cap", "right", "end", "
 def _tokenize(text: str) -> list[tuple[str, str]]:
     """Split into (kind, text) tokens; kinds are num / cmd / op / let. Unknown characters are an error."""
     tokens, pos = [], 0
-    text = text.rstrip()
+    text = text.rstrip()  # each match needs a token after its spaces, so trailing spaces would be an error
     while pos < len(text):
         m = _TOKEN_RE.match(text, pos)
         if not m:
@@ -933,7 +983,7 @@ def _tokenize(text: str) -> list[tuple[str, str]]:
         tok = m.group(kind)
         if tok in _SKIP_CMDS:
             continue
-        tokens.append((kind, {"**": "^", "==": "="}.get(tok, tok)))
+        tokens.append((kind, {"**": "^", "==": "="}.get(tok, tok)))  # plain-text spellings of ^ and =
     return tokens
 
 
@@ -946,6 +996,7 @@ def _arith(a, b, op: str):
     """a op b on sympy values; tuples/sets/relations inside arithmetic make the answer unparseable."""
     if not (_is_value(a) and _is_value(b)):
         raise _ParseError("arithmetic on a non-number")
+    # sympy raises many types here (TypeError, ShapeError for matrices, ...): one exception keeps the rule simple.
     try:
         return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[op]()
     except Exception as e:
@@ -954,12 +1005,15 @@ def _arith(a, b, op: str):
 
 def _power(base, exp):
     """base^exp, refusing anything whose evaluation could explode (huge exponents, huge integer powers)."""
+    # sympy evaluates Integer**Integer eagerly: 9^{9^9} alone would build a number of about 370 million digits.
+    # The pool's deadline would end that worker, but refusing here costs nothing and never allocates the memory.
     if not (_is_value(base) and isinstance(exp, sp.Expr)):
         raise _ParseError("bad power")
     if exp.is_Number:
         if abs(exp) > _MAX_EXP:
             raise _ParseError("exponent too large")
         if base.is_Rational and abs(base) not in (0, 1):  # estimate the size of the exact result first
+            # an upper bound on the bits of base^exp, without computing it: 3^100 is put at 200 bits (really 159)
             bits = max(int(base.p).bit_length(), int(base.q).bit_length()) * float(abs(exp))
             if bits > _MAX_BITS:
                 raise _ParseError("power too large")
@@ -972,6 +1026,25 @@ def _power(base, exp):
         raise _ParseError(str(e))
 
 
+# Grammar of _Parser, lowest precedence first ({x}: zero or more, [x]: optional). One method per rule.
+#   groups   := list {';' list}                                  'p=5,q=2;p=7,q=2': a list of tuples
+#   list     := relation {',' relation} [',']                    an unordered answer list
+#   relation := union {RELOP union}                              =, <, \le, \ne, \approx, \in; chains allowed
+#   union    := additive {'\cup' additive}
+#   additive := term {('+' | '-') term}
+#   term     := unary {('*' | \cdot | \times | '/' | \div | ':') unary | power}   a bare power: implicit product
+#   unary    := ('-' | '+') unary | power                        so -x^2 is -(x^2)
+#   power    := postfix ['^' exponent];   exponent := '-' exponent | power       (right-associative)
+#   postfix  := atom {'!' | '%' | '°' | "'"}
+#   atom     := number | letter ['_' group] | ('(' | '[') relation {',' relation} (')' | ']')
+#             | '{' groups '}' | '|' additive '|' | command
+#   command  := \frac arg arg | \sqrt ['[' additive ']'] arg | \binom arg arg | \{ relation {',' relation} \}
+#             | FUNC ['_' arg] ['^' arg] (bracket | arg | product)      \sin^2 x, \log_2 8, \max(a, b)
+#             | (\sum | \prod) '_{' letter '=' additive '}^' arg product   kept unevaluated
+#             | \begin{env} cells \end{env} | \lfloor additive \rfloor | \lceil ... | \lvert additive \rvert
+#             | \emptyset | \pi | \infty | any other name (\alpha, \angle): a Symbol
+# Every rule returns a sympy object or one of the containers above; arithmetic on containers is a _ParseError.
+# Implicit products read left to right, like the explicit ones: 1/2x is (1/2)x.
 class _Parser:
     """Recursive descent / precedence climbing over the token list. Lowest to highest precedence:
     ';' groups, ',' lists, relations, \\cup, + -, * / implicit-multiplication, unary -, ^, postfix ! % '."""
@@ -1097,13 +1170,14 @@ class _Parser:
             t = self.peek()[1]
             if t == "!":
                 self.take()
+                # 1000! has 2568 digits; larger factorials are refused, a symbolic n! is kept unevaluated
                 if not isinstance(value, sp.Expr) or (value.is_Integer and not 0 <= value <= 1000):
                     raise _ParseError("bad factorial")
                 value = sp.factorial(value)
-            elif t == "%":
+            elif t == "%":  # an inner percent; a trailing one is stripped by _parse_answer, which tries both readings
                 self.take()
                 value = _arith(value, sp.Integer(100), "/")
-            elif t == "\u00b0":
+            elif t == "\u00b0":  # degrees survive _normalize only beside trig functions, which take radians
                 self.take()
                 value = _arith(value, sp.pi / 180, "*")
             elif t == "'" and isinstance(value, sp.Symbol):
@@ -1130,7 +1204,7 @@ class _Parser:
             return self.symbol(text)
         if text in ("(", "["):
             return self.bracket(text)
-        if text == "{":
+        if text == "{":  # a LaTeX group; with commas inside, '{1, 2}' is read as a set
             value = self.groups()
             self.expect("}")
             return _Coll("set", value.items) if isinstance(value, _Coll) and value.kind == "list" else value
@@ -1151,6 +1225,7 @@ class _Parser:
         """A letter or Greek command, with subscript; e is Euler's number, i the imaginary unit."""
         if self.accept("_"):  # subscripts become part of the name: v_0, v_{0} and F_{n-k-1} are symbols
             return sp.Symbol(name + "_" + self.raw_group())
+        # The usual answer convention: a bare e or i in a final answer is almost never a variable.
         return {"e": sp.E, "i": sp.I}.get(name) or sp.Symbol(name)
 
     def raw_group(self) -> str:
@@ -1194,6 +1269,8 @@ class _Parser:
         close = self.take()[1]
         if close not in (")", "]"):
             raise _ParseError("unclosed bracket")
+        # Two or more items stay a _Tup: '(1, 2)' is a point or an open interval, and only the comparison (_equal
+        # against a tuple, _to_set against an interval) decides which reading applies.
         if len(items) == 1:
             if open_ + close in ("()", "[]"):
                 return items[0]  # plain grouping
@@ -1220,9 +1297,11 @@ class _Parser:
                 index = self.additive()
                 self.expect("]")
             x = self.arg()
+            # \sqrt[n]{x} is x^(1/n), built through _power so the same size checks apply
             return _power(x, sp.Integer(1) / 2 if index is None else _arith(sp.Integer(1), index, "/"))
         if name == "binom":
             n, k = self.arg(), self.arg()
+            # C(10^4, k) has at most ~3000 digits; larger n could make sympy build huge integers
             if not (isinstance(n, sp.Expr) and isinstance(k, sp.Expr)) or (n.is_Number and abs(n) > 10_000):
                 raise _ParseError("bad binomial")
             return sp.binomial(n, k)
@@ -1276,7 +1355,7 @@ class _Parser:
         if not all(isinstance(a, sp.Expr) for a in args + [base if base is not None else sp.S.One]):
             raise _ParseError("bad function argument")
         func = _FUNCS[name]
-        if power == -1 and name in _INVERSE:
+        if power == -1 and name in _INVERSE:  # \sin^{-1} x means \arcsin x, not 1 / \sin x
             func, power = _INVERSE[name], None
         try:
             value = sp.log(args[0], base) if base is not None else func(*args)
@@ -1342,6 +1421,9 @@ class _Parser:
 
 def _parse_answer(s: str) -> tuple[list, bool]:
     """Parse a normalised answer into candidate values ('50%' -> [50, 1/2]; '1 \\pm 2' -> [[3, -1]])."""
+    # Size limits come before tokenizing: the parser recurses about 9 Python frames per bracket level, so 50 levels
+    # use ~470 of the default limit of 1000. Deep unbracketed chains ('- - - x', 'x^x^x^...') can still raise
+    # RecursionError, which the except below turns into "unparseable".
     depth = max_depth = 0
     for ch in s:
         depth += (ch in "([{") - (ch in ")]}")
@@ -1351,6 +1433,8 @@ def _parse_answer(s: str) -> tuple[list, bool]:
     pct = s.endswith("%")
     body = s[:-1] if pct else s
     try:
+        # One \pm gives two values, kept as an unordered list: '1 \pm 2' equals '3, -1'. Two or more are not
+        # expanded (their signs may be coupled), so such an answer is parsed as written, which fails: \pm is no atom.
         for pm in ("\\pm", "\\mp"):
             if body.count(pm) == 1 and body.count("\\pm") + body.count("\\mp") == 1:
                 first, second = _Parser(body.replace(pm, "+")), _Parser(body.replace(pm, "-"))
@@ -1359,14 +1443,21 @@ def _parse_answer(s: str) -> tuple[list, bool]:
         parser = _Parser(body)
         value = parser.parse()
         values = [value]
-        if pct and isinstance(value, sp.Expr):
+        if pct and isinstance(value, sp.Expr):  # gold files disagree on whether 50% means 50 or 1/2: accept both
             values.append(value / 100)
         return values, parser.inexact
     except Exception:  # _ParseError, RecursionError, anything sympy throws: unparseable means not equal
         return [], False
 
 
-# ----- comparison of parsed values -----
+# -----------------------------------------------------------------------------------------------------------------
+# 5d. Comparison of parsed values: structural equality, then exact or high-precision numeric evaluation, then
+#     agreement at sample points, and sympy.simplify only as the slow last resort. Tuples keep their order, answer
+#     lists are multisets, equations match up to a constant factor, intervals and inequalities compare as sets.
+
+# Sample points are fixed (seeded), so one pair always gets one verdict: in every worker, every run, and the cache.
+# Positive values in (0.3, 2.7) stay clear of branch cuts (sqrt, log) and of 0 and 1, where x^2 = x and 1/x = x.
+
 
 def _points(symbols) -> list[dict]:
     """Four deterministic sample points with a distinct positive value per symbol (positive avoids branch cuts)."""
@@ -1386,7 +1477,7 @@ def _evalf(expr, point=None):
         if not value.is_number:
             return None
         re_, im_ = (sp.Float(x, 50) for x in value.as_real_imag())
-        c = mpmath.mpc(re_._to_mpmath(170), im_._to_mpmath(170))
+        c = mpmath.mpc(re_._to_mpmath(170), im_._to_mpmath(170))  # 170 bits: the 50 digits evaluated above
         return c if mpmath.isfinite(c) else None
     except Exception:
         return None
@@ -1410,12 +1501,16 @@ def _equal_expr(a, b, loose: bool) -> bool:
         return False  # symbolic sums only match structurally: evaluating or simplifying them is slow
     # Numeric evaluation before simplify(): it is fast, it proves non-equality at once, and agreement at
     # several random points is overwhelming evidence of identity. simplify() is the slow last resort.
+    # Tolerances: 1e-25 at 50 digits for constants (equal closed forms such as sqrt(2)/2 and 1/sqrt(2) differ
+    # only by rounding, distinct contest answers by far more), 1e-9 at 30 digits at sample points; _REL_TOL if loose.
     free = a.free_symbols | b.free_symbols
     if not free:
         va, vb = _evalf(a), _evalf(b)
         if va is not None and vb is not None:
             return _close(va, vb, _REL_TOL if loose else 1e-25)
     else:
+        # One agreeing point could be a root of a - b by chance; two are required, and any disagreement vetoes.
+        # Points where a side is undefined (log of a negative, 1/0) are skipped, hence four points for two.
         agree = 0
         for point in _points(free):
             va, vb = _evalf(a, point), _evalf(b, point)
@@ -1437,6 +1532,8 @@ def _equal_expr(a, b, loose: bool) -> bool:
         return False
 
 
+# Labels: models write 'x = 5', 'f(x) = 2x + 1' or 'AB = 3' where the gold answer is '5'. A left-hand side
+# that only names the answer (symbols, products and ratios of symbols, |AB|) is dropped; '2x = 5' stays an equation.
 def _is_label(v) -> bool:
     """Is `v` a name for the answer rather than part of it: x, f(x), |AB|, NO/BO, A:B, (p,q)?"""
     if isinstance(v, _Tup):
@@ -1476,6 +1573,10 @@ def _canon_relation(r: _Rel):
     return (lhs, rhs, op) if op in ("<", "<=", "=", "!=") else None
 
 
+# Two equations (or inequalities) agree when lhs - rhs of one is a constant multiple of the other's, which covers
+# the usual rewritings (moving terms across, scaling, 'y = mx + c' vs 'ax + by + c = 0'). The factor is estimated
+# at the best-conditioned sample point and checked at all the others; for < and <= it must be positive, because
+# multiplying by a negative number flips an inequality.
 def _equal_relations(a: _Rel, b: _Rel, loose: bool) -> bool:
     """Same relation up to a constant factor: 2x+4y-3=0 ~ y=-x/2+3/4 (any factor), -x > -1 ~ x < 1 (positive)."""
     ca, cb = _canon_relation(a), _canon_relation(b)
@@ -1505,6 +1606,8 @@ def _equal_relations(a: _Rel, b: _Rel, loose: bool) -> bool:
     return ca[2] in ("=", "!=") or (abs(mpmath.im(ratio)) < 1e-9 and mpmath.re(ratio) > 0)
 
 
+# Relations with one free variable are solved over the reals (solveset, imported at the top of the file so a
+# forked worker never imports), so 'x \ge 2' equals '[2, \infty)' and 'x^2 < 1' equals '(-1, 1)'.
 _SYMPY_REL = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "=": sp.Eq, "!=": sp.Ne}
 
 
@@ -1550,6 +1653,7 @@ def _equal_sets(a, b) -> bool:
     if sa is None or sb is None:
         return False
     try:
+        # == is structural; the two complements also catch one set written in two different forms
         return sa == sb or bool(sp.Complement(sa, sb).is_empty and sp.Complement(sb, sa).is_empty)
     except Exception:
         return False
@@ -1559,6 +1663,7 @@ def _unordered_equal(xs: list, ys: list, loose: bool) -> bool:
     """Multiset equality under _equal (so [a, a] != [a, b])."""
     if len(xs) != len(ys):
         return False
+    # Greedy matching is exact while _equal is transitive, which holds up to the tolerance; lists are short.
     unused = list(ys)
     for x in xs:
         for j, y in enumerate(unused):
@@ -1573,6 +1678,7 @@ def _unordered_equal(xs: list, ys: list, loose: bool) -> bool:
 def _equal(a, b, loose: bool) -> bool:
     """Equality of two parsed values of any kind (expression, matrix, tuple, collection, relation)."""
     if isinstance(a, _Rel) or isinstance(b, _Rel):
+        # Recurse only if a label was actually dropped, otherwise this would call itself with the same pair.
         ua, ub = _unlabel(a), _unlabel(b)
         if ua is not None and ub is not None and (ua is not a or ub is not b) and _equal(ua, ub, loose):
             return True
@@ -1590,6 +1696,7 @@ def _equal(a, b, loose: bool) -> bool:
         return ((a.open, a.close, len(a.items)) == (b.open, b.close, len(b.items))
                 and all(_equal(x, y, loose) for x, y in zip(a.items, b.items)))
     if isinstance(a, _Coll) and isinstance(b, _Coll):
+        # '1, 2' and '\{1, 2\}' mean the same answer; a union only matches another union here
         if a.kind == b.kind or {a.kind, b.kind} == {"list", "set"}:
             return _unordered_equal(a.items, b.items, loose)
     return False
@@ -1599,11 +1706,15 @@ def _symbolic_equal(pred: str, gold: str) -> bool:
     """Full comparison of two normalised answers. Can be slow: always run it under a hard timeout."""
     pred_values, pred_inexact = _parse_answer(pred)
     gold_values, gold_inexact = _parse_answer(gold)
-    loose = pred_inexact or gold_inexact
+    loose = pred_inexact or gold_inexact  # one decimal on either side loosens the pair (see _REL_TOL)
     return any(_equal(p, g, loose) for p in pred_values for g in gold_values)
 
 
-# ----- worker pool with hard timeouts -----
+# -----------------------------------------------------------------------------------------------------------------
+# 5e. Worker pool with hard deadlines, and the public API. The symbolic step (5c-5d) runs in forked workers that
+#     are SIGKILLed at their deadline; extraction, normalisation, plain-number checks and an LRU cache of verdicts
+#     run inline in the caller. Public: extract_answer (5a), math_equal, verify_batch, close_verifier_pool.
+
 # Why fork: the host module (common.py) imports torch at the top, so 'spawn'/'forkserver' workers would
 # re-import it (~2 s each, and again for every replacement of a killed worker). A forked worker already
 # has sympy and this code in memory and starts in milliseconds. It only runs pure-Python sympy code and
@@ -1616,6 +1727,8 @@ _CTX = multiprocessing.get_context("fork")
 
 def _worker_main(conn, inherited, parent_pid: int):
     """Worker loop: receive (pred, gold), reply with a bool. Exits on None, EOF, or when the parent dies."""
+    # A fork copies every open fd: this worker holds the parent's ends of all earlier workers' pipes. Closing
+    # them means an earlier worker sees EOF once the parent really closes its end (or dies).
     for c in inherited:  # close the parent's ends of sibling pipes, so EOF detection works everywhere
         try:
             c.close()
@@ -1638,7 +1751,7 @@ def _worker_main(conn, inherited, parent_pid: int):
             return
         try:
             result = bool(_symbolic_equal(*msg))
-        except BaseException:
+        except BaseException:  # RecursionError, MemoryError, anything: "not equal", and the worker lives on
             result = False
         try:
             conn.send(result)
@@ -1646,14 +1759,20 @@ def _worker_main(conn, inherited, parent_pid: int):
             return
 
 
+# A one-element list, not an int: da3po.py and daro.py import the name, and they must see the increments.
 VERIFIER_TIMEOUTS = [0]  # symbolic comparisons cut off at their deadline in this process (logged per step)
 
 
 class _Worker:
+    """One forked worker: its process, the parent's end of its pipe, and the number of tasks it has run."""
+
     def __init__(self, proc, conn):
         self.proc, self.conn, self.tasks = proc, conn, 0
 
 
+# Why not multiprocessing.Pool or concurrent.futures: a Pool task that is late cannot be stopped except by
+# terminate(), which kills every worker, and ProcessPoolExecutor cannot cancel a running future at all. Here each
+# task has its own deadline, and only the worker that misses it is killed and later replaced.
 class _Pool:
     """A minimal process pool where every task has its own deadline. Not thread-safe: use _POOL_LOCK."""
 
@@ -1700,6 +1819,8 @@ class _Pool:
         results: list[bool | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
         busy = {}  # conn -> (worker, task index, deadline)
+        # Deadlines count from dispatch, not from the start of the batch, so a task that waited for a free
+        # worker keeps its full `timeout`: the batch takes at most about ceil(len(tasks) / parallel) * timeout.
         try:
             while queue or busy:
                 while queue and len(busy) < max(1, min(parallel, self.size)):
@@ -1719,12 +1840,12 @@ class _Pool:
                         results[idx] = bool(conn.recv())
                         self._release(worker)
                     except (EOFError, OSError):
-                        self._discard(worker)  # crashed (e.g. out of memory): result stays False
+                        self._discard(worker)  # crashed (e.g. out of memory): result stays None
                 now = time.monotonic()
                 for conn, (worker, idx, deadline) in list(busy.items()):
                     if now >= deadline:
                         del busy[conn]
-                        self._discard(worker)  # hard timeout: result stays False
+                        self._discard(worker)  # hard timeout: result stays None
                         VERIFIER_TIMEOUTS[0] += 1
         finally:
             for worker, _, _ in busy.values():  # interrupted mid-batch: workers are in an unknown state
@@ -1744,6 +1865,9 @@ class _Pool:
         self.idle = []
 
 
+# One pool per process, created on first use. _POOL_LOCK serialises batches: two threads sharing the pool's
+# workers would read each other's replies. _CACHE maps the normalised (pred, gold) pair to a definite verdict; it
+# lives in the calling process only (workers never see it), and timeouts and crashes are never stored in it.
 _POOL: _Pool | None = None
 _POOL_LOCK = threading.Lock()
 _CACHE: OrderedDict = OrderedDict()
@@ -1752,7 +1876,7 @@ _CACHE: OrderedDict = OrderedDict()
 def _get_pool(size: int) -> _Pool:
     """Lazily create (or grow) the global pool. A pool inherited through fork belongs to the parent: ignore it."""
     global _POOL
-    if _POOL is None or _POOL.pid != os.getpid():
+    if _POOL is None or _POOL.pid != os.getpid():  # in a forked child, the pipes in _POOL are the parent's
         _POOL = _Pool(size)
     _POOL.size = max(_POOL.size, size)
     return _POOL
@@ -1767,13 +1891,13 @@ def close_verifier_pool() -> None:
         _POOL = None
 
 
-atexit.register(close_verifier_pool)
+atexit.register(close_verifier_pool)  # workers also leave by themselves when orphaned (see _worker_main)
 
 
 def _cache_get(key):
     """LRU lookup (moves the key to the recent end)."""
     value = _CACHE.get(key)
-    if value is not None:
+    if value is not None:  # a cached False is a verdict too: only a missing key is None
         _CACHE.move_to_end(key)
     return value
 
@@ -1793,6 +1917,9 @@ def _default_workers() -> int:
 
 def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int) -> list[bool]:
     """Shared core of math_equal / verify_batch: fast paths and cache inline, the rest on the pool."""
+    # Cheapest first: identical raw strings, a length gate, normalised and plain-number checks (_quick_check), the
+    # cache, and only then the pool. The raw gate is 4 * _MAX_LEN because normalising removes \text{}, units and
+    # spaces; the parser itself never sees more than _MAX_LEN characters.
     results = [False] * len(preds)
     todo: dict[tuple[str, str], list[int]] = {}
     for i, (pred, gold) in enumerate(zip(preds, golds)):
@@ -1823,7 +1950,7 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int) ->
         except Exception:
             out = [None] * len(keys)  # e.g. fork unavailable: fail closed (False, uncached) rather than raise
         for key, value in zip(keys, out):
-            if value is not None:
+            if value is not None:  # None (deadline or crash) is not cached: a loaded machine may be the cause
                 _cache_put(key, value)
             for i in todo[key]:
                 results[i] = bool(value)
