@@ -13,13 +13,10 @@ Shape legend used in comments:
 """
 import argparse
 import atexit
-import dataclasses
 import datetime
 import glob
-import hashlib
 import inspect
 import json
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -2045,7 +2042,6 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
 #     That matters on CPU, where vLLM repacks each linear weight after loading (the visible Parameter is left with
 #     shape (0,) and no weight_loader), so `model.load_weights`, the path TRL and verl use on GPUs, fails there; on
 #     GPUs both work, and reload_weights also keeps fp8/quantised layers right.
-import os
 
 VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the answer is \\boxed{357}."
 
