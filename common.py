@@ -17,6 +17,7 @@ import datetime
 import glob
 import inspect
 import json
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -322,7 +323,7 @@ DEMO_CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-DEMO_VERSION = 1  # bump when the demo recipe changes, so stale caches are rebuilt
+DEMO_VERSION = 2  # bump when the demo recipe changes, so stale caches are rebuilt
 
 
 def build_demo_tokenizer():
@@ -387,6 +388,8 @@ def warm_start(model, tok, problems: list[dict], steps: int, batch_size: int = 6
     """Supervised pass on `prompt -> \\boxed{answer}<eos>` (loss on completion tokens only); returns the last batch's
     token accuracy. This is what makes the demo's pass rates spread over easy and hard prompts before RL starts."""
     rng = random.Random(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # float sums depend on the thread count: one thread gives every machine the same model
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 100))
     model.train()
@@ -406,6 +409,7 @@ def warm_start(model, tok, problems: list[dict], steps: int, batch_size: int = 6
         opt.step()
         sched.step()
         acc = ((logits.argmax(-1) == targets).float() * mask).sum().item() / mask.sum().item()
+    torch.set_num_threads(threads)
     model.eval()
     return acc
 
@@ -2370,6 +2374,33 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high:
         stats = {"clip_low": (((ratio < 1 - clip_low) & (adv < 0)).float() * mask).sum(),
                  "clip_high": (((ratio > 1 + clip_high) & (adv > 0)).float() * mask).sum()}
     return loss, stats
+
+
+@torch.no_grad()
+def old_logprobs(model, batch: dict, rows: torch.Tensor, micro_batch_size: int, temperature: float,
+                 amp) -> torch.Tensor:
+    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens of `rows` under the current weights
+    (zeros elsewhere), computed in micro-batches before the step's first update; `amp` is the autocast context."""
+    out = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
+    for r, mb in micro_batches(batch, rows, micro_batch_size):
+        T = mb["mask"].shape[1]
+        with amp():
+            out[r, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, temperature)[0]
+    return out
+
+
+def guarded_step(model, opt, grad_clip: float, loss_value: float) -> tuple[bool, float]:
+    """Clip the global gradient norm and step, unless the loss or the gradient is not finite on some rank: then the
+    update is skipped and its gradients dropped, so one bad batch cannot poison the weights.
+    Returns (stepped, gradient norm before clipping; the same global value on every rank)."""
+    grad_norm = clip_grad_norm(model, grad_clip)
+    world = dist.get_world_size() if is_dist() else 1
+    finite = all_reduce_sum(torch.tensor(float(math.isfinite(loss_value)))).item() == world
+    if finite and torch.isfinite(grad_norm):
+        opt.step()
+        return True, grad_norm.item()
+    opt.zero_grad(set_to_none=True)
+    return False, grad_norm.item()
 
 
 def micro_batches(batch: dict, index: torch.Tensor, size: int):

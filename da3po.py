@@ -40,12 +40,12 @@ import torch
 from tqdm import tqdm
 
 from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, VLLMRollout, all_reduce_max, all_reduce_sum,
-                    check_config, cleanup_dist, clip_grad_norm, config_dict, demo_model_path, die, dynamic_sampling,
-                    evaluate_sets, format_eval, format_step, group_advantages, handle_stop_signals, hf_generate,
+                    check_config, cleanup_dist, config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets,
+                    format_eval, format_step, group_advantages, guarded_step, handle_stop_signals, hf_generate,
                     latest_checkpoint, load_data, load_model, load_optimizer_state, local_state, log_samples,
-                    loss_weights, make_batch, micro_batches, parse_config, policy_loss, print0, resolve_rollout,
-                    resolve_template, rng_state, roll_groups, rollout_copy, save_checkpoint, set_rng_state,
-                    setup_dist, shard_model, stop_requested, sync_rollout, token_logprobs)
+                    loss_weights, make_batch, micro_batches, old_logprobs, parse_config, policy_loss, print0,
+                    resolve_rollout, resolve_template, rng_state, roll_groups, rollout_copy, save_checkpoint,
+                    set_rng_state, setup_dist, shard_model, stop_requested, sync_rollout, token_logprobs)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -327,14 +327,8 @@ def main(cfg: Config):
             rows_per_update = len(groups) // num_updates * G
             # 3) old log-probs from the trainer, before any update. The first mini-batch is trained before the weights
             #    move, so its old log-probs are the current ones (logp.detach() below): only later mini-batches need a pass
-            batch["old_logp"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-            with torch.no_grad():
-                later = torch.arange(rows_per_update, len(batch["mask"]))
-                for rows, mb in micro_batches(batch, later, cfg.micro_batch_size):
-                    T = mb["mask"].shape[1]
-                    with amp():
-                        batch["old_logp"][rows, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
-                                                                     cfg.temperature)[0]
+            batch["old_logp"] = old_logprobs(model, batch, torch.arange(rows_per_update, len(batch["mask"])),
+                                             cfg.micro_batch_size, cfg.temperature, amp)  # (B, T)
             # 4) optimizer updates over mini-batches; each sums micro-batch losses with global token weights
             batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
             for u in range(num_updates):
@@ -363,15 +357,12 @@ def main(cfg: Config):
                     sums["clip_low"] += stats["clip_low"].item()
                     sums["clip_high"] += stats["clip_high"].item()
                     sums["tokens"] += mb["mask"].sum().item()
-                grad_norm = clip_grad_norm(model, cfg.grad_clip)
-                finite = all_reduce_sum(torch.tensor(float(math.isfinite(update_loss)))).item() == world
-                if finite and torch.isfinite(grad_norm):  # a NaN/inf skips the update instead of poisoning weights
-                    opt.step()
+                stepped, grad_norm = guarded_step(model, opt, cfg.grad_clip, update_loss)  # NaN/inf: skipped
+                if stepped:
                     sums["loss"] += update_loss
-                    sums["grad_norm"] += grad_norm.item() / world  # the same global norm on every rank
+                    sums["grad_norm"] += grad_norm / world  # the same global norm on every rank
                     bad_updates = 0
                 else:
-                    opt.zero_grad(set_to_none=True)
                     sums["skipped"] += 1.0 / world
                     bad_updates += 1
                     print0(f"warning: step {step} update {u}: non-finite loss or gradient; update skipped")
