@@ -2284,6 +2284,7 @@ def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_group
     every generated batch (all ranks' groups, kept or not), e.g. to keep running pass-rate statistics.
 
     Returns (this rank's kept groups, stats over every group generated on every rank)."""
+    mixed = lambda g: 0 < sum(g["correct"]) < len(g["correct"])  # noqa: E731  (the groups DAPO keeps)
     kept, generated, n_batches = [], [], 0
     while len(kept) < num_groups and n_batches < max_gen_batches:
         groups = all_gather_list(roll_fn(stream.next(gen_groups)[rank::world_size]))  # every rank sees every group
@@ -2291,19 +2292,19 @@ def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_group
         generated += groups
         if on_generated is not None:
             on_generated(groups)
-        kept += [g for g in groups if not enabled or 0 < sum(g["correct"]) < len(g["correct"])]
+        kept += [g for g in groups if not enabled or mixed(g)]
     if len(kept) < num_groups:
         print0(f"warning: dynamic sampling kept {len(kept)}/{num_groups} groups after {n_batches} generation batches "
                f"(--max_gen_batches); training on what was kept")
     kept = kept[:min(num_groups, len(kept) - len(kept) % world_size)]  # equal share per rank keeps FSDP in lockstep
-    flat = lambda key: [x for g in generated for x in g[key]]  # noqa: E731
-    stats = {"train/reward": sum(flat("reward")) / len(flat("reward")),
-             "train/acc": sum(flat("correct")) / len(flat("correct")),
-             "train/keep_rate": sum(0 < sum(g["correct"]) < len(g["correct"]) for g in generated) / len(generated),
-             "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
-             "train/num_completions": len(flat("completions")),
-             "train/response_len": sum(map(len, flat("completions"))) / len(flat("completions")),
-             "train/truncated_frac": sum(flat("truncated")) / len(flat("truncated"))}
+    rewards = [r for g in generated for r in g["reward"]]
+    correct = [c for g in generated for c in g["correct"]]
+    truncated = [t for g in generated for t in g["truncated"]]
+    lengths = [len(c) for g in generated for c in g["completions"]]
+    stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
+             "train/keep_rate": sum(map(mixed, generated)) / len(generated),
+             "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
+             "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated)}
     return kept[rank::world_size], stats
 
 
@@ -2442,9 +2443,9 @@ def evaluate(generate_fn, tok, problems: list[dict], cfg, rank: int = 0, world_s
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed + 7919 * (rank + 1))
         groups = []
-        for s in range(0, len(problems[rank::world_size]), cfg.eval_batch_size):
-            groups += roll_groups(generate_fn, tok, problems[rank::world_size][s:s + cfg.eval_batch_size], cfg,
-                                  cfg.eval_samples)
+        mine = problems[rank::world_size]  # this rank's stride of the eval set
+        for s in range(0, len(mine), cfg.eval_batch_size):
+            groups += roll_groups(generate_fn, tok, mine[s:s + cfg.eval_batch_size], cfg, cfg.eval_samples)
     results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"]) for g in groups])
     n = cfg.eval_samples
     out = {"eval/acc": sum(c for _, c, _ in results) / sum(m for m, _, _ in results)}

@@ -164,11 +164,16 @@ def adaptive_lam(p: torch.Tensor, G: int, lam_max: float) -> torch.Tensor:
     return ((1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1))).clamp(max=lam_max)
 
 
+def pass_key(group: dict) -> str:
+    """The prompt a running pass count belongs to (problem text and gold answer)."""
+    return f"{group['prompt']}\x00{group['answer']}"
+
+
 def count_passes(counts: dict, groups: list[dict]):
     """[dev 4] Running per-prompt pass counts over every group generated so far (all epochs, all ranks), for
     --p_estimate running: more samples than the current G give a less noisy p for DAA."""
     for g in groups:
-        c = counts.setdefault(f"{g['prompt']}\x00{g['answer']}", [0, 0])
+        c = counts.setdefault(pass_key(g), [0, 0])
         c[0] += sum(g["correct"])
         c[1] += len(g["correct"])
 
@@ -313,8 +318,8 @@ def main(cfg: Config):
             correct = batch["correct"].view(-1, G)  # (N, G)
             p = correct.float().mean(-1, keepdim=True)  # p_hat (N, 1)
             if cfg.p_estimate == "running":
-                p = torch.tensor([[pass_counts[f"{g['prompt']}\x00{g['answer']}"][0] /
-                                   pass_counts[f"{g['prompt']}\x00{g['answer']}"][1]] for g in groups])
+                counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=torch.float)  # (N, 2)
+                p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
             factor = adaptive_lam(p, G, cfg.lam_max) if lam == "adaptive" else lam
             adv, amplified = daa(adv, correct, factor, cfg.tau, p)
             applied = (factor * torch.ones_like(p)).expand_as(adv)[amplified]  # the factor of each amplified one
