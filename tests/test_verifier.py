@@ -1,17 +1,20 @@
-"""The math answer verifier (extract_answer / math_equal / verify_batch) on the peer projects' cases in
+"""Run: python -m pytest -q tests/test_verifier.py
+The math answer verifier (verifier.py: extract_answer / math_equal / verify_batch) on the peer projects' cases in
 ../shared/cases, our own normalisation and near-miss cases, and adversarial inputs with a time bound.
-Run: python -m pytest -q tests/test_verifier.py"""
+Needs no torch and no conftest fixtures: test_verifier_cli.py also runs this file with torch made unimportable."""
 import json
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-import common as vmod
-from common import close_verifier_pool, extract_answer, math_equal, verify_batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, also under --noconftest
+import verifier as vmod  # noqa: E402
+from verifier import close_verifier_pool, extract_answer, math_equal, verify_batch  # noqa: E402
 
 
 # Correctness cases get a generous deadline: on a loaded shared machine a legitimate comparison (e.g. an inequality
@@ -182,7 +185,7 @@ def test_code_injection_never_runs(tmp_path):
                 f"\\boxed{{__import__('os').system('touch {target}')}}"]
     for p in payloads:
         assert math_equal(p, "0") is False
-        assert verify_batch([p, f"\\boxed{{{p}}}"], ["0", "0"], num_workers=2) == [False, False]
+        assert verify_batch([p, f"\\boxed{{{p}}}"], ["0", "0"], num_workers=2)[0] == [False, False]
     assert not target.exists()
     assert not os.path.exists("/tmp/pwned")
 
@@ -201,9 +204,14 @@ def test_batch_matches_serial():
     vmod._CACHE.clear()
     serial = [math_equal(extract_answer(c), g, timeout=SLACK) for c, g in zip(completions, golds)]
     vmod._CACHE.clear()
-    batched = verify_batch(completions, golds, timeout=SLACK, num_workers=2)
+    batched, info = verify_batch(completions, golds, timeout=SLACK, num_workers=2)
     assert batched == serial
-    assert verify_batch(completions, golds, timeout=SLACK, num_workers=2) == serial  # second pass: served from the cache
+    assert info["timeouts"] == 0 and info["symbolic"] > 0 and info["cached"] == 0
+    again, info2 = verify_batch(completions, golds, timeout=SLACK, num_workers=2)
+    assert again == serial  # second pass: served from the cache
+    # every pair that needed the workers the first time is now a cache hit; the rest are settled inline again
+    assert info2["symbolic"] == 0 and info2["cached"] == len(completions) - info["inline"]
+    assert info2["inline"] == info["inline"]
 
 
 def test_hanging_case_does_not_stall_batch():
@@ -212,9 +220,10 @@ def test_hanging_case_does_not_stall_batch():
     golds = ["(x+1)^2", "1", "x^2+2x+1", "3"] * 3
     vmod._CACHE.clear()
     t = time.monotonic()
-    out = verify_batch(completions, golds, timeout=1.0, num_workers=2)
+    out, info = verify_batch(completions, golds, timeout=1.0, num_workers=2)
     assert out == [True, False, True, True] * 3
     assert time.monotonic() - t < 1.0 + BOUND_S
+    assert info["timeouts"] >= 1 and info["symbolic"] == 3  # three unique undecided pairs, the hanging one cut off
     assert math_equal("\\sqrt{4}", "2")  # the killed worker was replaced
 
 
@@ -226,9 +235,10 @@ def test_stuck_worker_is_killed(monkeypatch):
     vmod._CACHE.clear()
     try:
         t = time.monotonic()
-        out = verify_batch(["Answer: \\hang", "Answer: \\hang", "Answer: 2x", "Answer: 5"], ["x"] * 3 + ["5"],
-                           timeout=1.0, num_workers=2)
+        out, info = verify_batch(["Answer: \\hang", "Answer: \\hang", "Answer: 2x", "Answer: 5"], ["x"] * 3 + ["5"],
+                                 timeout=1.0, num_workers=2)
         assert out == [False, False, False, True]  # the duplicated pair is verified (and killed) once
+        assert info["symbolic"] == 2 and info["timeouts"] >= 1
         assert time.monotonic() - t < 1.0 + BOUND_S
         t = time.monotonic()
         assert math_equal("\\hang", "y", timeout=0.5) is False
@@ -251,9 +261,22 @@ def test_close_and_restart_pool():
     assert math_equal("\\sqrt{8}", "2\\sqrt{2}")
     close_verifier_pool()
     close_verifier_pool()  # idempotent
-    assert verify_batch(["\\boxed{\\sqrt{8}}"], ["2\\sqrt2"], num_workers=1) == [True]
+    assert verify_batch(["\\boxed{\\sqrt{8}}"], ["2\\sqrt2"], num_workers=1)[0] == [True]
 
 
 def test_verify_batch_length_mismatch():
     with pytest.raises(ValueError):
         verify_batch(["a"], [])
+
+
+def test_verify_batch_info_counts():
+    # one pair of each kind: no answer, settled inline (number), symbolic, and the symbolic one again (cached)
+    vmod._CACHE.clear()
+    completions = ["no marker", "Answer: 0.5", "\\boxed{\\frac{x^2-1}{x-1}}"]
+    golds = ["1", "\\frac12", "x+1"]
+    out, info = verify_batch(completions, golds, timeout=SLACK, num_workers=1)
+    assert out == [False, True, True]
+    assert info == {"timeouts": 0, "symbolic": 1, "cached": 0, "inline": 2, "crashed": 0, "no_answer": 1}
+    out, info = verify_batch(completions, golds, timeout=SLACK, num_workers=1)
+    assert out == [False, True, True]
+    assert info == {"timeouts": 0, "symbolic": 0, "cached": 1, "inline": 2, "crashed": 0, "no_answer": 1}
