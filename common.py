@@ -12,35 +12,27 @@ Shape legend used in comments:
   P = prompt tokens (left padded), T = completion tokens (right padded), V = vocabulary size.
 """
 import argparse
-import atexit
 import datetime
 import glob
 import inspect
 import json
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
 import random
 import re
 import shutil
 import signal
 import sys
-import threading
 import time
-from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, fields
-from fractions import Fraction
-
-import mpmath
-import sympy as sp
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sympy.solvers.solveset import solveset  # imported eagerly so forked verifier workers never import lazily
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
+
+from verifier import verify_batch
 
 hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our one line per step
 
@@ -86,6 +78,9 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
         algo = given.get("algo", cfg.algo)
         if algo not in presets:
             parser.error(f"argument --algo: invalid choice {algo!r} (choose from {', '.join(presets)})")
+        for k, v in presets[algo].items():  # a recipe knob changed by hand is allowed, but never silently
+            if k in given and given[k] != v and os.environ.get("RANK", "0") == "0":
+                print(f"note: --{k} {given[k]} overrides the {algo} preset's {k} = {v}", flush=True)
         given = {**presets[algo], **given}
     for k, v in given.items():
         setattr(cfg, k, v)
@@ -115,16 +110,20 @@ def check_config(cfg, world_size: int):
     for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer"):
         if getattr(cfg, name) < 0:
             die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size", "max_new_tokens", "eval_samples",
-                 "max_gen_batches", "rollout_batch_size", "eval_batch_size", "keep_last", "max_bad_updates"):
+    for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens", "max_prompt_length",
+                 "eval_samples", "max_gen_batches", "rollout_batch_size", "eval_batch_size", "keep_last",
+                 "max_bad_updates"):
         if getattr(cfg, name) < 1:
             die(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.group_size < 2:
         die(f"--group_size must be >= 2 (advantages are relative to the group), got {cfg.group_size}")
-    if cfg.prompts_per_step % cfg.mini_batch_size:
-        die(f"--prompts_per_step {cfg.prompts_per_step} is not a multiple of --mini_batch_size {cfg.mini_batch_size}")
-    if cfg.mini_batch_size % world_size:
-        die(f"--mini_batch_size {cfg.mini_batch_size} does not divide over {world_size} ranks")
+    if cfg.prompts_per_step % world_size:
+        die(f"--prompts_per_step {cfg.prompts_per_step} does not divide over {world_size} ranks")
+    if cfg.updates_per_step > cfg.prompts_per_step // world_size:
+        die(f"--updates_per_step {cfg.updates_per_step} is more than the {cfg.prompts_per_step // world_size} prompts "
+            f"per rank (--prompts_per_step {cfg.prompts_per_step} over {world_size} ranks): an update needs a group")
+    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        die(f"--out_dir {cfg.out_dir!r} is an existing file, not a folder")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
         die(f"--overlong_buffer {cfg.overlong_buffer} must be below --max_new_tokens {cfg.max_new_tokens}")
     if cfg.oversample < 1:
@@ -179,7 +178,10 @@ def setup_dist(device: str = "") -> DistInfo:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+    # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that carry metrics and flags (NCCL alone rejects
+    # a CPU tensor, so every all_reduce of a logged number would fail there)
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     _LAUNCHED[0] = True
     return DistInfo(rank, local_rank, world, dev, rank == 0)
 
@@ -247,9 +249,9 @@ def shard_model(model, d: DistInfo, dtype: str = "float32", grad_checkpointing: 
     Weights stay float32 (the optimizer's master copy); with dtype=bfloat16 FSDP gathers them as bf16 for compute
     and reduces gradients in float32. Gradients are SUMMED over ranks (divide factor 1), because our loss weights
     already divide by the global token / sequence counts (loss_weights), so no rank-count rescaling is needed."""
+    model.train()  # from_pretrained returns eval mode; checkpointing only recomputes in training mode (dropout is 0)
     if grad_checkpointing:  # recompute activations in backward: memory for ~30% more compute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if not is_dist():
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -313,17 +315,20 @@ def load_optimizer_state(opt, state: dict):
                         opt.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements)
 
 # -----------------------------------------------------------------------------------------------------------------
-# 3. Model and tokenizer. `--model demo` builds a tiny Qwen3-style model and a character-level tokenizer in code,
-#    warm-starts it with a short supervised pass on the arith task, saves it with save_pretrained and then loads it
-#    back through exactly the path a hub model takes (load_model), so the demo exercises the real code.
+# 3. Model and tokenizer. `--model demo` is a tiny Qwen3-style model with a character-level tokenizer, built in code
+#    (build_demo_tokenizer, build_demo_model), warm-started on the arith task and saved with save_pretrained by
+#    demo/build.py; it is loaded through exactly the path a hub model takes (load_model), so the demo exercises the
+#    real code. Its weights are shipped: demo/build.py explains why.
 
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+DEMO_MODEL = os.path.join(DEMO_DIR, "model")  # the warm-started demo model, shipped (demo/build.py makes it)
+DEMO_EVAL = os.path.join(DEMO_DIR, "arith_eval.jsonl")  # 200 held-out sums in 5 calibrated difficulty levels
 DEMO_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
 DEMO_CHARS = "0123456789+-*/=()[]., ?:;!'{}\\$^_|<>abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 DEMO_CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-DEMO_VERSION = 2  # bump when the demo recipe changes, so stale caches are rebuilt
 
 
 def build_demo_tokenizer():
@@ -360,68 +365,37 @@ def build_demo_model(tok, hidden: int = 128, layers: int = 2, seed: int = 0):
     return model
 
 
-def demo_model_path(cfg, dist_info: "DistInfo") -> str:
-    """Path of the warm-started demo model, built once per cache folder (rank 0 builds, the others wait)."""
-    key = f"v{DEMO_VERSION}-h{cfg.demo_hidden}-l{cfg.demo_layers}-s{cfg.demo_sft_steps}"
-    cache = cfg.cache_dir or os.environ.get("DA3PO_CACHE", os.path.expanduser("~/.cache/da3po"))
-    path = os.path.join(cache, f"demo-{key}")
-    if dist_info.is_main and not os.path.exists(os.path.join(path, "config.json")):
-        t0 = time.time()
-        tok = build_demo_tokenizer()
-        model = build_demo_model(tok, cfg.demo_hidden, cfg.demo_layers, seed=0)
-        train, _ = arith_problems(seed=0)
-        acc = warm_start(model, tok, train, steps=cfg.demo_sft_steps)
-        tmp = f"{path}.tmp{os.getpid()}"  # write under a temporary name, then rename: a killed build leaves no husk
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(cache, exist_ok=True)
-        os.rename(tmp, path)
-        print0(f"demo model: warm-started {cfg.demo_sft_steps} SFT steps in {time.time() - t0:.1f}s "
-               f"(train acc {acc:.2f}), saved to {path}")
-    if is_dist():
-        dist.barrier()
-    return path
-
-
-def warm_start(model, tok, problems: list[dict], steps: int, batch_size: int = 64, lr: float = 3e-3) -> float:
-    """Supervised pass on `prompt -> \\boxed{answer}<eos>` (loss on completion tokens only); returns the last batch's
-    token accuracy. This is what makes the demo's pass rates spread over easy and hard prompts before RL starts."""
-    rng = random.Random(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # float sums depend on the thread count: one thread gives every machine the same model
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 100))
-    model.train()
-    acc = 0.0
-    for _ in tqdm(range(steps), desc="demo warm start", leave=False, disable=not sys.stderr.isatty()):
-        batch = rng.sample(problems, batch_size)
-        prompts = [tok(format_prompt(tok, p["prompt"], "none"), add_special_tokens=False)["input_ids"] for p in batch]
-        answers = [tok(f"\\boxed{{{p['answer']}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                   for p in batch]
-        ids, attn, mask = pad_prompt_completion(prompts, answers, tok.pad_token_id)
-        logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=mask.shape[1] + 1).logits[:, :-1]
-        targets = ids[:, -mask.shape[1]:]
-        loss = (F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        acc = ((logits.argmax(-1) == targets).float() * mask).sum().item() / mask.sum().item()
-    torch.set_num_threads(threads)
-    model.eval()
-    return acc
+def model_path(name: str) -> str:
+    """--model as a path or hub id: 'demo' is the shipped demo model (demo/model/, built by demo/build.py, which says
+    why it is shipped rather than built on each machine)."""
+    if name != "demo":
+        return name
+    if not os.path.isfile(os.path.join(DEMO_MODEL, "model.safetensors")):
+        die(f"the demo model is missing from {DEMO_MODEL} (restore it from git, or rebuild it: python demo/build.py)")
+    return DEMO_MODEL
 
 
 def load_model(name: str, device: torch.device, dtype: str = "float32"):
-    """Load a causal LM and its tokenizer from a local Hugging Face folder or a hub id (left padding for generation)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a causal LM and its tokenizer from a local Hugging Face folder or a hub id (left padding for generation),
+    with every dropout probability set to 0.
+
+    Why no dropout: the trainer runs in training mode (gradient checkpointing only recomputes there), and a dropout
+    mask would make the trainer's log-probs a random draw of a different distribution than the one the rollout sampled
+    from (generate and vLLM never drop): the ratio pi / pi_old of the first mini-batch would no longer be 1, and the
+    old log-probs would carry noise of their own. Qwen, Llama and most RL checkpoints ship with dropout 0 anyway."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).to(device)
+        config = AutoConfig.from_pretrained(name)
+        for key, value in vars(config).items():  # attention_dropout, hidden_dropout, resid_pdrop, ...
+            if re.search(r"(dropout|pdrop)$", key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=getattr(torch, dtype)).to(device)
     except (OSError, ValueError) as e:  # a missing folder, an unknown hub id, or offline without a cached copy
         die(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]})")
+    for module in model.modules():  # dropout layers built with a hard-coded p
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     tok.padding_side = "left"
     if tok.pad_token_id is None:  # many base models ship no pad token; any id works since padding is masked out
         tok.pad_token = tok.eos_token
@@ -437,12 +411,13 @@ BOXED_INSTRUCTION = "Please reason step by step, and put your final answer withi
 
 
 def arith_problems(seed: int, eval_per_level: int = 50, train_per_level: int = 4000) -> tuple[list[dict], list[dict]]:
-    """Sums of graded difficulty (level = digits of the operands), fixed by `seed`; train and eval are disjoint.
+    """The training rows of the built-in task: sums whose operands have 1+1, 2+1, 2+2 and 3+3 digits (`level` 1-4
+    here), fixed by `seed`, and held-out sums disjoint from them (the pool demo/build.py calibrates the eval set from).
 
     Example: level 2 -> {"prompt": "47+3", "answer": "50", "level": 2}. Each level contributes `train_per_level`
     training rows (levels 1 and 2 have only 100 and 900 distinct sums, so their rows repeat) and up to
-    `eval_per_level` held-out problems. A 0.5M model warm-started for ~40 s on this mix solves most level 1-2 sums and
-    few level 3-4 ones: the spread of pass rates that difficulty-aware methods act on.
+    `eval_per_level` held-out problems. The eval set (`--eval_data arith`, demo/arith_eval.jsonl) has levels of its
+    own: the demo model's pass-rate bands at the start, from about 97% (level 1) down to 1% (level 5).
     """
     rng = random.Random(seed)
     train, evals = [], []
@@ -550,8 +525,11 @@ def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list
             import pyarrow.parquet as pq  # optional dependency, only for parquet files
         except ImportError:
             die(f"{path}: reading parquet needs pyarrow (pip install pyarrow)")
-        problems = [problem_from_row(r, f"{path}: row {i}", prompt_key, answer_key)
-                    for i, r in enumerate(pq.read_table(path).to_pylist(), 1)]
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a corrupt or truncated file
+            die(f"{path}: not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        problems = [problem_from_row(r, f"{path}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
     else:
         die(f"data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
     if not problems:
@@ -562,9 +540,8 @@ def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list
 def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
     """`arith` (the built-in task, split 'train' or 'eval'), a local .jsonl/.json/.parquet file, or a hub dataset
     name (`name` or `name:split`) when the optional `datasets` package is installed and the machine is online."""
-    if spec == "arith":
-        train, evals = arith_problems(seed=0)  # the task itself is fixed; --seed changes the order, not the problems
-        return train if split == "train" else evals
+    if spec == "arith":  # the task is fixed; --seed changes the order of the training rows, not the rows
+        return arith_problems(seed=0)[0] if split == "train" else load_problems(DEMO_EVAL)
     if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
         return load_problems(spec, prompt_key, answer_key)
     name, _, hub_split = spec.partition(":")
@@ -605,6 +582,38 @@ def resolve_template(template: str, tok) -> str:
     return "none" if chat == DEMO_CHAT_TEMPLATE else "chat" if chat else "plain"
 
 
+def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_length: int, name: str) -> list[dict]:
+    """Format and tokenize every prompt once, at load time (not at every rollout), and drop the problems whose prompt
+    is longer than max_prompt_length tokens, with a warning that counts them (verl filters overlong prompts the same
+    way). One 6,000-token problem would otherwise pad a whole generation batch to its length: rollout and update
+    memory stay bounded by max_prompt_length + max_new_tokens. Adds "prompt_ids" to each kept problem."""
+    kept = []
+    for p in problems:
+        text = format_prompt(tok, p["prompt"], "none" if p.get("templated") else template)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_prompt_length:
+            kept.append({**p, "prompt_ids": ids})
+    if not kept:
+        die(f"{name}: every one of its {len(problems)} prompts is longer than --max_prompt_length {max_prompt_length}")
+    if len(kept) < len(problems):
+        print0(f"warning: {name}: dropped {len(problems) - len(kept)} of {len(problems)} problems whose prompt is "
+               f"longer than --max_prompt_length {max_prompt_length} tokens")
+    return kept
+
+
+def eval_set_names(specs: list[str]) -> list[str]:
+    """A unique name per eval set, for its eval/<name>/... keys: the file's stem, or, when two sets share a stem, the
+    shortest tail of their paths that tells them apart. Example: a/x.jsonl, b/x.jsonl -> a-x, b-x."""
+    parts = [os.path.splitext(os.path.normpath(s))[0].split(os.sep) for s in specs]
+    names = []
+    for i, p in enumerate(parts):
+        depth = 1
+        while depth < len(p) and any(q[-depth:] == p[-depth:] for j, q in enumerate(parts) if j != i):
+            depth += 1
+        names.append("-".join(p[-depth:]))
+    return [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]  # identical paths given twice
+
+
 class PromptStream:
     """Endless, seeded stream of training problems: reshuffled every epoch; `position` is all a resume needs."""
 
@@ -625,1358 +634,8 @@ class PromptStream:
         return out
 
 # -----------------------------------------------------------------------------------------------------------------
-# 5. Verifier and reward. Model output is untrusted input: nothing here evals it (no eval/exec/sympify/parse_expr);
-#    answers go through our own tokenizer and parser, which build sympy objects directly, with size limits first and
-#    the symbolic step in a forked worker process that is killed at its deadline. Public: extract_answer,
-#    math_equal, verify_batch, close_verifier_pool; the reward is DAPO's +-1 plus overlong shaping.
-#    Sub-sections: 5a extraction, 5b normalisation and plain numbers, 5c parser, 5d comparison of parsed values,
-#    5e worker pool and public API (shaped_reward, the reward itself, follows 5e).
-
-
-# Decides whether a model's final answer matches the gold answer, for RLVR rewards.
-# Pipeline: extract_answer() pulls the answer out of a completion; math_equal() then tries, in increasing
-# cost: normalised string equality, plain-number equality (both inline, microseconds), and finally a
-# symbolic comparison (own LaTeX parser -> sympy objects -> exact/numeric checks) that runs in a worker
-# process with a hard timeout. Model output is untrusted: nothing here calls eval/exec/sympify/parse_expr.
-# A wrong verdict costs one noisy reward, a hang or a crash costs the whole run, so every doubtful path
-# (unparseable, too large, too slow, worker died) answers "not equal" rather than raising or waiting.
-
-# Safety bounds, all checked before sympy sees anything: together they cap what one hostile or degenerate
-# completion can cost (a 1 MB completion, 9^9^9^9, ((((...)))) nesting) at about one worker timeout per pair.
-_EXTRACT_WINDOW = 20_000  # only the tail of a completion is scanned: answers come last, and 1 MB stays cheap
-_MAX_LEN = 1000           # answers longer than this (after extraction) are rejected, never parsed
-_MAX_NEST = 50            # bracket nesting limit; keeps the recursive-descent parser far from RecursionError
-_MAX_EXP = 10_000         # largest exponent magnitude we will ever build (blocks 9^9^9^9, 10^{10^{10}})
-_MAX_BITS = 100_000       # largest integer power we let sympy evaluate (about 30k digits)
-# A decimal was rounded by whoever wrote it (3.1416 for pi is right), so it gets a relative tolerance; integers
-# and fractions are exact, and a tolerance on them would accept 12000023 for 12000024 (they differ by 8e-8).
-_REL_TOL = 1e-4           # relative tolerance, used only when an answer contains a decimal literal
-_CACHE_SIZE = 100_000     # LRU entries keyed by the normalised (pred, gold) pair
-_MAX_TASKS_PER_WORKER = 5000  # recycle workers now and then: sympy caches grow without bound
-
-# -----------------------------------------------------------------------------------------------------------------
-# 5a. Answer extraction: the last \boxed{...} (or \fbox) of a completion, else its last 'Answer: ...' line.
-#     Python's re cannot match nested braces, so braces are paired by one linear scan (_match_braces) instead;
-#     nothing here backtracks, and a 1 MB completion costs one pass over its last _EXTRACT_WINDOW characters.
-
-# (?![a-zA-Z]) keeps longer macro names out; [\s>*#_]* lets '**Answer:**', '> Answer:' and '## Answer:' match.
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
-_ANSWER_LINE_RE = re.compile(r"[\s>*#_]*answer\s*:\s*(.*)", re.IGNORECASE)
-
-
-def _match_braces(text: str) -> dict:
-    """Map each '{' index to its matching '}' index in one linear pass (escaped \\{ \\} are skipped)."""
-    pairs, stack, i = {}, [], 0
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # skip the escaped character, so \{ and \\ never count as grouping braces
-            continue
-        if ch == "{":
-            stack.append(i)
-        elif ch == "}" and stack:
-            pairs[stack.pop()] = i
-        i += 1
-    return pairs
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last balanced \\boxed{...} / \\fbox{...} (or `\\boxed 5`), else None."""
-    matches = list(_BOX_RE.finditer(text))
-    if not matches:
-        return None
-    # The last box wins: models box intermediate results too, and the final answer comes last (the rule of
-    # last_boxed_only_string in the MATH benchmark's code, reused by lm-eval and verl). Empty boxes are passed over.
-    pairs = _match_braces(text)  # one pass for all candidates keeps this linear even with 1000s of \boxed
-    for m in reversed(matches):
-        j = m.end()
-        while j < len(text) and text[j] == " ":
-            j += 1
-        if j < len(text) and text[j] == "{":
-            k = pairs.get(j)
-            if k is not None and text[j + 1:k].strip():
-                return text[j + 1:k].strip()
-        elif j > m.end():  # `\boxed 5`: a space then a single token (lm-eval / verl convention)
-            token = re.match(r"[^\s$]+", text[j:j + 200])
-            if token and token.group(0).rstrip(".,;"):
-                return token.group(0).rstrip(".,;")
-    return None  # unbalanced or empty boxes do not count
-
-
-def _clean_answer_value(value: str) -> str:
-    """Strip markdown bold, math delimiters, a wrapping \\boxed and a trailing period from an answer line."""
-    value = value.strip().strip("*").strip().rstrip(".").strip()
-    boxed = _last_boxed(value) if "\\boxed" in value or "\\fbox" in value else None
-    if boxed is not None:
-        return boxed
-    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if value.startswith(left) and value.endswith(right) and len(value) >= len(left) + len(right):
-            value = value[len(left):len(value) - len(right)].strip()
-    return value.rstrip(".").strip()
-
-
-def extract_answer(text: str, answer_format: str = "auto") -> str | None:
-    """Return the final answer in `text` (last \\boxed{} and/or last 'Answer:' line), or None."""
-    # Never raises: a reward function that throws on one odd completion would stop a training step.
-    try:
-        if not isinstance(text, str) or answer_format not in ("boxed", "answer_line", "auto"):
-            return None
-        text = text[-_EXTRACT_WINDOW:].replace("\x00", "")
-        if answer_format in ("boxed", "auto"):
-            boxed = _last_boxed(text)
-            if boxed is not None or answer_format == "boxed":
-                return boxed  # a \boxed answer takes priority over any 'Answer:' line
-        # Last line first, for the same reason as the last box: earlier 'Answer:' lines may be drafts.
-        for line in reversed(text.splitlines()):
-            m = _ANSWER_LINE_RE.match(line)
-            if m:
-                value = _clean_answer_value(m.group(1))
-                if value:
-                    return value
-        return None
-    except Exception:
-        return None
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# 5b. String normalisation and plain-number fast paths. _normalize maps the many spellings of one answer (\dfrac,
-#     90^\circ, '10 cm', a unicode minus) to one string; _quick_check then settles most pairs inline, in
-#     microseconds and without sympy: string, word, clock-time and exact-number equality.
-#     Everything here is plain string work on at most 4 * _MAX_LEN chars (_verify_pairs refuses longer answers) with
-#     linear regexes (no nested quantifiers), so it cannot be made slow by its input.
-
-# Unicode math that models (and some gold files) write, as the LaTeX the parser knows. U+00BA, the ordinal
-# indicator, is a common stand-in for the degree sign.
-_UNICODE = {"\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u00b7": "\\cdot ",
-            "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt", "\u2264": "\\le ", "\u2265": "\\ge ",
-            "\u2260": "\\ne ", "\u00b1": "\\pm ", "\u222a": "\\cup ", "\u2208": "\\in ", "\u00ba": "\u00b0"}
-# Wrappers whose content is kept: a unit ('\text{cm}'), a word ('\text{odd}') or a choice ('\textbf{(B)}').
-_TEXT_CMDS = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textup|mathrm|mathbf|mathit|mathsf|mathtt"
-                        r"|mbox|operatorname|boldsymbol|mathbb|mathcal)\s*\{")
-_TRIG_RE = re.compile(r"\\(?:sin|cos|tan|sec|csc|cot)")
-_DEGREE_RE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|\u00b0")
-# A unit word: two or more letters, maybe a period and a small power (cm^2, sq., meters). One letter is a variable.
-_UNIT_WORD = re.compile(r"[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?")
-# Answers made of words only ('odd', 'Evelyn', 'no solution'): compared as text, never parsed as products.
-_WORDS_RE = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
-
-
-def _unwrap_text_commands(s: str) -> str:
-    """Replace \\text{X}, \\mathrm{X}, ... by X (content kept: it may be a unit, a word or a choice)."""
-    for _ in range(100):  # each round removes one wrapper; real answers have a handful
-        m = _TEXT_CMDS.search(s)
-        if not m:
-            break
-        close = _match_braces(s[m.end() - 1:]).get(0)  # offset of the '}' matching the wrapper's '{'
-        if close is None:
-            break
-        inner = s[m.end():m.end() - 1 + close]
-        rest = s[m.end() + close:]
-        # keep the content apart from its neighbours, except a following ^2 / _0 that belongs to it
-        s = s[:m.start()] + " " + inner + ("" if rest[:1] in ("^", "_") else " ") + rest
-    return s
-
-
-def _strip_units(s: str) -> str:
-    """Drop trailing unit words after a number: '10 cm^2' -> '10', '\\frac13 meters' -> '\\frac13'."""
-    words = s.split(" ")
-    k = len(words)
-    while k > 1 and _UNIT_WORD.fullmatch(words[k - 1]):
-        k -= 1
-    # Only strip when what remains ends in a number or a '}' (\frac{..}{..}): 'no solution' must keep its words.
-    if k < len(words) and words[k - 1] and words[k - 1][-1] in "0123456789}":
-        return " ".join(words[:k])
-    return s
-
-
-def _normalize(s: str) -> str:
-    """Canonical string form of an answer: the key for string equality, the cache and the parser input."""
-    # The order matters: units are stripped after whitespace is collapsed, and the spaces they needed go last.
-    s = "".join(ch for ch in str(s) if ch >= " " or ch in "\t\n").strip()
-    if "\\boxed" in s or "\\fbox" in s:
-        s = _last_boxed(s) or s  # gold answers sometimes arrive boxed too
-    for k, v in _UNICODE.items():
-        s = s.replace(k, v)
-    s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")  # currency and math delimiters
-    s = re.sub(r"\\(?:left|right)\.", "", s)  # invisible delimiters
-    s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle)(?![a-zA-Z])", "", s)
-    # Display-style variants mean the same value: one spelling keeps string equality and the cache key effective.
-    s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
-    s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
-    s = _unwrap_text_commands(s)
-    s = s.replace("\\%", "%").replace("{,}", ",")
-    s = re.sub(r"\s*\bpercent\b", "%", s)
-    # Spacing macros (thin spaces, quad, ~). The alternation consumes a double backslash (matrix row break)
-    # first and keeps it, so its second backslash is never mistaken for the start of a spacing macro.
-    s = re.sub(r"\s*\\!\s*|\\\\|\\[,;: ]|\\q?quad(?![a-zA-Z])|~",
-               lambda m: m.group(0) if m.group(0) == "\\\\" else ("" if "!" in m.group(0) else " "), s)
-    # Degrees: '90^\circ' means 90 unless a trig function needs it in radians (sin(90^\circ - x) = cos x).
-    s = _DEGREE_RE.sub("\u00b0" if _TRIG_RE.search(s) else "", s)
-    s = re.sub(r"(?:,\s*)?\band\b", ",", s)  # '19, 46, and 82' -> list
-    s = re.sub(r"\s+", " ", s).strip()
-    s = _strip_units(s)
-    s = re.sub(r"(?:\s|\\\\|\\|\.)+$", "", s)  # trailing periods and stray backslashes
-    s = s.strip(" ,")
-    # Spaces only matter between two alphanumerics ('2^6 3^5', '\pi r', '1 000'); drop the rest.
-    s = re.sub(r" (?=[^A-Za-z0-9])|(?<=[^A-Za-z0-9]) ", "", s)
-    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", s)  # x_{7} -> x_7, x^{2} -> x^2
-    return s
-
-
-# Plain numbers, the bulk of RL answers, are settled here without sympy. Values are fractions.Fraction, never
-# float: 0.1 is exactly 1/10 and a 30-digit integer is compared digit by digit. Exponents are at most 4 digits,
-# so 10^exponent stays cheap. Shapes: _NUM_RE 12, -3.5, .5, 1e-3; _SCI_RE 2.5\times10^{3}; _FRAC_RE \frac{3}{4},
-# \frac34; _SLASH_RE 3/4; _MIXED_RE 2\frac{1}{2}, '1 1/2'; _TIME_RE clock times; _SIMPLE_LHS_RE 'x=5', "f'=3".
-_NUM_RE = re.compile(r"([-+]?)(\d+\.?\d*|\.\d+)(?:[eE]([-+]?\d{1,4}))?")
-_SCI_RE = re.compile(r"([-+]?\d*\.?\d+)(?:\\times|\\cdot|\*)10\^\{?([-+]?\d{1,4})\}?")
-_FRAC_RE = re.compile(r"([-+]?)\\frac(?:\{(\d+)\}|(\d))(?:\{(\d+)\}|(\d))")
-_SLASH_RE = re.compile(r"([-+]?)(\d+)/(\d+)")
-_MIXED_RE = re.compile(r"(\d+)(?:\\frac(?:\{(\d+)\}|(\d))(?:\{(\d+)\}|(\d))| (\d+)/(\d+))")
-_TIME_RE = re.compile(r"(\d{1,2}):(\d{2})(?::(\d{2}))?\s*([AaPp])?\.?(?:[Mm]\.?)?")
-_SIMPLE_LHS_RE = re.compile(r"[A-Za-z](?:_\w|_\{\w+\})?'?=(?!=)(.+)")
-
-
-def _parse_number(s: str) -> tuple[Fraction, bool, bool] | None:
-    """Parse a plain number -> (value, has_decimal_point, is_percent); None if `s` is anything else."""
-    pct = s.endswith("%")
-    s = s[:-1] if pct else s
-    # Only well-formed groups of three digits are separators, so the list '1,2' never reads as 12.
-    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d{1,3}(?: \d{3})+(?:\.\d+)?", s):
-        s = s.replace(",", "").replace(" ", "")  # thousands separators: 7,425,000 / 1 000
-    m = _NUM_RE.fullmatch(s) or _SCI_RE.fullmatch(s)
-    if m:
-        mantissa, exp = (m.group(1) + m.group(2), m.group(3)) if m.re is _NUM_RE else (m.group(1), m.group(2))
-        value = Fraction(mantissa) * Fraction(10) ** int(exp or 0)  # exponent <= 4 digits, so this is cheap
-        return value, "." in s or "e-" in s.lower(), pct  # 1e-3 is a decimal too: it gets the tolerance
-    m = _FRAC_RE.fullmatch(s)
-    if m:
-        num, den = int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
-        return (Fraction(num * (-1 if m.group(1) == "-" else 1), den), False, pct) if den else None
-    m = _SLASH_RE.fullmatch(s)
-    if m and int(m.group(3)):
-        return Fraction(int(m.group(2)) * (-1 if m.group(1) == "-" else 1), int(m.group(3))), False, pct
-    m = _MIXED_RE.fullmatch(s)
-    if m:  # 2\frac{1}{2} or '1 1/2': only a mixed number when the fraction is proper
-        num = int(m.group(2) or m.group(3) or m.group(6))
-        den = int(m.group(4) or m.group(5) or m.group(7))
-        if 0 < num < den:
-            return int(m.group(1)) + Fraction(num, den), False, pct
-    return None
-
-
-def _numbers_match(a: tuple, b: tuple) -> bool:
-    """Exact equality for exact numbers; relative _REL_TOL when either side was written as a decimal."""
-    loose = a[1] or b[1]  # why decimals only: see _REL_TOL
-    for x in (a[0], a[0] / 100) if a[2] else (a[0],):  # '50%' may mean 50 or 0.5: accept either
-        for y in (b[0], b[0] / 100) if b[2] else (b[0],):
-            if x == y or (loose and abs(x - y) <= Fraction(_REL_TOL) * max(abs(x), abs(y))):
-                return True
-    return False
-
-
-def _parse_time(s: str) -> int | None:
-    """'20:34', '20:34:00', '08:34 P.M.' -> seconds after midnight."""
-    m = _TIME_RE.fullmatch(s.replace(" ", ""))
-    if not m:
-        return None
-    hour, minute, sec = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-    if m.group(4):
-        hour = hour % 12 + (12 if m.group(4) in "Pp" else 0)
-    return hour * 3600 + minute * 60 + sec
-
-
-def _quick_check(pred: str, gold: str) -> tuple[tuple[str, str], bool | None]:
-    """Cheap inline checks. Returns the normalised pair (cache key) and True/False, or None if undecided."""
-    # The key is taken before the left-hand-side stripping below: the symbolic path sees the full strings and
-    # drops labels itself (_unlabel), so cache, pool and this function all agree on one key per pair.
-    p, g = _normalize(pred), _normalize(gold)
-    key = (p, g)
-    if not p or not g:
-        return key, False
-    if p == g:
-        return key, True
-    if _WORDS_RE.fullmatch(p) and _WORDS_RE.fullmatch(g) and max(map(len, (p + " " + g).split())) >= 3:
-        # Needs one word of 3+ letters: 'x y' or 'ab' may be a product of variables and still goes to the parser.
-        return key, p.lower() == g.lower()  # plain words ('odd', 'Evelyn'): never parse them as products
-    tp, tg = _parse_time(p), _parse_time(g)
-    if tp is not None and tg is not None:
-        return key, tp == tg
-    # 'x = 5' vs '5': drop a single-variable left-hand side, unless both sides are equations.
-    if "=" not in g and (m := _SIMPLE_LHS_RE.fullmatch(p)):
-        p = m.group(1)
-    if "=" not in p and (m := _SIMPLE_LHS_RE.fullmatch(g)):
-        g = m.group(1)
-    np_, ng = _parse_number(p), _parse_number(g)
-    if np_ is not None and ng is not None:
-        return key, _numbers_match(np_, ng)
-    return key, None  # undecided: the caller tries the cache, then the worker pool
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# 5c. Parser: normalised answer -> tokens -> sympy objects, built by hand. sympify/parse_expr run Python's eval on
-#     their input (sympy's docs warn against using them on unsanitised strings), so they are never called here.
-#     Anything that could explode (powers, factorials, binomials, sums) is size-checked before sympy evaluates it,
-#     and anything not understood raises _ParseError, which every caller reads as "not equal".
-
-
-class _ParseError(Exception):
-    """An answer the parser does not understand or refuses to build; callers turn it into 'not equal'."""
-    pass
-
-
-# Non-scalar answers get their own small containers, converted to sympy only when compared (_to_set): sympy's
-# FiniteSet drops duplicates, Interval(2, 1) collapses to EmptySet, Tuple forgets its brackets, and Eq(1, 1)
-# evaluates to True, while a comparison needs to see exactly what was written.
-
-
-class _Tup:
-    """Tuple or interval: '(1,2]' keeps its brackets, because open vs closed endpoints matter."""
-    def __init__(self, open_, items, close):
-        self.open, self.items, self.close = open_, items, close
-
-
-class _Coll:
-    """Unordered collection: kind 'list' (1, 2), 'set' \\{1, 2\\} or 'union' A \\cup B."""
-    def __init__(self, kind, items):
-        self.kind, self.items = kind, items
-
-
-class _Rel:
-    """Relation chain: parts[0] ops[0] parts[1] ops[1] ... ('=', '<', '<=', '!=', 'in', '~')."""
-    def __init__(self, parts, ops):
-        self.parts, self.ops = parts, ops
-
-
-# Tokens: numbers (multi-digit, split later where LaTeX says so: \frac12, x_12), backslash commands, operators and
-# single letters (so 'xy' is x*y). Any other character is a _ParseError: nothing is silently skipped.
-_TOKEN_RE = re.compile(r"\s*(?:(?P<num>\d+\.?\d*|\.\d+)|(?P<cmd>\\[a-zA-Z]+|\\.)"
-                       r"|(?P<op>\*\*|<=|>=|!=|==|[-+*/^_=<>()\[\]{},;:|!'&%\u00b0])|(?P<let>[a-zA-Z]))")
-# Spacing and sizing macros, for input that skipped _normalize, and \text / \mathrm left without a brace group.
-_SKIP_CMDS = {"\\,", "\\;", "\\:", "\\!", "\\ ", "\\quad", "\\qquad", "\\left", "\\right", "\\displaystyle",
-              "\\limits", "\\mathrm", "\\text"}
-_RELOPS = {"=": "=", "==": "=", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!=", "\\le": "<=",
-           "\\leq": "<=", "\\leqslant": "<=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=", "\\lt": "<",
-           "\\gt": ">", "\\ne": "!=", "\\neq": "!=", "\\approx": "~", "\\in": "in"}
-# The only callables an answer can reach; any other name becomes a Symbol, never a lookup.
-_FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "sec": sp.sec, "csc": sp.csc, "cot": sp.cot,
-          "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan, "sinh": sp.sinh, "cosh": sp.cosh,
-          "tanh": sp.tanh, "ln": sp.log, "log": sp.log, "exp": sp.exp, "max": sp.Max, "min": sp.Min,
-          "gcd": sp.gcd, "lcm": sp.lcm}
-# \sin^{-1} x is \arcsin x (not 1 / \sin x), while \sin^2 x is (\sin x)^2.
-_INVERSE = {"sin": sp.asin, "cos": sp.acos, "tan": sp.atan}
-_CONSTS = {"pi": sp.pi, "infty": sp.oo, "infin": sp.oo}
-_MATRIX_ENVS = {"matrix", "pmatrix", "bmatrix", "Bmatrix", "vmatrix", "smallmatrix", "array"}
-# Commands that can never start an operand: used to decide where implicit multiplication stops.
-_NOT_ATOM = {"cdot", "times", "div", "pm", "mp", "cup", "cap", "right", "end", "rfloor", "rceil", "rvert",
-             "\\", "{", "}", "&"} | {k[1:] for k in _RELOPS if k.startswith("\\")}
-
-
-def _tokenize(text: str) -> list[tuple[str, str]]:
-    """Split into (kind, text) tokens; kinds are num / cmd / op / let. Unknown characters are an error."""
-    tokens, pos = [], 0
-    text = text.rstrip()  # each match needs a token after its spaces, so trailing spaces would be an error
-    while pos < len(text):
-        m = _TOKEN_RE.match(text, pos)
-        if not m:
-            raise _ParseError(f"bad character {text[pos]!r}")
-        pos = m.end()
-        kind = m.lastgroup
-        tok = m.group(kind)
-        if tok in _SKIP_CMDS:
-            continue
-        tokens.append((kind, {"**": "^", "==": "="}.get(tok, tok)))  # plain-text spellings of ^ and =
-    return tokens
-
-
-def _is_value(x) -> bool:
-    """Sympy scalars and matrices can take part in arithmetic; tuples, sets and relations cannot."""
-    return isinstance(x, (sp.Expr, sp.MatrixBase))
-
-
-def _arith(a, b, op: str):
-    """a op b on sympy values; tuples/sets/relations inside arithmetic make the answer unparseable."""
-    if not (_is_value(a) and _is_value(b)):
-        raise _ParseError("arithmetic on a non-number")
-    # sympy raises many types here (TypeError, ShapeError for matrices, ...): one exception keeps the rule simple.
-    try:
-        return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[op]()
-    except Exception as e:
-        raise _ParseError(str(e))
-
-
-def _power(base, exp):
-    """base^exp, refusing anything whose evaluation could explode (huge exponents, huge integer powers)."""
-    # sympy evaluates Integer**Integer eagerly: 9^{9^9} alone would build a number of about 370 million digits.
-    # The pool's deadline would end that worker, but refusing here costs nothing and never allocates the memory.
-    if not (_is_value(base) and isinstance(exp, sp.Expr)):
-        raise _ParseError("bad power")
-    if exp.is_Number:
-        if abs(exp) > _MAX_EXP:
-            raise _ParseError("exponent too large")
-        if base.is_Rational and abs(base) not in (0, 1):  # estimate the size of the exact result first
-            # an upper bound on the bits of base^exp, without computing it: 3^100 is put at 200 bits (really 159)
-            bits = max(int(base.p).bit_length(), int(base.q).bit_length()) * float(abs(exp))
-            if bits > _MAX_BITS:
-                raise _ParseError("power too large")
-    elif exp.is_number and not exp.free_symbols and base.is_number:
-        if abs(complex(exp.evalf(15))) > _MAX_EXP:  # e.g. 2^{10^5 \pi}
-            raise _ParseError("exponent too large")
-    try:
-        return base ** exp
-    except Exception as e:
-        raise _ParseError(str(e))
-
-
-# Grammar of _Parser, lowest precedence first ({x}: zero or more, [x]: optional). One method per rule.
-#   groups   := list {';' list}                                  'p=5,q=2;p=7,q=2': a list of tuples
-#   list     := relation {',' relation} [',']                    an unordered answer list
-#   relation := union {RELOP union}                              =, <, \le, \ne, \approx, \in; chains allowed
-#   union    := additive {'\cup' additive}
-#   additive := term {('+' | '-') term}
-#   term     := unary {('*' | \cdot | \times | '/' | \div | ':') unary | power}   a bare power: implicit product
-#   unary    := ('-' | '+') unary | power                        so -x^2 is -(x^2)
-#   power    := postfix ['^' exponent];   exponent := '-' exponent | power       (right-associative)
-#   postfix  := atom {'!' | '%' | '°' | "'"}
-#   atom     := number | letter ['_' group] | ('(' | '[') relation {',' relation} (')' | ']')
-#             | '{' groups '}' | '|' additive '|' | command
-#   command  := \frac arg arg | \sqrt ['[' additive ']'] arg | \binom arg arg | \{ relation {',' relation} \}
-#             | FUNC ['_' arg] ['^' arg] (bracket | arg | product)      \sin^2 x, \log_2 8, \max(a, b)
-#             | (\sum | \prod) '_{' letter '=' additive '}^' arg product   kept unevaluated
-#             | \begin{env} cells \end{env} | \lfloor additive \rfloor | \lceil ... | \lvert additive \rvert
-#             | \emptyset | \pi | \infty | any other name (\alpha, \angle): a Symbol
-# Every rule returns a sympy object or one of the containers above; arithmetic on containers is a _ParseError.
-# Implicit products read left to right, like the explicit ones: 1/2x is (1/2)x.
-class _Parser:
-    """Recursive descent / precedence climbing over the token list. Lowest to highest precedence:
-    ';' groups, ',' lists, relations, \\cup, + -, * / implicit-multiplication, unary -, ^, postfix ! % '."""
-
-    def __init__(self, text: str):
-        self.toks = _tokenize(text)
-        self.pos = 0
-        self.abs_open = 0       # inside |...| a '|' closes instead of opening a new absolute value
-        self.inexact = False    # set when a decimal literal is seen -> comparisons use _REL_TOL
-
-    def peek(self) -> tuple[str, str]:
-        """Current token, or ('end', '') past the end."""
-        return self.toks[self.pos] if self.pos < len(self.toks) else ("end", "")
-
-    def take(self) -> tuple[str, str]:
-        """Consume and return the current token."""
-        tok = self.peek()
-        self.pos += 1
-        return tok
-
-    def accept(self, text: str) -> bool:
-        """Consume the current token if its text is `text`."""
-        if self.peek()[1] == text:
-            self.pos += 1
-            return True
-        return False
-
-    def expect(self, text: str):
-        """Consume `text` or fail."""
-        if not self.accept(text):
-            raise _ParseError(f"expected {text}")
-
-    def parse(self):
-        """Parse the whole token list; trailing garbage is an error, never silently ignored."""
-        value = self.groups()
-        if self.pos != len(self.toks):
-            raise _ParseError(f"unexpected {self.peek()[1]}")
-        return value
-
-    def groups(self):
-        """';'-separated groups: 'p=5,q=2;p=7,q=2' becomes a list of tuples."""
-        groups = [self.list_()]
-        while self.accept(";"):
-            groups.append(self.list_())
-        if len(groups) == 1:
-            return groups[0]
-        return _Coll("list", [_Tup("(", g.items, ")") if isinstance(g, _Coll) else g for g in groups])
-
-    def list_(self):
-        """','-separated top-level list: an unordered answer list such as '1, 2, 3'."""
-        items = [self.relation()]
-        while self.accept(","):
-            if self.peek()[1] in (";", "", "}"):
-                break  # tolerate a trailing comma
-            items.append(self.relation())
-        return items[0] if len(items) == 1 else _Coll("list", items)
-
-    def relation(self):
-        """A chain of relations: 'x = 5', '-2 \\le x \\le 7', 'x \\in [0, 1]'."""
-        parts, ops = [self.union()], []
-        while self.peek()[1] in _RELOPS:
-            ops.append(_RELOPS[self.take()[1]])
-            parts.append(self.union())
-        return _Rel(parts, ops) if ops else parts[0]
-
-    def union(self):
-        """Interval unions: '(1,2) \\cup [3,4]'. Binds tighter than relations, looser than +."""
-        items = [self.additive()]
-        while self.accept("\\cup"):
-            items.append(self.additive())
-        return items[0] if len(items) == 1 else _Coll("union", items)
-
-    def additive(self):
-        """Sums and differences, left-associative."""
-        left = self.term()
-        while self.peek()[1] in ("+", "-"):
-            op = self.take()[1]
-            left = _arith(left, self.term(), op)
-        return left
-
-    def term(self):
-        """Products and quotients, explicit or implicit."""
-        left = self.unary()
-        while True:
-            t = self.peek()[1]
-            if t in ("*", "\\cdot", "\\times"):
-                self.take()
-                left = _arith(left, self.unary(), "*")
-            elif t in ("/", "\\div", ":"):  # ':' is a ratio, 'A:B = 1' is parsed as A/B = 1
-                self.take()
-                left = _arith(left, self.unary(), "/")
-            elif self.starts_atom():  # implicit multiplication: 2x, 2\pi, x y, (a)(b), 2^6 3^5
-                left = _arith(left, self.power(), "*")
-            else:
-                return left
-
-    def unary(self):
-        """Leading signs: -x^2 is -(x^2), as in maths."""
-        if self.accept("-"):
-            return _arith(sp.Integer(-1), self.unary(), "*")
-        if self.accept("+"):
-            return self.unary()
-        return self.power()
-
-    def power(self):
-        """base^exponent (guarded by _power)."""
-        base = self.postfix()
-        if self.accept("^"):
-            return _power(base, self.exponent())
-        return base
-
-    def exponent(self):
-        """An exponent, which may carry its own sign: x^-1."""
-        # right-associative: 9^9^9 is 9^(9^9); the inner power is checked by _power before the outer one
-        if self.accept("-"):
-            return _arith(sp.Integer(-1), self.exponent(), "*")
-        return self.power()
-
-    def postfix(self):
-        """Postfix operators: n!, 50%, 30° (only kept when trig needs radians), f'."""
-        value = self.atom()
-        while True:
-            t = self.peek()[1]
-            if t == "!":
-                self.take()
-                # 1000! has 2568 digits; larger factorials are refused, a symbolic n! is kept unevaluated
-                if not isinstance(value, sp.Expr) or (value.is_Integer and not 0 <= value <= 1000):
-                    raise _ParseError("bad factorial")
-                value = sp.factorial(value)
-            elif t == "%":  # an inner percent; a trailing one is stripped by _parse_answer, which tries both readings
-                self.take()
-                value = _arith(value, sp.Integer(100), "/")
-            elif t == "\u00b0":  # degrees survive _normalize only beside trig functions, which take radians
-                self.take()
-                value = _arith(value, sp.pi / 180, "*")
-            elif t == "'" and isinstance(value, sp.Symbol):
-                self.take()
-                value = sp.Symbol(value.name + "'")
-            else:
-                return value
-
-    def starts_atom(self) -> bool:
-        """Can the current token begin an operand? Decides implicit multiplication."""
-        kind, text = self.peek()
-        if kind in ("num", "let") or text in ("(", "{"):
-            return True
-        if text == "|":
-            return self.abs_open == 0
-        return kind == "cmd" and text[1:] not in _NOT_ATOM
-
-    def atom(self):
-        """Numbers, letters, brackets, braces, |x| and backslash commands."""
-        kind, text = self.take()
-        if kind == "num":
-            return self.number(text)
-        if kind == "let":
-            return self.symbol(text)
-        if text in ("(", "["):
-            return self.bracket(text)
-        if text == "{":  # a LaTeX group; with commas inside, '{1, 2}' is read as a set
-            value = self.groups()
-            self.expect("}")
-            return _Coll("set", value.items) if isinstance(value, _Coll) and value.kind == "list" else value
-        if text == "|":
-            return self.absolute("|")
-        if kind == "cmd":
-            return self.command(text[1:])
-        raise _ParseError(f"unexpected {text!r}")
-
-    def number(self, text: str):
-        """Decimal literal -> exact Rational (0.1 is exactly 1/10, never a binary float)."""
-        if "." in text:
-            self.inexact = True  # decimals are kept exact (0.5 -> 1/2) but flag the pair for tolerance
-        f = Fraction(text)
-        return sp.Rational(f.numerator, f.denominator)
-
-    def symbol(self, name: str):
-        """A letter or Greek command, with subscript; e is Euler's number, i the imaginary unit."""
-        if self.accept("_"):  # subscripts become part of the name: v_0, v_{0} and F_{n-k-1} are symbols
-            return sp.Symbol(name + "_" + self.raw_group())
-        # The usual answer convention: a bare e or i in a final answer is almost never a variable.
-        return {"e": sp.E, "i": sp.I}.get(name) or sp.Symbol(name)
-
-    def raw_group(self) -> str:
-        """Raw text of a {...} group or of a single token (used for subscripts)."""
-        if not self.accept("{"):
-            kind, text = self.take()
-            if kind == "num" and len(text) > 1:  # LaTeX x_12 is x_1 followed by 2
-                self.pos -= 1
-                self.toks[self.pos] = ("num", text[1:])
-                return text[0]
-            return text
-        depth, out = 1, []
-        while depth:
-            kind, text = self.take()
-            if kind == "end":
-                raise _ParseError("unclosed subscript")
-            depth += {"{": 1, "}": -1}.get(text, 0)
-            out.append(text)
-        return "".join(out[:-1])
-
-    def arg(self):
-        """A LaTeX macro argument: {group}, or one token (\\frac12 is 1/2, \\sqrt3 is sqrt(3))."""
-        kind, text = self.peek()
-        if text == "{":
-            self.take()
-            value = self.groups()
-            self.expect("}")
-            return value
-        if kind == "num" and len(text) > 1 and "." not in text:
-            self.toks[self.pos] = ("num", text[1:])
-            return sp.Integer(text[0])
-        if kind in ("num", "let", "cmd"):
-            return self.atom()
-        raise _ParseError("missing argument")
-
-    def bracket(self, open_: str):
-        """'(' or '[' ... : grouping if one item, otherwise a tuple / interval."""
-        items = [self.relation()]
-        while self.accept(","):
-            items.append(self.relation())
-        close = self.take()[1]
-        if close not in (")", "]"):
-            raise _ParseError("unclosed bracket")
-        # Two or more items stay a _Tup: '(1, 2)' is a point or an open interval, and only the comparison (_equal
-        # against a tuple, _to_set against an interval) decides which reading applies.
-        if len(items) == 1:
-            if open_ + close in ("()", "[]"):
-                return items[0]  # plain grouping
-            raise _ParseError("half-open single item")
-        return _Tup(open_, items, close)
-
-    def absolute(self, closer: str):
-        """|x| or \\lvert x \\rvert."""
-        self.abs_open += 1
-        inner = self.additive()
-        self.expect(closer)
-        self.abs_open -= 1
-        if not isinstance(inner, sp.Expr):
-            raise _ParseError("bad |.|")
-        return sp.Abs(inner)
-
-    def command(self, name: str):
-        """Dispatch a backslash command."""
-        if name == "frac":
-            return _arith(self.arg(), self.arg(), "/")
-        if name == "sqrt":
-            index = None
-            if self.accept("["):
-                index = self.additive()
-                self.expect("]")
-            x = self.arg()
-            # \sqrt[n]{x} is x^(1/n), built through _power so the same size checks apply
-            return _power(x, sp.Integer(1) / 2 if index is None else _arith(sp.Integer(1), index, "/"))
-        if name == "binom":
-            n, k = self.arg(), self.arg()
-            # C(10^4, k) has at most ~3000 digits; larger n could make sympy build huge integers
-            if not (isinstance(n, sp.Expr) and isinstance(k, sp.Expr)) or (n.is_Number and abs(n) > 10_000):
-                raise _ParseError("bad binomial")
-            return sp.binomial(n, k)
-        if name in _FUNCS:
-            return self.function(name)
-        if name in ("sum", "prod"):
-            return self.big_operator(name)
-        if name == "{":
-            items = [] if self.peek()[1] == "\\}" else [self.relation()]
-            while self.accept(","):
-                items.append(self.relation())
-            self.expect("\\}")
-            return _Coll("set", items)
-        if name == "begin":
-            return self.environment()
-        if name in ("lfloor", "lceil"):
-            inner = self.additive()
-            self.expect("\\rfloor" if name == "lfloor" else "\\rceil")
-            return (sp.floor if name == "lfloor" else sp.ceiling)(inner)
-        if name in ("lvert", "vert", "|"):
-            return self.absolute({"lvert": "\\rvert"}.get(name, "\\" + name))
-        if name in ("emptyset", "varnothing"):
-            return _Coll("set", [])
-        if name in _CONSTS:
-            return _CONSTS[name]
-        if name in _NOT_ATOM or not name.isalpha():
-            raise _ParseError(f"unexpected \\{name}")
-        return self.symbol(name)  # Greek letters and unknown commands (\alpha, \angle) become symbols
-
-    def implicit_product(self):
-        """Unbracketed function argument: '\\sin 2x' is sin(2x), but '\\sin b \\cos a' stops at \\cos."""
-        value = self.power()
-        while self.starts_atom() and self.peek()[1][1:] not in _FUNCS and self.peek()[1] not in ("(", "|"):
-            value = _arith(value, self.power(), "*")
-        return value
-
-    def function(self, name: str):
-        """\\sin x, \\sin^2(x), \\sin^{-1} x, \\log_2 8, \\max(a, b)."""
-        base = power = None
-        if name == "log" and self.accept("_"):
-            base = self.arg()
-        if self.accept("^"):
-            power = self.arg()  # \sin^2 x, \sin^{-1} x
-        if self.accept("("):
-            arg = self.bracket("(")
-        elif self.peek()[1] == "{":
-            arg = self.arg()
-        else:
-            arg = self.implicit_product()
-        args = arg.items if isinstance(arg, _Tup) else [arg]
-        if not all(isinstance(a, sp.Expr) for a in args + [base if base is not None else sp.S.One]):
-            raise _ParseError("bad function argument")
-        func = _FUNCS[name]
-        if power == -1 and name in _INVERSE:  # \sin^{-1} x means \arcsin x, not 1 / \sin x
-            func, power = _INVERSE[name], None
-        try:
-            value = sp.log(args[0], base) if base is not None else func(*args)
-        except Exception as e:
-            raise _ParseError(str(e))
-        return value if power is None else _power(value, power)
-
-    def big_operator(self, name: str):
-        """\\sum_{k=a}^{b} body / \\prod, kept unevaluated (evaluating 10^9 terms would hang)."""
-        self.expect("_")
-        self.expect("{")
-        lower = self.relation()
-        self.expect("}")
-        if not (isinstance(lower, _Rel) and lower.ops == ["="] and isinstance(lower.parts[0], sp.Symbol)):
-            raise _ParseError("bad sum bounds")
-        self.expect("^")
-        upper = self.arg()
-        body = self.implicit_product()
-        if not all(isinstance(x, sp.Expr) for x in (lower.parts[1], upper, body)):
-            raise _ParseError("bad sum")
-        limits = (lower.parts[0], lower.parts[1], upper)
-        return sp.Sum(body, limits) if name == "sum" else sp.Product(body, limits)  # left unevaluated
-
-    def env_name(self) -> str:
-        """The {name} after \\begin or \\end."""
-        self.expect("{")
-        name = ""
-        while not self.accept("}"):
-            kind, text = self.take()
-            if kind == "end":
-                raise _ParseError("bad environment")
-            name += text
-        return name
-
-    def environment(self):
-        """Matrices (pmatrix, bmatrix, array, ...) and cases (a system: unordered list of rows)."""
-        name = self.env_name()
-        if name == "array":
-            self.raw_group()  # column spec such as {cc} or {c|c}
-        rows = [[]]
-        while True:
-            if self.accept("\\end"):
-                if self.env_name() != name:
-                    raise _ParseError("mismatched \\end")
-                break
-            if self.peek()[0] == "end":
-                raise _ParseError("unclosed environment")
-            rows[-1].append(self.relation())
-            if self.accept("\\\\"):
-                rows.append([])
-            elif not self.accept("&") and self.peek()[1] != "\\end":
-                raise _ParseError("bad matrix cell")
-        rows = [r for r in rows if r]  # a trailing \\ leaves an empty last row
-        if name in _MATRIX_ENVS:
-            cells = [x for r in rows for x in r]
-            if not rows or len({len(r) for r in rows}) != 1 or not all(isinstance(x, sp.Expr) for x in cells):
-                raise _ParseError("bad matrix")
-            return sp.ImmutableMatrix(rows)
-        if name == "cases":  # a system of equations: an unordered list of its rows
-            return _Coll("list", [r[0] if len(r) == 1 else _Tup("(", r, ")") for r in rows])
-        raise _ParseError(f"unsupported environment {name}")
-
-
-def _parse_answer(s: str) -> tuple[list, bool]:
-    """Parse a normalised answer into candidate values ('50%' -> [50, 1/2]; '1 \\pm 2' -> [[3, -1]])."""
-    # Size limits come before tokenizing: the parser recurses about 9 Python frames per bracket level, so 50 levels
-    # use ~470 of the default limit of 1000. Deep unbracketed chains ('- - - x', 'x^x^x^...') can still raise
-    # RecursionError, which the except below turns into "unparseable".
-    depth = max_depth = 0
-    for ch in s:
-        depth += (ch in "([{") - (ch in ")]}")
-        max_depth = max(max_depth, depth)
-    if len(s) > _MAX_LEN or max_depth > _MAX_NEST:
-        return [], False
-    pct = s.endswith("%")
-    body = s[:-1] if pct else s
-    try:
-        # One \pm gives two values, kept as an unordered list: '1 \pm 2' equals '3, -1'. Two or more are not
-        # expanded (their signs may be coupled), so such an answer is parsed as written, which fails: \pm is no atom.
-        for pm in ("\\pm", "\\mp"):
-            if body.count(pm) == 1 and body.count("\\pm") + body.count("\\mp") == 1:
-                first, second = _Parser(body.replace(pm, "+")), _Parser(body.replace(pm, "-"))
-                values = [_Coll("list", [first.parse(), second.parse()])]
-                return values, first.inexact
-        parser = _Parser(body)
-        value = parser.parse()
-        values = [value]
-        if pct and isinstance(value, sp.Expr):  # gold files disagree on whether 50% means 50 or 1/2: accept both
-            values.append(value / 100)
-        return values, parser.inexact
-    except Exception:  # _ParseError, RecursionError, anything sympy throws: unparseable means not equal
-        return [], False
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# 5d. Comparison of parsed values: structural equality, then exact or high-precision numeric evaluation, then
-#     agreement at sample points, and sympy.simplify only as the slow last resort. Tuples keep their order, answer
-#     lists are multisets, equations match up to a constant factor, intervals and inequalities compare as sets.
-
-# Sample points are fixed (seeded), so one pair always gets one verdict: in every worker, every run, and the cache.
-# Positive values in (0.3, 2.7) stay clear of branch cuts (sqrt, log) and of 0 and 1, where x^2 = x and 1/x = x.
-
-
-def _points(symbols) -> list[dict]:
-    """Four deterministic sample points with a distinct positive value per symbol (positive avoids branch cuts)."""
-    names = sorted(symbols, key=lambda x: x.name)
-    pts = []
-    for k in range(4):
-        rng = random.Random(7919 * k + 17)
-        pts.append({s: sp.Float(rng.uniform(0.3, 2.7), 30) for s in names})
-    return pts
-
-
-def _evalf(expr, point=None):
-    """Numeric value (an mpmath mpc, so 10^3000 does not overflow) of `expr`, optionally at a point; None if
-    it is not a finite number."""
-    try:
-        value = expr.evalf(30, subs=point) if point else expr.evalf(50)
-        if not value.is_number:
-            return None
-        re_, im_ = (sp.Float(x, 50) for x in value.as_real_imag())
-        c = mpmath.mpc(re_._to_mpmath(170), im_._to_mpmath(170))  # 170 bits: the 50 digits evaluated above
-        return c if mpmath.isfinite(c) else None
-    except Exception:
-        return None
-
-
-def _close(x, y, tol: float) -> bool:
-    """Relative closeness with a floor, so two values that are both ~0 compare equal."""
-    return abs(x - y) <= tol * max(abs(x), abs(y), 1e-10)
-
-
-def _equal_expr(a, b, loose: bool) -> bool:
-    """Scalar equality: structural, then exact/high-precision numeric, then random-point spot checks."""
-    if a.has(sp.nan, sp.zoo) or b.has(sp.nan, sp.zoo):
-        return False  # checked first: 1/0 and 2/0 are both zoo, which would compare equal
-    if a == b:
-        return True
-    # Exact numbers are compared exactly; no float tolerance ever touches big integers.
-    if a.is_Rational and b.is_Rational and not loose:
-        return False  # exact integers/fractions that differ are different: 12000023 != 12000024
-    if a.has(sp.Sum, sp.Product) or b.has(sp.Sum, sp.Product):
-        return False  # symbolic sums only match structurally: evaluating or simplifying them is slow
-    # Numeric evaluation before simplify(): it is fast, it proves non-equality at once, and agreement at
-    # several random points is overwhelming evidence of identity. simplify() is the slow last resort.
-    # Tolerances: 1e-25 at 50 digits for constants (equal closed forms such as sqrt(2)/2 and 1/sqrt(2) differ
-    # only by rounding, distinct contest answers by far more), 1e-9 at 30 digits at sample points; _REL_TOL if loose.
-    free = a.free_symbols | b.free_symbols
-    if not free:
-        va, vb = _evalf(a), _evalf(b)
-        if va is not None and vb is not None:
-            return _close(va, vb, _REL_TOL if loose else 1e-25)
-    else:
-        # One agreeing point could be a root of a - b by chance; two are required, and any disagreement vetoes.
-        # Points where a side is undefined (log of a negative, 1/0) are skipped, hence four points for two.
-        agree = 0
-        for point in _points(free):
-            va, vb = _evalf(a, point), _evalf(b, point)
-            if va is None or vb is None:
-                continue
-            if not _close(va, vb, _REL_TOL if loose else 1e-9):
-                return False
-            agree += 1
-        if agree >= 2:
-            # Positive points miss |x| vs x. A negative point vetoes, but only where both sides are real
-            # there: branch-cut differences (sqrt(a/b) vs sqrt(a)/sqrt(b)) give complex values and are ignored.
-            point = {k: -v for k, v in _points(free)[0].items()}
-            va, vb = _evalf(a, point), _evalf(b, point)
-            real = va is not None and vb is not None and abs(va.imag) + abs(vb.imag) < 1e-20
-            return not real or _close(va, vb, _REL_TOL if loose else 1e-9)
-    try:  # numbers failed (e.g. unknown functions): let sympy try to prove a - b = 0
-        return sp.simplify(a - b) == 0
-    except Exception:
-        return False
-
-
-# Labels: models write 'x = 5', 'f(x) = 2x + 1' or 'AB = 3' where the gold answer is '5'. A left-hand side
-# that only names the answer (symbols, products and ratios of symbols, |AB|) is dropped; '2x = 5' stays an equation.
-def _is_label(v) -> bool:
-    """Is `v` a name for the answer rather than part of it: x, f(x), |AB|, NO/BO, A:B, (p,q)?"""
-    if isinstance(v, _Tup):
-        return all(isinstance(x, sp.Symbol) for x in v.items)
-
-    def ok(e):
-        if isinstance(e, sp.Symbol):
-            return True
-        if isinstance(e, sp.Abs):
-            return ok(e.args[0])
-        if isinstance(e, sp.Pow):
-            return e.exp == -1 and ok(e.base)
-        return isinstance(e, sp.Mul) and all(ok(x) for x in e.args)
-    return isinstance(v, sp.Expr) and ok(v)
-
-
-def _unlabel(v):
-    """'x = 5' -> 5, 'x \\in [0,1]' -> [0,1], 'a \\approx 0.577' -> a; None when `v` is a real relation."""
-    if not isinstance(v, _Rel):
-        return v
-    if len(v.ops) == 1:
-        (lhs, rhs), op = v.parts, v.ops[0]
-        if op in ("=", "in", "~") and _is_label(lhs):
-            return rhs
-        if op == "~":
-            return lhs  # 'exact \approx decimal': the exact part is the answer
-    return None
-
-
-def _canon_relation(r: _Rel):
-    """Single relation -> (lhs, rhs, op) with op in {<, <=, =, !=} (a > b becomes b < a)."""
-    if len(r.ops) != 1 or not all(isinstance(x, sp.Expr) for x in r.parts):
-        return None
-    (lhs, rhs), op = r.parts, r.ops[0]
-    if op in (">", ">="):
-        lhs, rhs, op = rhs, lhs, op.replace(">", "<")
-    return (lhs, rhs, op) if op in ("<", "<=", "=", "!=") else None
-
-
-# Two equations (or inequalities) agree when lhs - rhs of one is a constant multiple of the other's, which covers
-# the usual rewritings (moving terms across, scaling, 'y = mx + c' vs 'ax + by + c = 0'). The factor is estimated
-# at the best-conditioned sample point and checked at all the others; for < and <= it must be positive, because
-# multiplying by a negative number flips an inequality.
-def _equal_relations(a: _Rel, b: _Rel, loose: bool) -> bool:
-    """Same relation up to a constant factor: 2x+4y-3=0 ~ y=-x/2+3/4 (any factor), -x > -1 ~ x < 1 (positive)."""
-    ca, cb = _canon_relation(a), _canon_relation(b)
-    if ca is None or cb is None or ca[2] != cb[2] or any(x.has(sp.Sum, sp.Product) for x in ca[:2] + cb[:2]):
-        return False
-    e1, e2 = ca[0] - ca[1], cb[0] - cb[1]
-    free = e1.free_symbols | e2.free_symbols
-    if not free:
-        return False
-    samples = []
-    for point in _points(free):
-        vals = [_evalf(x, point) for x in (ca[0], ca[1], cb[0], cb[1])]
-        if None not in vals:
-            # (e1, e2, size of e1's sides, size of e2's sides) at this point
-            samples.append((vals[0] - vals[1], vals[2] - vals[3], abs(vals[0]) + abs(vals[1]),
-                            abs(vals[2]) + abs(vals[3])))
-    if len(samples) < 2:
-        return False
-    v1, v2, _, _ = max(samples, key=lambda t: abs(t[1]) / max(t[3], 1e-30))  # ratio from the best-conditioned point
-    if abs(v2) < 1e-12 or abs(v1) < 1e-12:
-        return False
-    ratio = v1 / v2
-    tol = _REL_TOL if loose else 1e-9
-    # Compare e1 with ratio*e2 relative to the size of the sides, so points near a root do not break it.
-    if not all(abs(x - ratio * y) <= tol * max(s1, abs(ratio) * s2, 1e-10) for x, y, s1, s2 in samples):
-        return False
-    return ca[2] in ("=", "!=") or (abs(mpmath.im(ratio)) < 1e-9 and mpmath.re(ratio) > 0)
-
-
-# Relations with one free variable are solved over the reals (solveset, imported at the top of the file so a
-# forked worker never imports), so 'x \ge 2' equals '[2, \infty)' and 'x^2 < 1' equals '(-1, 1)'.
-_SYMPY_REL = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "=": sp.Eq, "!=": sp.Ne}
-
-
-def _to_set(v):
-    """Interval / union / finite set / univariate relation -> sympy Set, or None."""
-    try:
-        if isinstance(v, _Tup) and len(v.items) == 2 and all(isinstance(x, sp.Expr) for x in v.items):
-            return sp.Interval(v.items[0], v.items[1], v.open == "(", v.close == ")")
-        if isinstance(v, _Coll) and v.kind == "union":
-            parts = [_to_set(x) for x in v.items]
-            return None if None in parts else sp.Union(*parts)
-        if isinstance(v, _Coll) and v.kind == "set" and all(isinstance(x, sp.Expr) for x in v.items):
-            return sp.FiniteSet(*v.items)
-        if isinstance(v, _Rel):
-            if v.ops == ["in"] and _is_label(v.parts[0]):
-                return _to_set(v.parts[1])
-            if not all(isinstance(x, sp.Expr) for x in v.parts) or not all(o in _SYMPY_REL for o in v.ops):
-                return None
-            free = set().union(*(x.free_symbols for x in v.parts))
-            bounds_free = v.parts[0].free_symbols | v.parts[2].free_symbols if len(v.parts) == 3 else free
-            if len(v.parts) == 3 and len(free) > 1 and _is_label(v.parts[1]) and not bounds_free:
-                lo, hi, ops = v.parts[0], v.parts[2], v.ops  # '0 < f(x) < 1': the middle is just a name
-                if ops[0][0] == ">" and ops[1][0] == ">":
-                    lo, hi, ops = hi, lo, [ops[1].replace(">", "<"), ops[0].replace(">", "<")]
-                if ops[0][0] == "<" and ops[1][0] == "<":
-                    return sp.Interval(lo, hi, ops[0] == "<", ops[1] == "<")
-                return None
-            if len(free) != 1:
-                return None
-            x = free.pop()
-            result = sp.Reals
-            for lhs, op, rhs in zip(v.parts, v.ops, v.parts[1:]):
-                result = sp.Intersection(result, solveset(_SYMPY_REL[op](lhs, rhs), x, sp.Reals))
-            return result
-    except Exception:
-        return None
-    return None
-
-
-def _equal_sets(a, b) -> bool:
-    """Compare as sets of reals: intervals, unions, finite sets, solved univariate relations."""
-    sa, sb = _to_set(a), _to_set(b)
-    if sa is None or sb is None:
-        return False
-    try:
-        # == is structural; the two complements also catch one set written in two different forms
-        return sa == sb or bool(sp.Complement(sa, sb).is_empty and sp.Complement(sb, sa).is_empty)
-    except Exception:
-        return False
-
-
-def _unordered_equal(xs: list, ys: list, loose: bool) -> bool:
-    """Multiset equality under _equal (so [a, a] != [a, b])."""
-    if len(xs) != len(ys):
-        return False
-    # Greedy matching is exact while _equal is transitive, which holds up to the tolerance; lists are short.
-    unused = list(ys)
-    for x in xs:
-        for j, y in enumerate(unused):
-            if _equal(x, y, loose):
-                del unused[j]
-                break
-        else:
-            return False
-    return True
-
-
-def _equal(a, b, loose: bool) -> bool:
-    """Equality of two parsed values of any kind (expression, matrix, tuple, collection, relation)."""
-    if isinstance(a, _Rel) or isinstance(b, _Rel):
-        # Recurse only if a label was actually dropped, otherwise this would call itself with the same pair.
-        ua, ub = _unlabel(a), _unlabel(b)
-        if ua is not None and ub is not None and (ua is not a or ub is not b) and _equal(ua, ub, loose):
-            return True
-        if isinstance(a, _Rel) and isinstance(b, _Rel) and _equal_relations(a, b, loose):
-            return True
-        if isinstance(a, _Rel) and isinstance(b, _Rel) and a.ops == b.ops == ["="]:
-            return False  # two equations: the proportionality test above was the whole story
-        return _equal_sets(a, b)  # e.g. '-2 \le x \le 7' vs '[-2, 7]'
-    if isinstance(a, sp.MatrixBase) or isinstance(b, sp.MatrixBase):
-        return (isinstance(a, sp.MatrixBase) and isinstance(b, sp.MatrixBase) and a.shape == b.shape
-                and all(_equal_expr(x, y, loose) for x, y in zip(a, b)))
-    if isinstance(a, sp.Expr) and isinstance(b, sp.Expr):
-        return _equal_expr(a, b, loose)
-    if isinstance(a, _Tup) and isinstance(b, _Tup):
-        return ((a.open, a.close, len(a.items)) == (b.open, b.close, len(b.items))
-                and all(_equal(x, y, loose) for x, y in zip(a.items, b.items)))
-    if isinstance(a, _Coll) and isinstance(b, _Coll):
-        # '1, 2' and '\{1, 2\}' mean the same answer; a union only matches another union here
-        if a.kind == b.kind or {a.kind, b.kind} == {"list", "set"}:
-            return _unordered_equal(a.items, b.items, loose)
-    return False
-
-
-def _symbolic_equal(pred: str, gold: str) -> bool:
-    """Full comparison of two normalised answers. Can be slow: always run it under a hard timeout."""
-    pred_values, pred_inexact = _parse_answer(pred)
-    gold_values, gold_inexact = _parse_answer(gold)
-    loose = pred_inexact or gold_inexact  # one decimal on either side loosens the pair (see _REL_TOL)
-    return any(_equal(p, g, loose) for p in pred_values for g in gold_values)
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# 5e. Worker pool with hard deadlines, and the public API. The symbolic step (5c-5d) runs in forked workers that
-#     are SIGKILLed at their deadline; extraction, normalisation, plain-number checks and an LRU cache of verdicts
-#     run inline in the caller. Public: extract_answer (5a), math_equal, verify_batch, close_verifier_pool.
-
-# Why fork: the host module (common.py) imports torch at the top, so 'spawn'/'forkserver' workers would
-# re-import it (~2 s each, and again for every replacement of a killed worker). A forked worker already
-# has sympy and this code in memory and starts in milliseconds. It only runs pure-Python sympy code and
-# never touches torch/CUDA, which is what makes fork safe even after CUDA is initialised in the parent.
-# Why processes at all: sympy cannot be interrupted from a thread, and signal.alarm only works on the main
-# thread; a separate process can always be killed. A worker that exceeds its deadline is SIGKILLed and
-# replaced; its pair counts as not equal.
-_CTX = multiprocessing.get_context("fork")
-
-
-def _worker_main(conn, inherited, parent_pid: int):
-    """Worker loop: receive (pred, gold), reply with a bool. Exits on None, EOF, or when the parent dies."""
-    # A fork copies every open fd: this worker holds the parent's ends of all earlier workers' pipes. Closing
-    # them means an earlier worker sees EOF once the parent really closes its end (or dies).
-    for c in inherited:  # close the parent's ends of sibling pipes, so EOF detection works everywhere
-        try:
-            c.close()
-        except Exception:
-            pass
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it kills us
-    except Exception:
-        pass
-    while True:
-        try:
-            if not conn.poll(2.0):
-                if os.getppid() != parent_pid:
-                    return  # orphaned (parent was SIGKILLed): do not linger
-                continue
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        try:
-            result = bool(_symbolic_equal(*msg))
-        except BaseException:  # RecursionError, MemoryError, anything: "not equal", and the worker lives on
-            result = False
-        try:
-            conn.send(result)
-        except (EOFError, OSError):
-            return
-
-
-# A one-element list, not an int: da3po.py and daro.py import the name, and they must see the increments.
-VERIFIER_TIMEOUTS = [0]  # symbolic comparisons cut off at their deadline in this process (logged per step)
-
-
-class _Worker:
-    """One forked worker: its process, the parent's end of its pipe, and the number of tasks it has run."""
-
-    def __init__(self, proc, conn):
-        self.proc, self.conn, self.tasks = proc, conn, 0
-
-
-# Why not multiprocessing.Pool or concurrent.futures: a Pool task that is late cannot be stopped except by
-# terminate(), which kills every worker, and ProcessPoolExecutor cannot cancel a running future at all. Here each
-# task has its own deadline, and only the worker that misses it is killed and later replaced.
-class _Pool:
-    """A minimal process pool where every task has its own deadline. Not thread-safe: use _POOL_LOCK."""
-
-    def __init__(self, size: int):
-        self.pid = os.getpid()
-        self.size = size
-        self.workers: list[_Worker] = []
-        self.idle: list[_Worker] = []
-
-    def _spawn(self) -> _Worker:
-        """Fork one worker; it must not keep copies of the parent's ends of other workers' pipes."""
-        parent_end, child_end = _CTX.Pipe()
-        inherited = [w.conn for w in self.workers]
-        proc = _CTX.Process(target=_worker_main, args=(child_end, inherited, os.getpid()), daemon=True)
-        proc.start()
-        child_end.close()
-        worker = _Worker(proc, parent_end)
-        self.workers.append(worker)
-        return worker
-
-    def _discard(self, worker: _Worker):
-        """Kill a worker (it may be stuck in sympy) and forget it; a fresh one is forked when needed."""
-        try:
-            worker.proc.kill()
-            worker.proc.join(timeout=1.0)
-        except Exception:
-            pass
-        worker.conn.close()
-        if worker in self.workers:
-            self.workers.remove(worker)
-
-    def _release(self, worker: _Worker):
-        """Return a worker to the idle list, or retire it after _MAX_TASKS_PER_WORKER tasks."""
-        worker.tasks += 1
-        if worker.tasks >= _MAX_TASKS_PER_WORKER:
-            self._discard(worker)
-        else:
-            self.idle.append(worker)
-
-    def run(self, tasks: list[tuple[str, str]], timeout: float, parallel: int) -> list[bool | None]:
-        """Evaluate tasks on up to `parallel` workers; each task gets `timeout` seconds from its dispatch.
-        None = no answer (deadline passed or worker died): counts as not equal, but is not cached, since a loaded
-        machine can push a legitimate comparison past its deadline once."""
-        results: list[bool | None] = [None] * len(tasks)
-        queue = deque(range(len(tasks)))
-        busy = {}  # conn -> (worker, task index, deadline)
-        # Deadlines count from dispatch, not from the start of the batch, so a task that waited for a free
-        # worker keeps its full `timeout`: the batch takes at most about ceil(len(tasks) / parallel) * timeout.
-        try:
-            while queue or busy:
-                while queue and len(busy) < max(1, min(parallel, self.size)):
-                    worker = self.idle.pop() if self.idle else self._spawn()
-                    idx = queue.popleft()
-                    try:
-                        worker.conn.send(tasks[idx])
-                    except (EOFError, OSError):
-                        self._discard(worker)  # died while idle: the task is retried on another worker
-                        queue.appendleft(idx)
-                        continue
-                    busy[worker.conn] = (worker, idx, time.monotonic() + timeout)
-                wait_s = max(0.0, min(d for _, _, d in busy.values()) - time.monotonic())
-                for conn in multiprocessing.connection.wait(list(busy), timeout=wait_s):
-                    worker, idx, _ = busy.pop(conn)
-                    try:
-                        results[idx] = bool(conn.recv())
-                        self._release(worker)
-                    except (EOFError, OSError):
-                        self._discard(worker)  # crashed (e.g. out of memory): result stays None
-                now = time.monotonic()
-                for conn, (worker, idx, deadline) in list(busy.items()):
-                    if now >= deadline:
-                        del busy[conn]
-                        self._discard(worker)  # hard timeout: result stays None
-                        VERIFIER_TIMEOUTS[0] += 1
-        finally:
-            for worker, _, _ in busy.values():  # interrupted mid-batch: workers are in an unknown state
-                self._discard(worker)
-        return results
-
-    def close(self):
-        """Ask workers to exit, then kill whatever is left."""
-        for worker in list(self.workers):
-            try:
-                worker.conn.send(None)
-            except Exception:
-                pass
-        for worker in list(self.workers):
-            worker.proc.join(timeout=0.5)
-            self._discard(worker)
-        self.idle = []
-
-
-# One pool per process, created on first use. _POOL_LOCK serialises batches: two threads sharing the pool's
-# workers would read each other's replies. _CACHE maps the normalised (pred, gold) pair to a definite verdict; it
-# lives in the calling process only (workers never see it), and timeouts and crashes are never stored in it.
-_POOL: _Pool | None = None
-_POOL_LOCK = threading.Lock()
-_CACHE: OrderedDict = OrderedDict()
-
-
-def _get_pool(size: int) -> _Pool:
-    """Lazily create (or grow) the global pool. A pool inherited through fork belongs to the parent: ignore it."""
-    global _POOL
-    if _POOL is None or _POOL.pid != os.getpid():  # in a forked child, the pipes in _POOL are the parent's
-        _POOL = _Pool(size)
-    _POOL.size = max(_POOL.size, size)
-    return _POOL
-
-
-def close_verifier_pool() -> None:
-    """Stop all verifier worker processes (also registered with atexit). The pool restarts lazily if used again."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is not None and _POOL.pid == os.getpid():
-            _POOL.close()
-        _POOL = None
-
-
-atexit.register(close_verifier_pool)  # workers also leave by themselves when orphaned (see _worker_main)
-
-
-def _cache_get(key):
-    """LRU lookup (moves the key to the recent end)."""
-    value = _CACHE.get(key)
-    if value is not None:  # a cached False is a verdict too: only a missing key is None
-        _CACHE.move_to_end(key)
-    return value
-
-
-def _cache_put(key, value: bool):
-    """LRU insert, evicting the oldest entry past _CACHE_SIZE."""
-    _CACHE[key] = value
-    _CACHE.move_to_end(key)
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-
-
-def _default_workers() -> int:
-    """num_workers=0 means min(4, cpu count): verification shares the CPU with training."""
-    return max(1, min(4, os.cpu_count() or 1))
-
-
-def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int) -> list[bool]:
-    """Shared core of math_equal / verify_batch: fast paths and cache inline, the rest on the pool."""
-    # Cheapest first: identical raw strings, a length gate, normalised and plain-number checks (_quick_check), the
-    # cache, and only then the pool. The raw gate is 4 * _MAX_LEN because normalising removes \text{}, units and
-    # spaces; the parser itself never sees more than _MAX_LEN characters.
-    results = [False] * len(preds)
-    todo: dict[tuple[str, str], list[int]] = {}
-    for i, (pred, gold) in enumerate(zip(preds, golds)):
-        try:
-            if pred is None or gold is None:
-                continue
-            pred, gold = str(pred), str(gold)
-            if pred == gold and pred.strip():
-                results[i] = True
-                continue
-            if len(pred) > 4 * _MAX_LEN or len(gold) > 4 * _MAX_LEN:
-                continue  # not a plausible final answer; never normalise or parse megabytes
-            key, quick = _quick_check(pred, gold)
-            if quick is None:
-                quick = _cache_get(key)
-            if quick is not None:
-                results[i] = quick
-            elif len(key[0]) <= _MAX_LEN and len(key[1]) <= _MAX_LEN:
-                todo.setdefault(key, []).append(i)
-        except Exception:
-            results[i] = False
-    # Only unique undecided pairs travel to the workers (duplicates within a batch are verified once).
-    if todo:
-        keys = list(todo)
-        try:
-            with _POOL_LOCK:
-                out = _get_pool(num_workers).run(keys, timeout, min(num_workers, len(keys)))
-        except Exception:
-            out = [None] * len(keys)  # e.g. fork unavailable: fail closed (False, uncached) rather than raise
-        for key, value in zip(keys, out):
-            if value is not None:  # None (deadline or crash) is not cached: a loaded machine may be the cause
-                _cache_put(key, value)
-            for i in todo[key]:
-                results[i] = bool(value)
-    return results
-
-
-def math_equal(pred: str | None, gold: str, timeout: float = 1.0) -> bool:
-    """True iff `pred` is mathematically equivalent to `gold`. Never raises; returns within ~`timeout` s."""
-    try:
-        return _verify_pairs([pred], [gold], timeout, 1)[0]
-    except Exception:
-        return False
-
-
-def verify_batch(completions: list[str], golds: list[str], answer_format: str = "auto", timeout: float = 1.0,
-                 num_workers: int = 0) -> list[bool]:
-    """Extract and compare every (completion, gold) pair. Extraction, normalisation, plain-number checks and
-    the cache run inline; only the undecided unique pairs go to the worker pool (num_workers; 0 means
-    min(4, cpu count), and small batches simply use fewer workers). Worst case wall time is about
-    ceil(undecided / workers) * timeout."""
-    if len(completions) != len(golds):
-        raise ValueError("completions and golds must have the same length")
-    preds = [extract_answer(c, answer_format) for c in completions]
-    workers = num_workers if num_workers > 0 else _default_workers()
-    return _verify_pairs(preds, list(golds), timeout, workers)
+# 5. Reward: the verifier's verdict (verifier.py: extraction, normalisation, a parser that never executes model
+#    text, symbolic comparison in time-bounded worker processes) turned into DAPO's shaped reward.
 
 
 def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buffer: int,
@@ -2013,25 +672,35 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
                 top_p: float = 1.0, batch_size: int = 256) -> tuple[list[list[int]], list[bool]]:
     """Sample one completion per prompt (repeat a prompt G times for a group). Returns the completion token ids (up to
     and including the first eos) and whether each was truncated (no eos within max_new_tokens)."""
+    from transformers import GenerationConfig
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
+    eos = sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tok.eos_token_id})
+    # Sample exactly what the flags say. generate() fills every knob we leave unset from the checkpoint's own
+    # generation_config.json (repetition_penalty 1.05, top_k 20, min_p, ... in many instruct models), which would make
+    # the rollouts silently off-policy for the trainer's plain softmax(logits / T). So the model's generation config is
+    # swapped for one built from our flags alone while generate runs, and restored afterwards.
+    sample = temperature > 0
+    ours = GenerationConfig(do_sample=sample, temperature=temperature if sample else 1.0,
+                            top_p=top_p if sample else 1.0, top_k=0, max_new_tokens=max_new_tokens, use_cache=True,
+                            pad_token_id=tok.pad_token_id, eos_token_id=eos)
     completions, truncated = [], []
-    was_training = model.training
-    model.eval()
-    for s in range(0, len(prompts), batch_size):
-        chunk = prompts[s:s + batch_size]
-        ids, attn, _ = pad_prompt_completion(chunk, [[]] * len(chunk), tok.pad_token_id)
-        ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # drop the empty completion column
-        sample = temperature > 0
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=sample,
-                             temperature=temperature if sample else None, top_p=top_p if sample else None,
-                             top_k=0 if sample else None, pad_token_id=tok.pad_token_id, eos_token_id=list(eos))
-        for row in out[:, ids.shape[1]:].tolist():
-            cut = next((j for j, t in enumerate(row) if t in eos), None)
-            completions.append(row if cut is None else row[:cut + 1])
-            truncated.append(cut is None)
-    model.train(was_training)
+    was_training, checkpoint_config = model.training, model.generation_config
+    model.eval()  # gradient checkpointing is off in eval mode, so generate keeps its KV cache
+    model.generation_config = ours
+    try:
+        for s in range(0, len(prompts), batch_size):
+            chunk = prompts[s:s + batch_size]
+            ids, attn, _ = pad_prompt_completion(chunk, [[]] * len(chunk), tok.pad_token_id)
+            ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # drop the empty completion column
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=ours)
+            for row in out[:, ids.shape[1]:].tolist():
+                cut = next((j for j, t in enumerate(row) if t in eos), None)
+                completions.append(row if cut is None else row[:cut + 1])
+                truncated.append(cut is None)
+    finally:
+        model.generation_config = checkpoint_config
+        model.train(was_training)
     return completions, truncated
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -2251,15 +920,15 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
 # 8. GRPO machinery: groups, dynamic sampling, advantages, loss aggregation, the clipped surrogate.
 
 
-def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> list[dict]:
+def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> tuple[list[dict], dict]:
     """G completions for each problem, verified and rewarded. One group = one prompt:
     {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
-     "answer", "level", "prompt"}. `generate_fn(prompt_ids_list) -> (completions, truncated[, sampling_logp])` is the rollout engine."""
-    prompt_ids = [tok(format_prompt(tok, p["prompt"], "none" if p.get("templated") else cfg.prompt_template),
-                      add_special_tokens=False)["input_ids"] for p in problems]
+     "answer", "level", "prompt"}. `generate_fn(prompt_ids_list) -> (completions, truncated[, sampling_logp])` is the
+    rollout engine. Returns (groups, the verifier's info: timeouts, symbolic comparisons, cache hits)."""
+    prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
     completions, truncated, *sampling_logp = generate_fn([ids for ids in prompt_ids for _ in range(G)])  # vLLM: + logps
     texts = tok.batch_decode(completions, skip_special_tokens=True)
-    correct = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
+    correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
     groups = []
     for i, p in enumerate(problems):
         s = slice(i * G, (i + 1) * G)
@@ -2270,7 +939,7 @@ def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> list[dic
                        "truncated": truncated[s], "correct": correct[s], "reward": rewards})
         if sampling_logp:
             groups[-1]["sampling_logp"] = sampling_logp[0][s]
-    return groups
+    return groups, info
 
 
 def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_groups: int, max_gen_batches: int,
@@ -2285,18 +954,22 @@ def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_group
 
     Returns (this rank's kept groups, stats over every group generated on every rank)."""
     mixed = lambda g: 0 < sum(g["correct"]) < len(g["correct"])  # noqa: E731  (the groups DAPO keeps)
-    kept, generated, n_batches = [], [], 0
+    kept, generated, n_batches, timeouts = [], [], 0, 0
     while len(kept) < num_groups and n_batches < max_gen_batches:
-        groups = all_gather_list(roll_fn(stream.next(gen_groups)[rank::world_size]))  # every rank sees every group
+        mine, info = roll_fn(stream.next(gen_groups)[rank::world_size])
+        groups = all_gather_list(mine)  # every rank sees every group
+        timeouts += info["timeouts"]
         n_batches += 1
         generated += groups
         if on_generated is not None:
             on_generated(groups)
         kept += [g for g in groups if not enabled or mixed(g)]
     if len(kept) < num_groups:
+        usable = len(kept) - len(kept) % world_size  # an equal share per rank keeps FSDP's collectives in lockstep
         print0(f"warning: dynamic sampling kept {len(kept)}/{num_groups} groups after {n_batches} generation batches "
-               f"(--max_gen_batches); training on what was kept")
-    kept = kept[:min(num_groups, len(kept) - len(kept) % world_size)]  # equal share per rank keeps FSDP in lockstep
+               f"(--max_gen_batches); training on " + (f"all {usable}" if usable == len(kept) else
+                                                       f"{usable} (a multiple of the {world_size} ranks)"))
+    kept = kept[:min(num_groups, len(kept) - len(kept) % world_size)]
     rewards = [r for g in generated for r in g["reward"]]
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
@@ -2304,8 +977,21 @@ def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_group
     stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
              "train/keep_rate": sum(map(mixed, generated)) / len(generated),
              "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
-             "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated)}
+             "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated),
+             "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item()}
     return kept[rank::world_size], stats
+
+
+def split_updates(num_groups: int, num_updates: int, G: int) -> list[torch.Tensor]:
+    """Row indices (into make_batch's rows, G per group) of each optimizer update of a step: the groups cut into
+    min(num_updates, num_groups) contiguous parts whose sizes differ by at most one group, so every group is trained
+    exactly once and no update is empty, also when dynamic sampling stopped at its cap with fewer groups than usual.
+    Every rank holds the same number of groups, so every rank makes the same updates. Example: 13 groups, 2 updates,
+    G = 8 -> rows 0-55 (7 groups) and 56-103 (6 groups); 1 group, 16 updates -> one update of rows 0-7."""
+    n = min(num_updates, num_groups)
+    sizes = [num_groups // n + (i < num_groups % n) for i in range(n)]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    return [torch.arange(s * G, (s + k) * G) for s, k in zip(starts, sizes)]
 
 
 def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -2335,11 +1021,12 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
     loss and gradient do not depend on how the update is split (ALGORITHMS.md section 8, item 5).
       token-mean               1 / (#completion tokens)                     DAPO
       seq-mean-token-mean      1 / (#sequences * |o_i|)                     GRPO, GSPO
-      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)            Dr. GRPO (a constant, not batch lengths)"""
-    mask = mask.float()
+      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)            Dr. GRPO (a constant, not batch lengths)
+    A floating-point mask keeps its dtype (float64 checks against a peer's numbers), an integer one becomes float32."""
+    mask = mask if mask.is_floating_point() else mask.float()
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
-    num_seqs = all_reduce_sum(torch.tensor(float(mask.shape[0]))).clamp(min=1)
+    num_seqs = all_reduce_sum(torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device)).clamp(min=1)
     if loss_agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_seqs)
     if loss_agg == "seq-mean-token-sum-norm":
@@ -2356,8 +1043,9 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high:
     seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)), so every token of a
         completion shares the length-normalised sequence ratio and the whole sequence is clipped together
     kl_coef > 0: + kl_coef * k3 estimate of KL(pi || pi_ref) per token
-    Returns (loss, stats) with stats = weighted sums of clipped tokens (low / high) for logging."""
-    mask = (weights > 0).float()
+    Returns (loss, stats) with stats = weighted sums of clipped tokens (low / high) for logging. Everything is
+    computed in the dtype of the inputs (float64 in, float64 out)."""
+    mask = (weights > 0).to(weights.dtype)
     log_ratio = logp - old_logp  # (B, T)
     if seq_ratio:
         seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
@@ -2445,7 +1133,7 @@ def evaluate(generate_fn, tok, problems: list[dict], cfg, rank: int = 0, world_s
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
         for s in range(0, len(mine), cfg.eval_batch_size):
-            groups += roll_groups(generate_fn, tok, mine[s:s + cfg.eval_batch_size], cfg, cfg.eval_samples)
+            groups += roll_groups(generate_fn, tok, mine[s:s + cfg.eval_batch_size], cfg, cfg.eval_samples)[0]
     results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"]) for g in groups])
     n = cfg.eval_samples
     out = {"eval/acc": sum(c for _, c, _ in results) / sum(m for m, _, _ in results)}

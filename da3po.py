@@ -11,7 +11,8 @@ Why DAA (Sec. 6.2 of ALGORITHMS.md, `--theory` prints it): dynamic sampling drop
 expected advantage of a surviving incorrect response on a prompt with pass rate p by alpha- = 1/(1-(1-p)^(G-1)) but
 that of a correct one only by alpha+ = 1/(1-p^(G-1)); for p < 0.5 the correct ones are under-weighted (gamma < 1).
 
---algo presets (every knob stays overridable): da3po (default), dapo (lam=1), grpo, dr_grpo, gspo; see PRESETS.
+--algo presets (each paper's recipe; a flag still overrides a knob, with a note): da3po (default), dapo (lam=1),
+grpo, dr_grpo, gspo; see PRESETS.
 
 Deviations from the paper (each tagged "[dev N]" in the code):
   1) The paper's full text is not available; tau is not given there. We use tau = 0.5, the value at which the theory's
@@ -19,7 +20,7 @@ Deviations from the paper (each tagged "[dev N]" in the code):
   2) Learning rate, batch sizes and lengths default to the built-in CPU demo, not to the paper's GPU runs; the README
      lists the paper-scale commands.
   3) GRPO and GSPO presets use no KL term (kl_coef=0, as DAPO and GSPO do); `--kl_coef 0.04` restores DeepSeekMath's.
-  4) Our extension, off by default: `--lam adaptive` sets the factor to 1/gamma(p, G) (the paper's stated future
+  4) Our extension, off by default: `--adaptive_lam` sets the factor to 1/gamma(p, G) (the paper's stated future
      work), and `--p_estimate running` estimates p from every sample of the prompt so far, not only the current G.
 
 Run:
@@ -39,13 +40,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, VLLMRollout, all_reduce_max, all_reduce_sum,
-                    check_config, cleanup_dist, config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets,
-                    format_eval, format_step, group_advantages, guarded_step, handle_stop_signals, hf_generate,
-                    latest_checkpoint, load_data, load_model, load_optimizer_state, local_state, log_samples,
-                    loss_weights, make_batch, micro_batches, old_logprobs, parse_config, policy_loss, print0,
-                    resolve_rollout, resolve_template, rng_state, roll_groups, rollout_copy, save_checkpoint,
-                    set_rng_state, setup_dist, shard_model, stop_requested, sync_rollout, token_logprobs)
+from common import (Logger, PromptStream, VLLMRollout, all_reduce_max, all_reduce_sum, check_config, cleanup_dist,
+                    config_dict, die, dynamic_sampling, eval_set_names, evaluate_sets, format_eval, format_step,
+                    group_advantages, guarded_step, handle_stop_signals, hf_generate, latest_checkpoint, load_data,
+                    load_model, load_optimizer_state, local_state, log_samples, loss_weights, make_batch,
+                    micro_batches, model_path, old_logprobs, parse_config, policy_loss, print0, resolve_rollout,
+                    resolve_template, rng_state, roll_groups, rollout_copy, save_checkpoint, set_rng_state, setup_dist,
+                    shard_model, split_updates, stop_requested, sync_rollout, token_logprobs, tokenize_problems)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -56,7 +57,7 @@ class Config:
     """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path. Defaults run the CPU demo."""
     # run
     algo: str = "da3po"  # preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset
-    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (tiny model built and warm-started in code)
+    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
     eval_data: str = "arith"  # same choices; 'arith' uses the held-out split
     out_dir: str = "out/da3po"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
@@ -73,6 +74,7 @@ class Config:
     oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
     max_gen_batches: int = 4  # cap on generation batches per step; at the cap, warn and train on what was kept
     max_new_tokens: int = 12  # L_max: hard limit on completion length
+    max_prompt_length: int = 1024  # prompts longer than this (tokens, template included) are dropped at load
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
@@ -87,8 +89,9 @@ class Config:
     overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off
     overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
     # Direct Advantage Amplification, Eq. (DAA)
-    lam: str = "2.0"  # lambda: multiplier of correct completions' advantages on hard prompts; 1 = off (DAPO);
-    #                   'adaptive' = 1/gamma(p, G), the theory's imbalance, capped at lam_max (our extension [dev 4])
+    lam: float = 2.0  # lambda: multiplier of correct completions' advantages on hard prompts; 1 = off (DAPO)
+    adaptive_lam: bool = False  # lambda(p) = 1/gamma(p, G), the theory's imbalance, capped at lam_max, in place of
+    #                             the constant lam (our extension [dev 4])
     tau: float = 0.5  # hard prompt: group pass rate p_hat < tau (strict) [dev 1]
     lam_max: float = 4.0  # cap of the adaptive factor; binds for running estimates (p_hat >= 1/G keeps it <= ~1.65)
     p_estimate: str = "group"  # pass rate used by DAA: group (p_hat of the G samples) | running (per-prompt, all epochs)
@@ -103,9 +106,9 @@ class Config:
     # optimisation
     lr: float = 1e-4  # AdamW learning rate (paper scale: 1e-6) [dev 2]
     weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
-    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer updates
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl
     grad_clip: float = 1.0  # max global gradient norm
-    mini_batch_size: int = 16  # prompts per optimizer update (so prompts_per_step / mini_batch_size updates per step)
+    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step; the step's groups are split evenly
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; does not change the math)
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
@@ -121,23 +124,26 @@ class Config:
     max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row (each is skipped)
     eval_only: bool = False  # evaluate --model on --eval_data and exit
     theory: bool = False  # print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit
-    # built-in demo model
-    demo_hidden: int = 128  # hidden size of the demo model
-    demo_layers: int = 2  # layers of the demo model
-    demo_sft_steps: int = 800  # supervised warm-start steps (run once per cache folder)
-    cache_dir: str = ""  # where the demo model is cached; '' = $DA3PO_CACHE or ~/.cache/da3po
 
 
-# Each preset sets the knobs its paper uses; anything given on the command line wins.
+# Each preset is its paper's recipe, written out for every knob that defines the algorithm; the scale (model, lr,
+# batch sizes, lengths, overlong_buffer where shaping is on) comes from the flags. A flag given on the command line
+# beats the preset, with a printed note (common.parse_config), so a recipe is never changed by accident.
+_DAPO = {"lam": 1.0, "adaptive_lam": False, "dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean",
+         "seq_ratio": False, "clip_low": 0.2, "clip_high": 0.28}  # DAPO: clip-higher, token-mean, dynamic sampling
 PRESETS = {
-    "da3po": {},
-    "dapo": {"lam": "1"},
-    "grpo": {"lam": "1", "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
+    "da3po": {**_DAPO, "lam": 2.0, "tau": 0.5},  # DAPO + DAA with the paper's best lambda [dev 1]
+    "dapo": _DAPO,
+    # GRPO (DeepSeekMath, verl's recipe): z-scored advantages, per-sequence token mean, symmetric clip, no shaping,
+    # no dynamic sampling; no KL [dev 3]
+    "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
-    "dr_grpo": {"lam": "1", "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
+    # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
+    "dr_grpo": {**_DAPO, "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
                 "clip_high": 0.2, "overlong_buffer": 0},
-    "gspo": {"lam": "1", "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
-             "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "mini_batch_size": 8},  # 4 updates per step
+    # GSPO: the sequence ratio, its tiny clip range, and the rollout batch split into 4 mini-batches
+    "gspo": {**_DAPO, "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
+             "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "updates_per_step": 4},
 }
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -221,32 +227,33 @@ def main(cfg: Config):
     check_config(cfg, world)  # a flag combination that cannot work stops here with exit code 2
     if not 0 < cfg.tau <= 1:
         die(f"--tau must be in (0, 1], got {cfg.tau}")
-    try:
-        lam = "adaptive" if cfg.lam == "adaptive" else float(cfg.lam)
-    except ValueError:
-        die(f"--lam must be a number or 'adaptive', got {cfg.lam!r}")
-    if lam != "adaptive" and lam <= 0:
+    if cfg.lam <= 0:
         die(f"--lam must be > 0, got {cfg.lam}")
     if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
         die(f"--p_estimate must be group or running and --lam_max >= 1, got {cfg.p_estimate!r}, {cfg.lam_max}")
-    num_updates = cfg.prompts_per_step // cfg.mini_batch_size
     gen_groups = math.ceil(cfg.prompts_per_step * (cfg.oversample if cfg.dynamic_sampling else 1) / world) * world
     print0(f"{cfg.prompts_per_step} groups x {G} = {cfg.prompts_per_step * G} sequences per step "
-           f"({cfg.prompts_per_step * G // world} per rank), {num_updates} optimizer updates per step")
+           f"({cfg.prompts_per_step * G // world} per rank), {cfg.updates_per_step} optimizer updates per step")
 
     # data first (a bad file fails in a second), then model, optimizer
     train_problems = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
-    eval_sets = {os.path.splitext(os.path.basename(spec))[0]: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)
-                 [:cfg.eval_size or None] for spec in cfg.eval_data.split(",")}
-    stream = PromptStream(train_problems, cfg.seed)
+    specs = cfg.eval_data.split(",")
+    eval_sets = {name: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)[:cfg.eval_size or None]
+                 for name, spec in zip(eval_set_names(specs), specs)}
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    base = demo_model_path(cfg, d) if cfg.model == "demo" else cfg.model
+    if cfg.resume and not ckpt:
+        print0(f"--resume: no checkpoint in {cfg.out_dir!r}; starting from step 0")
+    base = model_path(cfg.model)  # 'demo': the shipped demo model
     model, tok = load_model(ckpt or base, d.device)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
+    train_problems = tokenize_problems(train_problems, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
+    eval_sets = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
+                 for (name, problems), spec in zip(eval_sets.items(), specs)}
+    stream = PromptStream(train_problems, cfg.seed)
     policy = rollout_copy(model, d, cfg.dtype)  # what generates: the model itself, or a full copy per rank under FSDP
     model = shard_model(model, d, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
-    ref_model = shard_model(load_model(base, d.device)[0].eval().requires_grad_(False), d, cfg.dtype) \
+    ref_model = shard_model(load_model(base, d.device)[0].requires_grad_(False), d, cfg.dtype).eval() \
         if cfg.kl_coef > 0 else None  # the KL anchor is the initial model, also after a resume
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
@@ -299,7 +306,7 @@ def main(cfg: Config):
     bad_updates = 0
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
                      disable=not d.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in log files
-        t0, timeouts0 = time.time(), VERIFIER_TIMEOUTS[0]
+        t0 = time.time()
         # 1) roll out G completions per prompt, verify, and keep mixed groups (dynamic sampling)
         roll = lambda problems: roll_groups(generate, tok, problems, cfg, G)  # noqa: E731
         groups, m = dynamic_sampling(stream, roll, cfg.prompts_per_step, gen_groups,
@@ -320,7 +327,7 @@ def main(cfg: Config):
             if cfg.p_estimate == "running":
                 counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=torch.float)  # (N, 2)
                 p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
-            factor = adaptive_lam(p, G, cfg.lam_max) if lam == "adaptive" else lam
+            factor = adaptive_lam(p, G, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
             adv, amplified = daa(adv, correct, factor, cfg.tau, p)
             applied = (factor * torch.ones_like(p)).expand_as(adv)[amplified]  # the factor of each amplified one
             m["daa/lam_mean"] = all_reduce_sum(applied.sum()).item() / max(1.0, all_reduce_sum(
@@ -329,15 +336,15 @@ def main(cfg: Config):
             batch["advantage"] = adv.flatten()  # (B,)
             batch = {k: v.to(d.device) for k, v in batch.items()}
             m["daa/amplified_frac"] = all_reduce_sum(amplified.float().sum()).item() / (m["train/num_groups"] * G)
-            rows_per_update = len(groups) // num_updates * G
+            updates = split_updates(len(groups), cfg.updates_per_step, G)  # row indices per update, none empty
+            m["train/num_updates"] = len(updates)
             # 3) old log-probs from the trainer, before any update. The first mini-batch is trained before the weights
             #    move, so its old log-probs are the current ones (logp.detach() below): only later mini-batches need a pass
-            batch["old_logp"] = old_logprobs(model, batch, torch.arange(rows_per_update, len(batch["mask"])),
+            batch["old_logp"] = old_logprobs(model, batch, torch.arange(len(updates[0]), len(batch["mask"])),
                                              cfg.micro_batch_size, cfg.temperature, amp)  # (B, T)
             # 4) optimizer updates over mini-batches; each sums micro-batch losses with global token weights
             batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-            for u in range(num_updates):
-                rows = torch.arange(u * rows_per_update, (u + 1) * rows_per_update)
+            for u, rows in enumerate(updates):
                 batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
                 opt.zero_grad(set_to_none=True)
                 update_loss = 0.0
@@ -375,20 +382,21 @@ def main(cfg: Config):
                         print0(f"error: {bad_updates} non-finite updates in a row (--max_bad_updates); stopping. "
                                f"Try a lower --lr, --dtype float32, or check the data.")
                         raise SystemExit(1)
-                sched.step()
             m["time/update_s"], t2 = time.time() - t1, time.time()
             if engine is not None:  # stream the weights into vLLM, reset its prefix cache, check them (raises)
                 m["rollout/sync_diff"] = engine.sync_weights(model)
             else:
                 sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
             m["time/sync_s"] = time.time() - t2
+        sched.step()  # the learning-rate schedule (warm-up) counts RL steps
         # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
         totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
-        tokens, done = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
+        m.setdefault("train/num_updates", 0)
+        tokens, done = max(totals["tokens"], 1.0), max(m["train/num_updates"] - totals["skipped"], 1.0)
         m.update({"step": step, "train/loss": totals["loss"] / done, "train/entropy": totals["entropy"] / tokens,
                   "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
                   "train/grad_norm": totals["grad_norm"] / done, "train/skipped_updates": totals["skipped"],
-                  "train/lr": sched.get_last_lr()[0], "verify/timeouts": VERIFIER_TIMEOUTS[0] - timeouts0,
+                  "train/lr": sched.get_last_lr()[0],
                   "time/step_s": time.time() - t0})
         for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max"):
             m.setdefault(key, 0.0)

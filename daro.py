@@ -51,13 +51,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (VERIFIER_TIMEOUTS, Logger, PromptStream, VLLMRollout, all_reduce_sum, check_config, cleanup_dist,
-                    config_dict, demo_model_path, die, dynamic_sampling, evaluate_sets, format_eval, format_step,
+from common import (Logger, PromptStream, VLLMRollout, all_reduce_sum, check_config, cleanup_dist,
+                    config_dict, die, dynamic_sampling, eval_set_names, evaluate_sets, format_eval, format_step,
                     group_advantages, guarded_step, handle_stop_signals, hf_generate, latest_checkpoint, load_data,
-                    load_model, load_optimizer_state, local_state, log_samples, loss_weights, make_batch,
+                    load_model, load_optimizer_state, local_state, log_samples, loss_weights, make_batch, model_path,
                     micro_batches, old_logprobs, parse_config, policy_loss, print0, resolve_rollout, resolve_template,
                     rng_state, roll_groups, rollout_copy, save_checkpoint, set_rng_state, setup_dist, shard_model,
-                    stop_requested, sync_rollout, token_logprobs)
+                    split_updates, stop_requested, sync_rollout, token_logprobs, tokenize_problems)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -68,7 +68,7 @@ class Config:
     """DARO (learnable per-difficulty loss weights) and its baselines on one code path. Defaults run the CPU demo."""
     # run
     algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo; explicit flags override the preset
-    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (tiny model built and warm-started in code)
+    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
     eval_data: str = "arith"  # same choices; 'arith' uses the held-out split
     out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
@@ -85,6 +85,7 @@ class Config:
     oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
     max_gen_batches: int = 4  # cap on generation batches per step; at the cap, warn and train on what was kept
     max_new_tokens: int = 12  # L_max: hard limit on completion length
+    max_prompt_length: int = 1024  # prompts longer than this (tokens, template included) are dropped at load
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
@@ -116,9 +117,9 @@ class Config:
     # optimisation
     lr: float = 1e-4  # AdamW learning rate (paper scale: 1e-6) [dev 2]
     weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
-    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer updates
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl
     grad_clip: float = 1.0  # max global gradient norm
-    mini_batch_size: int = 16  # prompts per optimizer update (so prompts_per_step / mini_batch_size updates per step)
+    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step; the step's groups are split evenly
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; does not change the math)
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
@@ -133,23 +134,22 @@ class Config:
     resume: bool = False  # continue from the latest checkpoint in out_dir
     max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row (each is skipped)
     eval_only: bool = False  # evaluate --model on --eval_data and exit
-    # built-in demo model
-    demo_hidden: int = 128  # hidden size of the demo model
-    demo_layers: int = 2  # layers of the demo model
-    demo_sft_steps: int = 800  # supervised warm-start steps (run once per cache folder)
-    cache_dir: str = ""  # where the demo model is cached; '' = $DA3PO_CACHE or ~/.cache/da3po
 
 
-# Each preset sets the knobs its paper uses; anything given on the command line wins.
+# Each preset is its paper's recipe, written out for every knob that defines the algorithm; the scale (model, lr,
+# batch sizes, lengths, overlong_buffer where shaping is on) comes from the flags. A flag given on the command line
+# beats the preset, with a printed note (common.parse_config), so a recipe is never changed by accident.
+_DAPO = {"weighting": "none", "dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "clip_low": 0.2,
+         "clip_high": 0.28}  # DAPO: clip-higher, token-mean, overlong shaping, dynamic sampling [dev 4]
 PRESETS = {
-    "daro": {},
-    "uniform": {"weighting": "uniform"},  # the bins of DARO with frozen w = 1: what learning the weights adds
-    "var": {"weighting": "var"},  # variance-based static weights (Dr. GRPO / LIPO), ALGORITHMS.md 7.3
-    "dapo": {"weighting": "none"},
-    "grpo": {"weighting": "none", "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
+    "daro": {**_DAPO, "weighting": "learned"},  # DARO on top of the DAPO loss (paper: clip 0.2 / 0.28)
+    "uniform": {**_DAPO, "weighting": "uniform"},  # the bins of DARO with frozen w = 1: what learning the weights adds
+    "var": {**_DAPO, "weighting": "var"},  # variance-based static weights (Dr. GRPO / LIPO), ALGORITHMS.md 7.3
+    "dapo": _DAPO,
+    "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
-    "dr_grpo": {"weighting": "none", "dynamic_sampling": False, "std_norm": False,
-                "loss_agg": "seq-mean-token-sum-norm", "clip_high": 0.2, "overlong_buffer": 0},
+    "dr_grpo": {**_DAPO, "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
+                "clip_high": 0.2, "overlong_buffer": 0},
 }
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -163,9 +163,9 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
     of one prompt weighs as much as one of twenty: the method, and why a sparse bin is noisy (pitfall 12).
     bins: (B,) #correct of each completion's group. Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5.
     Returns (weights (B, T), tokens per bin (G+1,))."""
-    mask = mask.float()
-    tokens = all_reduce_sum(torch.zeros(G + 1, device=mask.device).index_add_(0, bins, mask.sum(-1)))  # (G+1,)
-    inside = ((bins > 0) & (bins < G)).float().unsqueeze(-1)  # (B, 1)
+    mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
+    tokens = all_reduce_sum(mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1)))  # (G+1,)
+    inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
     return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
 
 
@@ -216,24 +216,29 @@ def main(cfg: Config):
         die(f"--weighting {cfg.weighting!r}: choose one of learned, uniform, var, none")
     if not 0 < cfg.w_min <= 1 <= cfg.w_max:
         die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
-    num_updates = cfg.prompts_per_step // cfg.mini_batch_size
     gen_groups = math.ceil(cfg.prompts_per_step * (cfg.oversample if cfg.dynamic_sampling else 1) / world) * world
     print0(f"{cfg.prompts_per_step} groups x {G} = {cfg.prompts_per_step * G} sequences per step "
-           f"({cfg.prompts_per_step * G // world} per rank), {num_updates} optimizer updates per step")
+           f"({cfg.prompts_per_step * G // world} per rank), {cfg.updates_per_step} optimizer updates per step")
 
     # data first (a bad file fails in a second), then model, optimizer
     train_problems = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
-    eval_sets = {os.path.splitext(os.path.basename(spec))[0]: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)
-                 [:cfg.eval_size or None] for spec in cfg.eval_data.split(",")}
-    stream = PromptStream(train_problems, cfg.seed)
+    specs = cfg.eval_data.split(",")
+    eval_sets = {name: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)[:cfg.eval_size or None]
+                 for name, spec in zip(eval_set_names(specs), specs)}
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    base = demo_model_path(cfg, d) if cfg.model == "demo" else cfg.model
+    if cfg.resume and not ckpt:
+        print0(f"--resume: no checkpoint in {cfg.out_dir!r}; starting from step 0")
+    base = model_path(cfg.model)  # 'demo': the shipped demo model
     model, tok = load_model(ckpt or base, d.device)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
+    train_problems = tokenize_problems(train_problems, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
+    eval_sets = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
+                 for (name, problems), spec in zip(eval_sets.items(), specs)}
+    stream = PromptStream(train_problems, cfg.seed)
     policy = rollout_copy(model, d, cfg.dtype)  # what generates: the model itself, or a full copy per rank under FSDP
     model = shard_model(model, d, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
-    ref_model = shard_model(load_model(base, d.device)[0].eval().requires_grad_(False), d, cfg.dtype) \
+    ref_model = shard_model(load_model(base, d.device)[0].requires_grad_(False), d, cfg.dtype).eval() \
         if cfg.kl_coef > 0 else None  # the KL anchor is the initial model, also after a resume
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
@@ -295,7 +300,7 @@ def main(cfg: Config):
     bad_updates = 0
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
                      disable=not d.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in log files
-        t0, timeouts0 = time.time(), VERIFIER_TIMEOUTS[0]
+        t0 = time.time()
         # 1) roll out G completions per prompt, verify, and keep mixed groups (dynamic sampling)
         roll = lambda problems: roll_groups(generate, tok, problems, cfg, G)  # noqa: E731
         groups, m = dynamic_sampling(stream, roll, cfg.prompts_per_step, gen_groups,
@@ -314,15 +319,15 @@ def main(cfg: Config):
             batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
             batch["advantage"] = adv.flatten()  # (B,)
             batch = {k: v.to(d.device) for k, v in batch.items()}
-            rows_per_update = len(groups) // num_updates * G
+            updates = split_updates(len(groups), cfg.updates_per_step, G)  # row indices per update, none empty
+            m["train/num_updates"] = len(updates)
             # 3) old log-probs from the trainer, before any update. The first mini-batch is trained before the weights
             #    move, so its old log-probs are the current ones (logp.detach() below): only later mini-batches need a pass
-            batch["old_logp"] = old_logprobs(model, batch, torch.arange(rows_per_update, len(batch["mask"])),
+            batch["old_logp"] = old_logprobs(model, batch, torch.arange(len(updates[0]), len(batch["mask"])),
                                              cfg.micro_batch_size, cfg.temperature, amp)  # (B, T)
             # 4) optimizer updates over mini-batches; each sums micro-batch losses with global per-bin token weights
             batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-            for u in range(num_updates):
-                rows = torch.arange(u * rows_per_update, (u + 1) * rows_per_update)
+            for u, rows in enumerate(updates):
                 batch["weight"][rows], bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], G)
                 if cfg.weighting == "none":  # the baselines' own aggregation over the whole update, no bins
                     batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
@@ -372,20 +377,21 @@ def main(cfg: Config):
                         print0(f"error: {bad_updates} non-finite updates in a row (--max_bad_updates); stopping. "
                                f"Try a lower --lr, --dtype float32, or check the data.")
                         raise SystemExit(1)
-                sched.step()
             m["time/update_s"], t2 = time.time() - t1, time.time()
             if engine is not None:  # stream the weights into vLLM, reset its prefix cache, check them (raises)
                 m["rollout/sync_diff"] = engine.sync_weights(model)
             else:
                 sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
             m["time/sync_s"] = time.time() - t2
+        sched.step()  # the learning-rate schedule (warm-up) counts RL steps
         # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
         totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
-        tokens, done = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
+        m.setdefault("train/num_updates", 0)
+        tokens, done = max(totals["tokens"], 1.0), max(m["train/num_updates"] - totals["skipped"], 1.0)
         m.update({"step": step, "train/loss": totals["loss"] / done, "train/entropy": totals["entropy"] / tokens,
                   "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
                   "train/grad_norm": totals["grad_norm"] / done, "train/skipped_updates": totals["skipped"],
-                  "train/lr": sched.get_last_lr()[0], "verify/timeouts": VERIFIER_TIMEOUTS[0] - timeouts0,
+                  "train/lr": sched.get_last_lr()[0],
                   "time/step_s": time.time() - t0})
         w = bin_weights(log_w, cfg.weighting).cpu()  # (G+1,)
         counts = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1) if groups else torch.zeros(G + 1)

@@ -14,14 +14,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 # Every method gets the same task, model, batch and 4 optimizer updates per step (mini-batch 8 of 32 prompts), so that
 # clip-higher can act; only the algorithm differs.
-COMMON = ["--mini_batch_size", "8", "--eval_every", "5", "--eval_samples", "4", "--sample_every", "0"]
+COMMON = ["--updates_per_step", "4", "--eval_every", "5", "--eval_samples", "4", "--sample_every", "0"]
 METHODS = {
     "grpo": ["da3po.py", "--algo", "grpo"],
     "dapo": ["da3po.py", "--algo", "dapo"],
     "da3po_lam1.5": ["da3po.py", "--algo", "da3po", "--lam", "1.5"],
     "da3po_lam2.0": ["da3po.py", "--algo", "da3po", "--lam", "2.0"],
     "da3po_lam2.5": ["da3po.py", "--algo", "da3po", "--lam", "2.5"],
-    "da3po_adaptive": ["da3po.py", "--algo", "da3po", "--lam", "adaptive"],
+    "da3po_adaptive": ["da3po.py", "--algo", "da3po", "--adaptive_lam"],
     "daro": ["daro.py", "--algo", "daro"],
 }
 

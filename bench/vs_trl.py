@@ -48,9 +48,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import da3po  # noqa: E402
-from common import (DistInfo, demo_model_path, format_prompt, group_advantages, hf_generate, load_data,  # noqa: E402
-                    load_model, loss_weights, make_batch, policy_loss, resolve_template, roll_groups, shaped_reward,
-                    token_logprobs, verify_batch)
+from common import (format_prompt, group_advantages, hf_generate, load_data, load_model, loss_weights,  # noqa: E402
+                    make_batch, model_path, policy_loss, resolve_template, roll_groups, shaped_reward, token_logprobs,
+                    tokenize_problems)
+from verifier import verify_batch  # noqa: E402
 
 # -----------------------------------------------------------------------------------------------------------------
 # Settings shared by both sides
@@ -70,7 +71,6 @@ def parse_args():
                    help="activation checkpointing, both sides (ours is off by default, TRL's GRPOConfig on)")
     p.add_argument("--max_load", type=float, default=2.0, help="wait for a 1-min load average below this ...")
     p.add_argument("--max_wait", type=float, default=60.0, help="... for at most this many seconds per block")
-    p.add_argument("--cache_dir", default="", help="demo model cache ('' = $DA3PO_CACHE or ~/.cache/da3po)")
     p.add_argument("--profile", default="", choices=["", "ours", "trl"], help="cProfile one block of this side")
     args = p.parse_args()
     assert args.prompts_per_step % args.updates == 0, "--prompts_per_step must divide by --updates"
@@ -82,11 +82,10 @@ def our_config(args, out_dir: str, seed: int) -> da3po.Config:
     per_update = args.prompts_per_step // args.updates
     return da3po.Config(**{**da3po.PRESETS["dapo"], "algo": "dapo"}, model="demo", out_dir=out_dir, seed=seed,
                         steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                        mini_batch_size=per_update, micro_batch_size=per_update * args.group_size,  # 1 fwd/bwd each
+                        updates_per_step=args.updates, micro_batch_size=per_update * args.group_size,  # 1 fwd/bwd each
                         dynamic_sampling=False, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0,
                         lr=args.lr, grad_checkpointing=args.grad_checkpointing, eval_every=0, eval_size=4,
-                        eval_samples=2, sample_every=0,
-                        cache_dir=args.cache_dir)
+                        eval_samples=2, sample_every=0)
 
 
 def trl_config(args, out_dir: str, seed: int, updates: int):
@@ -108,7 +107,7 @@ def trl_config(args, out_dir: str, seed: int, updates: int):
 def make_reward_fn(cfg):
     """TRL reward function with our reward: +1/-1 from the verifier plus DAPO's overlong shaping."""
     def dapo_reward(completions, completion_ids, answer, **kwargs):
-        correct = verify_batch(completions, answer, cfg.answer_format)
+        correct, _ = verify_batch(completions, answer, cfg.answer_format)
         return [shaped_reward(c, len(ids), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
                 for c, ids in zip(correct, completion_ids)]
     return dapo_reward
@@ -218,7 +217,9 @@ def compare_loss(args, path: str):
         model, tok = load_model(path, torch.device("cpu"))
         cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
         gen = lambda prompts: hf_generate(model, tok, prompts, cfg.max_new_tokens, 1.0, 1.0)  # noqa: E731
-        groups = roll_groups(gen, tok, load_data("arith", "train")[:args.prompts_per_step], cfg, G)
+        problems = tokenize_problems(load_data("arith", "train")[:args.prompts_per_step], tok, cfg.prompt_template,
+                                     cfg.max_prompt_length, "arith")
+        groups, _ = roll_groups(gen, tok, problems, cfg, G)
         batch = make_batch(groups, tok.pad_token_id)
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["mask"]  # (B, P+T), (B, P+T), (B, T)
         B, T = mask.shape
@@ -286,7 +287,7 @@ def main():
     import transformers
     import trl
     transformers.logging.set_verbosity_error()
-    path = demo_model_path(our_config(args, "", 0), DistInfo())
+    path = model_path("demo")
     B = args.prompts_per_step * args.group_size
     print(f"trl {trl.__version__} | transformers {transformers.__version__} | torch {torch.__version__} | "
           f"threads {args.threads} | cpus {os.cpu_count()}")

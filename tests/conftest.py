@@ -14,18 +14,11 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # the machine is shared: one thread keeps tests predictable
 
 
-DEMO_SFT_STEPS = 300  # enough that level-1 sums are sometimes right, so dynamic sampling keeps groups
-
-
 @pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    """A demo model built, warm-started (300 SFT steps, ~15 s) and saved through the real code path, once per session.
-    Returns (model folder, cache folder); scripts reuse it with --cache_dir and --demo_sft_steps DEMO_SFT_STEPS."""
+def demo_dir():
+    """The shipped demo model's folder (demo/model, built by demo/build.py): what `--model demo` loads."""
     import common
-    from da3po import Config
-    cache = str(tmp_path_factory.mktemp("cache"))
-    cfg = Config(cache_dir=cache, demo_sft_steps=DEMO_SFT_STEPS)
-    return common.demo_model_path(cfg, common.DistInfo()), cache
+    return common.model_path("demo")
 
 
 def run_script(args, cwd=ROOT, timeout=300):

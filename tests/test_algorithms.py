@@ -116,7 +116,7 @@ def test_kl_penalty_is_k3():
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_microbatch_split_does_not_change_loss_or_gradient(demo_dir, loss_agg):
     """One update in one micro-batch vs in uneven micro-batches (sizes 1, 4, 2, 5): same loss, same gradient."""
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 8, (12,), generator=g)]
     completions = [torch.randint(10, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (12,), generator=g)]
@@ -150,7 +150,7 @@ def test_microbatch_split_does_not_change_loss_or_gradient(demo_dir, loss_agg):
 
 def test_token_logprobs_match_generate_scores(demo_dir):
     """The trainer's log-probs of sampled tokens equal the ones generate() sampled from (left padding included)."""
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
     prompts = [tok("12+3", add_special_tokens=False)["input_ids"], tok("7+456", add_special_tokens=False)["input_ids"]]
     ids, attn, _ = common.pad_prompt_completion(prompts, [[]] * 2, tok.pad_token_id)
     ids, attn = ids[:, :-1], attn[:, :-1]
@@ -203,3 +203,35 @@ def test_running_pass_counts():
     da3po.count_passes(counts, [{"prompt": "1+1", "answer": "2", "correct": [True, False]}])
     da3po.count_passes(counts, [{"prompt": "1+1", "answer": "2", "correct": [True, True, True, False]}])
     assert counts == {"1+1\x002": [4, 6]}
+
+
+def test_split_updates_trains_every_kept_group_once():
+    # 13 groups kept at the dynamic-sampling cap, 2 updates: 7 + 6 groups (the old split trained 96 of 104 rows)
+    parts = common.split_updates(13, 2, G=8)
+    assert [len(p) for p in parts] == [56, 48]
+    assert torch.equal(torch.cat(parts), torch.arange(104))
+    # fewer groups than updates: fewer updates, none empty (the old split made 16 empty updates)
+    assert [p.tolist() for p in common.split_updates(1, 16, G=8)] == [list(range(8))]
+    parts = common.split_updates(15, 16, G=2)  # the README's 8-rank recipe at a cap of 120 groups: 15 per rank
+    assert len(parts) == 15 and all(len(p) == 2 for p in parts) and torch.equal(torch.cat(parts), torch.arange(30))
+    parts = common.split_updates(32, 2, G=8)  # the usual case: equal halves
+    assert [len(p) for p in parts] == [128, 128]
+
+
+def test_loss_formulas_keep_float64():
+    """The loss weights and the clipped surrogate compute in the inputs' dtype: float64 in, agreement to 1e-12."""
+    d = torch.float64
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, -3.0]], dtype=d)
+    old = torch.tensor([[-1.1, -0.2, -2.0], [-0.6, -1.4, -9.0]], dtype=d)
+    adv = torch.tensor([1.0, -2.0], dtype=d)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=d)
+    for agg, norm in [("token-mean", lambda i: 5), ("seq-mean-token-mean", lambda i: 2 * mask[i].sum().item()),
+                      ("seq-mean-token-sum-norm", lambda i: 2 * 7)]:
+        weights = common.loss_weights(mask, agg, max_new_tokens=7)
+        assert weights.dtype == d
+        loss, stats = common.policy_loss(logp, old, adv, weights, clip_low=0.2, clip_high=0.28)
+        assert loss.dtype == d and stats["clip_low"].dtype == d
+        expected = math.fsum(max(-adv[i].item() * math.exp(logp[i, t] - old[i, t]),
+                                 -adv[i].item() * min(max(math.exp(logp[i, t] - old[i, t]), 0.8), 1.28)) / norm(i)
+                             for i in range(2) for t in range(3) if mask[i, t])
+        assert abs(loss.item() - expected) < 1e-12, (agg, loss.item() - expected)

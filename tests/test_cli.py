@@ -5,15 +5,45 @@ import common
 from da3po import PRESETS, Config
 
 
-def test_flag_forms_and_presets():
+def test_flag_forms_and_presets(capsys):
     cfg = common.parse_config(Config, ["--lr=1e-5", "--steps", "7", "--no-dynamic_sampling"], PRESETS)
     assert cfg.lr == 1e-5 and cfg.steps == 7 and cfg.dynamic_sampling is False
+    assert "--dynamic_sampling False overrides the da3po preset" in capsys.readouterr().out
     cfg = common.parse_config(Config, ["--algo", "dr_grpo"], PRESETS)
-    assert cfg.std_norm is False and cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.lam == "1"
-    # an explicit flag beats the preset
+    assert cfg.std_norm is False and cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.lam == 1.0
+    # an explicit flag beats the preset, and says so in one line
     cfg = common.parse_config(Config, ["--algo=gspo", "--clip_high", "0.001"], PRESETS)
     assert cfg.seq_ratio is True and cfg.clip_low == 3e-4 and cfg.clip_high == 0.001
+    assert capsys.readouterr().out.strip() == "note: --clip_high 0.001 overrides the gspo preset's clip_high = 0.0004"
     assert common.parse_config(Config, [], PRESETS) == Config()
+    assert capsys.readouterr().out == ""  # no note without an override
+
+
+def test_every_preset_writes_out_its_whole_recipe():
+    """The README's paper-scale DA3PO command with --algo X must still run X: every preset sets every knob that
+    defines an algorithm, so no DA3PO setting leaks into a baseline, and GSPO keeps its 4 updates per step."""
+    knobs = set(PRESETS["dapo"])
+    for name, preset in PRESETS.items():
+        assert knobs <= set(preset), (name, knobs - set(preset))
+    scale = ["--prompts_per_step", "512", "--max_new_tokens", "20480", "--lr", "1e-6"]
+    gspo = common.parse_config(Config, ["--algo", "gspo", *scale], PRESETS)
+    assert gspo.updates_per_step == 4 and gspo.overlong_buffer == 0 and not gspo.dynamic_sampling
+    assert gspo.lam == 1.0 and (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
+    for algo in ("grpo", "dr_grpo", "gspo"):
+        cfg = common.parse_config(Config, ["--algo", algo, *scale], PRESETS)
+        assert cfg.overlong_buffer == 0 and cfg.dynamic_sampling is False and cfg.lam == 1.0, algo
+    da3po = common.parse_config(Config, scale, PRESETS)
+    assert da3po.lam == 2.0 and da3po.tau == 0.5 and da3po.dynamic_sampling and da3po.clip_high == 0.28
+
+
+def test_overriding_a_preset_prints_a_note(capsys):
+    cfg = common.parse_config(Config, ["--algo", "grpo", "--overlong_buffer", "4096", "--updates_per_step", "16"],
+                              PRESETS)
+    assert cfg.overlong_buffer == 4096
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["note: --overlong_buffer 4096 overrides the grpo preset's overlong_buffer = 0"]
+    common.parse_config(Config, ["--algo", "gspo", "--updates_per_step", "16"], PRESETS)
+    assert "--updates_per_step 16 overrides the gspo preset's updates_per_step = 4" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -37,4 +67,5 @@ def test_help_documents_every_field(capsys):
     for name in Config.__dataclass_fields__:
         assert f"--{name}" in out
     assert "lambda: multiplier of correct completions' advantages on hard prompts" in out
-    assert "'adaptive' = 1/gamma(p, G), the theory's imbalance, capped at lam_max" in out  # continuation line
+    assert "capped at lam_max, in place of the constant lam (our extension" in out  # continuation line
+    assert "warm-up over this many RL steps (not optimizer updates)" in out

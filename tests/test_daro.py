@@ -13,6 +13,7 @@ import common
 import daro
 from conftest import ROOT
 from daro import PRESETS, Config, bin_token_weights, bin_weights, update_weights, weight_objective
+from demo.build import warm_start
 
 G = 8  # group size K: bins mu = 0, 1/8, ..., 1
 
@@ -101,7 +102,7 @@ def test_bin_token_weights_hand_worked():
 @pytest.fixture(scope="module")
 def update_batch(demo_dir):
     """The tiny demo model and 16 completions in bins 0..G (edge bins included), with off-policy old log-probs."""
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     n = 16
     prompts = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 8, (n,), generator=g)]
@@ -213,8 +214,8 @@ def coin(demo_dir, tmp_path_factory):
     steps on the demo model), and a data file of that problem: nearly every group is mixed, so every preset trains in
     every step and many bins occur, which the demo model on the arith task (it solves few sums) does not guarantee."""
     folder = tmp_path_factory.mktemp("coin")
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
-    common.warm_start(model, tok, [{"prompt": "1+1", "answer": str(1 + i % 2)} for i in range(64)], steps=30)
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    warm_start(model, tok, [{"prompt": "1+1", "answer": str(1 + i % 2)} for i in range(64)], steps=30)
     model.save_pretrained(folder / "model")
     tok.save_pretrained(folder / "model")
     with open(folder / "coin.jsonl", "w") as f:
@@ -225,7 +226,7 @@ def coin(demo_dir, tmp_path_factory):
 def daro_args(coin, out, *extra):
     model, data = coin
     return ["daro.py", "--model", model, "--train_data", data, "--eval_data", data, "--prompt_template", "none",
-            "--out_dir", str(out), "--prompts_per_step", "8", "--mini_batch_size", "4", "--eval_size", "16",
+            "--out_dir", str(out), "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
             "--eval_samples", "2", *extra]
 
 
@@ -276,11 +277,12 @@ def test_every_preset_runs_and_logs_every_bin(coin, tmp_path):
             assert torch.equal(w, torch.ones(G - 1))
         if algo != "grpo" and algo != "dr_grpo":  # dynamic sampling: only mixed groups are trained on
             assert train[-1]["daro/n_0.000"] == 0 and train[-1]["daro/n_1.000"] == 0
-    # step 1 rolls out the same groups in every run: the weights must reach the model's gradient. DARO starts at
-    # w = 1, so its first update is the uniform one (its second sees weights moved by ~weight_lr); var's is not.
-    norm = {algo: train_records(tmp_path / algo)[0]["train/grad_norm"] for algo in ("daro", "uniform", "var")}
-    assert norm["daro"] == pytest.approx(norm["uniform"], rel=1e-2) and norm["daro"] != norm["uniform"]
-    assert norm["var"] != pytest.approx(norm["uniform"], rel=1e-3)
+    # step 1 rolls out the same groups in every run: the weights must reach the model's loss (whose gradient the
+    # update follows). DARO starts at w = 1, so its first update is the uniform one (its second sees weights moved by
+    # ~weight_lr); var's is not. (The loss, not the gradient norm: the second update's gradient is ~1e-5 here.)
+    loss = {algo: train_records(tmp_path / algo)[0]["train/loss"] for algo in ("daro", "uniform", "var")}
+    assert loss["daro"] == pytest.approx(loss["uniform"], rel=1e-2) and loss["daro"] != loss["uniform"]
+    assert loss["var"] != pytest.approx(loss["uniform"], rel=1e-3)
 
 
 def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys):

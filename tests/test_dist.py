@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from conftest import DEMO_SFT_STEPS, run_script
+from conftest import run_script
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
@@ -12,7 +12,7 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 def test_two_ranks_match_one_process(demo_dir, tmp_path):
     single, double = tmp_path / "one.pt", tmp_path / "two.pt"
     for args, out in [(["tests/dist_update.py"], single), ([*TORCHRUN, "tests/dist_update.py"], double)]:
-        r = run_script([*args, demo_dir[0], str(out)])
+        r = run_script([*args, demo_dir, str(out)])
         assert r.returncode == 0, r.stderr[-3000:]
     a, b = torch.load(single), torch.load(double)
     assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"]))
@@ -30,8 +30,8 @@ def test_two_ranks_match_one_process(demo_dir, tmp_path):
 def test_torchrun_da3po_checkpoint_loads_and_resumes(demo_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     out = tmp_path / "run"
-    args = [*TORCHRUN, "da3po.py", "--out_dir", str(out), "--cache_dir", demo_dir[1],
-            "--demo_sft_steps", str(DEMO_SFT_STEPS), "--prompts_per_step", "8", "--mini_batch_size", "4", "--eval_size", "8", "--eval_samples", "2",
+    args = [*TORCHRUN, "da3po.py", "--out_dir", str(out), "--prompts_per_step", "8", "--updates_per_step", "2",
+            "--eval_size", "8", "--eval_samples", "2",
             "--save_every", "1"]
     r = run_script([*args, "--steps", "1"])
     assert r.returncode == 0, r.stderr[-3000:]

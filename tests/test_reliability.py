@@ -13,10 +13,10 @@ import torch
 
 import common
 import da3po
-from conftest import DEMO_SFT_STEPS, ROOT, run_script
+from conftest import ROOT, run_script
 
-SMALL = ["--prompts_per_step", "8", "--mini_batch_size", "4", "--eval_size", "16", "--eval_samples", "2",
-         "--demo_sft_steps", str(DEMO_SFT_STEPS), "--eval_every", "0"]
+SMALL = ["--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16", "--eval_samples", "2",
+         "--eval_every", "0"]
 
 
 def records(path):
@@ -25,7 +25,7 @@ def records(path):
 
 
 def test_kill_9_then_resume_reproduces_the_uninterrupted_run(demo_dir, tmp_path):
-    base = ["da3po.py", "--steps", "6", "--save_every", "3", "--cache_dir", demo_dir[1], *SMALL]
+    base = ["da3po.py", "--steps", "6", "--save_every", "3", *SMALL]
     r = run_script([*base, "--out_dir", str(tmp_path / "a")])
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -53,7 +53,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path)
         import os, signal, sys, torch
         sys.path.insert(0, {ROOT!r})
         import common
-        model, tok = common.load_model({demo_dir[0]!r}, torch.device("cpu"))
+        model, tok = common.load_model({demo_dir!r}, torch.device("cpu"))
         common.save_checkpoint({str(tmp_path)!r}, 1, model, model, tok, {{"step": 1}})
         torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die while writing the trainer state
         with torch.no_grad():
@@ -67,7 +67,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path)
     ckpt = common.latest_checkpoint(str(tmp_path))
     assert ckpt.endswith("step_000001")
     model, _ = common.load_model(ckpt, torch.device("cpu"))
-    original, _ = common.load_model(demo_dir[0], torch.device("cpu"))
+    original, _ = common.load_model(demo_dir, torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
     assert torch.load(os.path.join(ckpt, "trainer_rank0.pt"))["step"] == 1
 
@@ -85,7 +85,10 @@ BAD_INPUTS = [  # (flags, message that must appear); files are created in tmp_pa
     (["--eval_data", "{tmp}/rows.txt"], "unknown extension '.txt'"),
     (["--model", "{tmp}/no_such_model"], "--model '{tmp}/no_such_model': cannot load it"),
     (["--group_size", "1"], "--group_size must be >= 2"),
-    (["--prompts_per_step", "30"], "--prompts_per_step 30 is not a multiple of --mini_batch_size 16"),
+    (["--updates_per_step", "40"], "--updates_per_step 40 is more than the 32 prompts per rank"),
+    (["--train_data", "{tmp}/corrupt.parquet"], "corrupt.parquet: not a readable parquet file"),
+    (["--out_dir", "{tmp}/bad.jsonl"], "--out_dir '{tmp}/bad.jsonl' is an existing file, not a folder"),
+    (["--max_prompt_length", "0"], "--max_prompt_length must be >= 1"),
     (["--tau", "0"], "--tau must be in (0, 1]"),
     (["--tau", "1.5"], "--tau must be in (0, 1]"),
     (["--lam", "-1"], "--lam must be > 0"),
@@ -100,10 +103,11 @@ def test_bad_input_stops_with_one_line_and_exit_2(flags, message, tmp_path, caps
     write(tmp_path / "noanswer.jsonl", '{"problem": "1+1", "solution": "it is 2"}\n')
     write(tmp_path / "empty.jsonl", "\n")
     write(tmp_path / "rows.txt", "1+1 = 2\n")
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 4)  # parquet magic, garbage inside
     flags = [f.format(tmp=tmp_path) for f in flags]
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
-        da3po.main(common.parse_config(da3po.Config, [*flags, "--out_dir", str(tmp_path / "out")], da3po.PRESETS))
+        da3po.main(common.parse_config(da3po.Config, ["--out_dir", str(tmp_path / "out"), *flags], da3po.PRESETS))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message.format(tmp=tmp_path) in err[0], err
@@ -125,7 +129,7 @@ def test_nan_loss_skips_the_update_and_leaves_parameters_unchanged(demo_dir, tmp
         return loss * float("nan"), stats
 
     monkeypatch.setattr(da3po, "policy_loss", nan_loss)
-    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--cache_dir", demo_dir[1],
+    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path),
                                              "--max_bad_updates", "100", "--no-dynamic_sampling", *SMALL],
                               da3po.PRESETS)
     da3po.main(cfg)
@@ -133,7 +137,7 @@ def test_nan_loss_skips_the_update_and_leaves_parameters_unchanged(demo_dir, tmp
     train = [x for x in records(tmp_path / "metrics.jsonl") if "train/loss" in x]
     assert [x["train/skipped_updates"] for x in train] == [2.0, 2.0]
     trained, _ = common.load_model(str(tmp_path / "step_000002"), torch.device("cpu"))
-    original, _ = common.load_model(demo_dir[0], torch.device("cpu"))
+    original, _ = common.load_model(demo_dir, torch.device("cpu"))
     for (name, a), b in zip(trained.state_dict().items(), original.state_dict().values()):
         assert torch.equal(a, b), name
     # and when it keeps happening, the run stops with a clear message instead of training on garbage

@@ -3,16 +3,17 @@ import json
 import math
 import os
 
+import pytest
 import torch
 
 import common
-from conftest import DEMO_SFT_STEPS, run_script
+from conftest import run_script
 from da3po import Config
 
 
 def test_demo_model_save_load_round_trip(demo_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
     text = "<|user|>12+345<|assistant|>\\boxed{357}<eos>"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text and len(ids) == 14  # one token per character, `\boxed{` is one token
@@ -27,9 +28,10 @@ def test_demo_model_save_load_round_trip(demo_dir, tmp_path):
 
 def test_dynamic_sampling_cap_warns_instead_of_hanging(demo_dir, capsys):
     """A task the model always fails: every group is all-wrong, so nothing is kept; the cap ends the step."""
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
     cfg = Config(group_size=4, max_new_tokens=4, prompt_template="none")
-    impossible = [{"prompt": f"{i}+{i}", "answer": "never", "level": 0} for i in range(50)]
+    impossible = common.tokenize_problems([{"prompt": f"{i}+{i}", "answer": "never", "level": 0} for i in range(50)],
+                                          tok, "none", 64, "impossible")
     stream = common.PromptStream(impossible, seed=0)
     gen = lambda prompts: common.hf_generate(model, tok, prompts, cfg.max_new_tokens)  # noqa: E731
     roll = lambda probs: common.roll_groups(gen, tok, probs, cfg, cfg.group_size)  # noqa: E731
@@ -41,8 +43,8 @@ def test_dynamic_sampling_cap_warns_instead_of_hanging(demo_dir, capsys):
 
 def test_da3po_two_steps_writes_metrics(demo_dir, tmp_path):
     out = tmp_path / "run"
-    r = run_script(["da3po.py", "--steps", "2", "--out_dir", str(out), "--cache_dir", demo_dir[1],
-                    "--demo_sft_steps", str(DEMO_SFT_STEPS), "--prompts_per_step", "8", "--mini_batch_size", "4",
+    r = run_script(["da3po.py", "--steps", "2", "--out_dir", str(out), "--prompts_per_step", "8", "--updates_per_step",
+                    "2",
                     "--eval_size", "16", "--eval_samples", "2", "--save_every", "1",
                     "--sample_every", "1"])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -59,7 +61,7 @@ def test_da3po_two_steps_writes_metrics(demo_dir, tmp_path):
         assert 0 <= evals[-1][key] <= 1
     assert any(k.startswith("eval/acc_level") for k in evals[-1])
     cfg = json.load(open(out / "config.json"))
-    assert cfg["steps"] == 2 and cfg["algo"] == "da3po" and cfg["lam"] == "2.0"
+    assert cfg["steps"] == 2 and cfg["algo"] == "da3po" and cfg["lam"] == 2.0
     assert sorted(os.listdir(out / "step_000002"))[:2] == ["chat_template.jinja", "config.json"]
     assert "step    2/2 |" in r.stdout and "eval/acc before" in r.stdout
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
@@ -67,9 +69,9 @@ def test_da3po_two_steps_writes_metrics(demo_dir, tmp_path):
 
 
 def test_eval_is_deterministic_for_the_same_weights(demo_dir):
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
     cfg = Config(eval_samples=2, prompt_template="none")
-    problems = common.load_data("arith", "eval")[:24]
+    problems = common.tokenize_problems(common.load_data("arith", "eval")[:24], tok, "none", 64, "arith")
     gen = lambda prompts: common.hf_generate(model, tok, prompts, cfg.max_new_tokens)  # noqa: E731
     torch.manual_seed(1)
     a = common.evaluate(gen, tok, problems, cfg)
@@ -83,3 +85,136 @@ def test_arith_splits_are_disjoint_and_graded():
     assert not {p["prompt"] for p in train} & {p["prompt"] for p in evals}
     assert {p["level"] for p in evals} == {1, 2, 3, 4}
     assert all(int(p["answer"]) == sum(map(int, p["prompt"].split("+"))) for p in train[:100] + evals)
+
+
+SMALL = ["--prompts_per_step", "8", "--eval_size", "16", "--eval_samples", "2", "--eval_every", "0",
+         "--sample_every", "0"]
+
+
+def run_main(demo_dir, tmp_path, *flags):
+    """da3po.main in this process (so tests can wrap its functions); returns the train records of metrics.jsonl."""
+    import da3po
+    cfg = common.parse_config(da3po.Config, ["--out_dir", str(tmp_path), *SMALL, *flags], da3po.PRESETS)
+    da3po.main(cfg)
+    return [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
+
+
+def test_groups_kept_at_the_sampling_cap_are_all_trained_once(demo_dir, tmp_path, monkeypatch):
+    """One generation batch of 8 prompts keeps fewer than the 8 groups asked for, with 8 updates per step: every kept
+    completion must be trained exactly once, in as many updates as there are groups (none empty)."""
+    import da3po
+    batch_tokens, trained = [], []
+    real_make_batch, real_loss = da3po.make_batch, da3po.policy_loss
+
+    def make_batch(groups, pad_id):
+        batch = real_make_batch(groups, pad_id)
+        batch_tokens.append(batch["mask"].sum().item())
+        return batch
+
+    def policy_loss(logp, old_logp, advantages, weights, *args, **kwargs):
+        trained.append((weights > 0).sum().item())
+        return real_loss(logp, old_logp, advantages, weights, *args, **kwargs)
+
+    monkeypatch.setattr(da3po, "make_batch", make_batch)
+    monkeypatch.setattr(da3po, "policy_loss", policy_loss)
+    train = run_main(demo_dir, tmp_path, "--steps", "1", "--updates_per_step", "8", "--max_gen_batches", "1",
+                     "--oversample", "1", "--micro_batch_size", "1000")
+    kept = train[0]["train/num_groups"]
+    assert 0 < kept < 8, "the test needs a step that stops at the cap with some groups kept"
+    assert train[0]["train/num_updates"] == kept  # one update per kept group, none empty
+    assert len(trained) == kept and all(t > 0 for t in trained)  # one micro-batch per update here
+    assert sum(trained) == batch_tokens[0]  # every completion token of every kept group, exactly once
+
+
+def test_warmup_counts_rl_steps(demo_dir, tmp_path):
+    train = run_main(demo_dir, tmp_path, "--steps", "2", "--warmup_steps", "4", "--updates_per_step", "2",
+                     "--no-dynamic_sampling", "--lr", "1e-4")
+    # train/lr is the rate after the step's scheduler step: 2/4 and 3/4 of --lr, whatever the updates per step
+    assert [r["train/lr"] for r in train] == [pytest.approx(0.5e-4), pytest.approx(0.75e-4)]
+
+
+def test_gradient_checkpointing_recomputes_activations(demo_dir):
+    """The trainer's model is in training mode, so a checkpointed layer runs its forward again in the backward."""
+    calls = {}
+    for checkpointing in (False, True):
+        model, _ = common.load_model(demo_dir, torch.device("cpu"))
+        model = common.shard_model(model, common.DistInfo(), grad_checkpointing=checkpointing)
+        mlp, count = model.model.layers[0].mlp, [0]
+        real_forward = mlp.forward  # counted by wrapping forward: module hooks do not fire in the recomputation
+
+        def counted(*args, real_forward=real_forward, count=count, **kwargs):
+            count[0] += 1
+            return real_forward(*args, **kwargs)
+        mlp.forward = counted
+        ids = torch.tensor([[4, 10, 11, 12, 5, 20, 21]])
+        logp, _ = common.token_logprobs(model, ids, torch.ones_like(ids), 3)
+        logp.sum().backward()
+        calls[checkpointing] = count[0]
+    assert calls == {False: 1, True: 2}
+
+
+def test_checkpoint_sampling_knobs_are_ignored(demo_dir, tmp_path):
+    """A model folder whose generation_config.json sets repetition_penalty=5 and top_k=2 samples exactly what an
+    untouched one samples: the flags alone define the rollout distribution the trainer's log-probs assume."""
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model.generation_config.do_sample = True
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.top_k = 2
+    model.generation_config.min_new_tokens = 6
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    knobbed, _ = common.load_model(str(tmp_path), torch.device("cpu"))
+    assert knobbed.generation_config.repetition_penalty == 5.0  # the checkpoint really carries the knobs
+    plain, _ = common.load_model(demo_dir, torch.device("cpu"))
+    prompts = [tok(f"{a}+{b}", add_special_tokens=False)["input_ids"] for a in range(10, 90, 7) for b in (3, 45)] * 4
+    out = []
+    for m in (plain, knobbed):
+        torch.manual_seed(0)
+        out.append(common.hf_generate(m, tok, prompts, 12, temperature=1.0))
+    assert out[0] == out[1]
+    assert knobbed.generation_config.repetition_penalty == 5.0  # and the model's own config is left as it was
+
+
+def test_dropout_is_off_in_training_mode(demo_dir, tmp_path):
+    from transformers import AutoConfig
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.attention_dropout = 0.5
+    config.save_pretrained(tmp_path)
+    model, _ = common.load_model(str(tmp_path), torch.device("cpu"))
+    ids = torch.tensor([[4, 10, 11, 12, 5, 20, 21]])
+    model.train()
+    a, b = model(ids).logits, model(ids).logits
+    model.eval()
+    assert torch.equal(a, b) and torch.equal(a, model(ids).logits)
+
+
+def test_overlong_prompts_are_dropped_with_a_count(demo_dir, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    rows = [{"problem": f"{a}+{a}", "answer": str(2 * a)} for a in range(1, 40)]
+    rows.insert(5, {"problem": "1+" * 3000 + "1", "answer": "3001"})  # a 6,000-token problem
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = run_main(demo_dir, tmp_path / "run", "--steps", "1", "--train_data", str(data), "--max_prompt_length",
+                     "64", "--no-dynamic_sampling")
+    assert f"warning: {data}: dropped 1 of 40 problems whose prompt is longer than --max_prompt_length 64 tokens" \
+        in capsys.readouterr().out
+    assert train[0]["train/num_groups"] == 8
+
+
+def test_eval_sets_with_the_same_file_name_keep_their_own_keys(demo_dir, tmp_path):
+    assert common.eval_set_names(["a/x.jsonl", "b/x.jsonl", "arith"]) == ["a-x", "b-x", "arith"]
+    assert common.eval_set_names(["x.jsonl", "x.jsonl"]) == ["x-0", "x-1"]
+    for name, offset in (("a", 0), ("b", 1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x.jsonl").write_text("".join(json.dumps({"problem": f"{a}+{offset}", "answer": str(
+            a + offset)}) + "\n" for a in range(1, 9)))
+    run_main(demo_dir, tmp_path / "run", "--steps", "1", "--eval_data", f"{tmp_path}/a/x.jsonl,{tmp_path}/b/x.jsonl")
+    final = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "eval/acc" in r][-1]
+    assert {"eval/a-x/acc", "eval/b-x/acc"} <= set(final)
+
+
+def test_resume_without_a_checkpoint_says_so(demo_dir, tmp_path, capsys):
+    run_main(demo_dir, tmp_path, "--steps", "1", "--resume")
+    assert f"--resume: no checkpoint in {str(tmp_path)!r}; starting from step 0" in capsys.readouterr().out

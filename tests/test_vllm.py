@@ -29,8 +29,8 @@ def setup(demo_dir):
     why_not = common.vllm_usable(torch.device("cpu"))
     if why_not:
         pytest.skip(why_not)
-    model, tok = common.load_model(demo_dir[0], torch.device("cpu"))
-    engine = common.VLLMRollout(demo_dir[0], tok, common.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    engine = common.VLLMRollout(demo_dir, tok, common.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
     problems = [f"{a}+{b}" for a in (3, 17, 250, 4096) for b in (5, 61, 708, 12)]
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in problems]
@@ -63,7 +63,8 @@ def test_greedy_completions_equal_the_trainers_after_sync(setup):
     sgd_steps(model, tok, prompts)
     with pytest.raises(RuntimeError, match="sync check failed"):  # the engine still runs the old weights
         engine.check_sync(model)
-    assert engine.sync_weights(model) < 1e-5
+    # float32 agreement is relative: after these large SGD steps the probe's log-probs are ~-20, so ~1e-5 absolute
+    assert engine.sync_weights(model) < 1e-4
     completions, truncated, _ = engine.generate(prompts, 12, temperature=0.0)
     hf_completions, hf_truncated = common.hf_generate(model, tok, prompts, 12, temperature=0.0)
     assert completions != before, "the SGD steps should have changed some greedy completion"
@@ -93,8 +94,10 @@ def test_sync_check_catches_a_silent_no_op_sync(setup, monkeypatch):
     engine.sync_weights(model)
 
 
-def test_truncation_comes_from_the_finish_reason(setup):
+def test_truncation_comes_from_the_finish_reason(setup, demo_dir):
     model, tok, engine, prompts = setup
+    original, _ = common.load_model(demo_dir, torch.device("cpu"))
+    model.load_state_dict(original.state_dict())  # undo the other tests' SGD steps: the demo model's own answers
     engine.sync_weights(model)
     max_new = 5  # `\boxed{`, the digits, `}`, eos: short sums finish, long ones are cut
     completions, truncated, logps = engine.generate(prompts, max_new, temperature=0.0)
@@ -134,10 +137,17 @@ def test_ids_beyond_the_tokenizer_end_the_completion(setup, monkeypatch):
 
 
 def test_da3po_runs_with_vllm(setup, demo_dir, tmp_path):
-    """The real script with --rollout vllm: it syncs and checks every step and logs the log-prob gap."""
+    """The real script with --rollout vllm: it syncs and checks every step and logs the log-prob gap. The model folder
+    ships sampling knobs of its own (repetition_penalty 5, top_k 2): the engine must sample what the flags say, or the
+    gap to the trainer's plain softmax(logits / T) would be large."""
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model.generation_config.update(do_sample=True, repetition_penalty=5.0, top_k=2)
+    model.save_pretrained(tmp_path / "knobbed")
+    tok.save_pretrained(tmp_path / "knobbed")
     out = tmp_path / "run"
-    r = run_script(["da3po.py", "--rollout", "vllm", "--steps", "2", "--out_dir", str(out), "--cache_dir",
-                    demo_dir[1], "--demo_sft_steps", "20", "--prompts_per_step", "8", "--mini_batch_size", "4",
+    r = run_script(["da3po.py", "--rollout", "vllm", "--model", str(tmp_path / "knobbed"), "--steps", "2", "--out_dir",
+                    str(out), "--prompts_per_step", "8",
+                    "--updates_per_step", "2",
                     "--eval_size", "16", "--eval_samples", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
     train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
