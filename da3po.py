@@ -5,7 +5,8 @@ Formulas and pitfalls: ../shared/ALGORITHMS.md (sections 1-6); DAPO is arXiv:250
 
 One RL step: roll out G completions per prompt -> verify (+1/-1 plus DAPO's overlong shaping) -> dynamic sampling
 (keep groups with 0 < #correct < G) -> GRPO advantages -> DAA: A <- lam * A for correct completions of groups whose
-pass rate p_hat = #correct / G is below tau -> DAPO's token-level clipped loss (clip-higher), several mini-batch updates.
+pass rate p_hat = #correct / G is below tau -> DAPO's token-level clipped loss (clip-higher), several mini-batch
+updates.
 
 Why DAA (Sec. 6.2 of ALGORITHMS.md, `--theory` prints it): dynamic sampling drops all-wrong groups, which raises the
 expected advantage of a surviving incorrect response on a prompt with pass rate p by alpha- = 1/(1-(1-p)^(G-1)) but
@@ -24,29 +25,24 @@ Deviations from the paper (each tagged "[dev N]" in the code):
      work), and `--p_estimate running` estimates p from every sample of the prompt so far, not only the current G.
 
 Run:
-  python da3po.py                                                          # built-in demo, CPU or GPU, ~3 min
+  python da3po.py                                                          # built-in demo, CPU or GPU, ~1 min
   python da3po.py --algo dapo --steps 3 --out_dir /tmp/x                   # a baseline, smoke test
   python da3po.py --model Qwen/Qwen3-4B-Base --train_data dapo17k.parquet --lr 1e-6 ...   # 1 GPU
   torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...       # N GPUs
   python da3po.py --theory                                                 # the amplification factors, exact and MC
 """
-import json
-import math
-import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from common import (Logger, PromptStream, VLLMRollout, all_reduce_max, all_reduce_sum, check_config, cleanup_dist,
-                    config_dict, die, dynamic_sampling, eval_set_names, evaluate_sets, format_eval, format_step,
-                    group_advantages, guarded_step, handle_stop_signals, hf_generate, latest_checkpoint, load_data,
-                    load_model, load_optimizer_state, local_state, log_samples, loss_weights, make_batch,
-                    micro_batches, model_path, old_logprobs, parse_config, policy_loss, print0, resolve_rollout,
-                    resolve_template, rng_state, roll_groups, rollout_copy, save_checkpoint, set_rng_state, setup_dist,
-                    shard_model, split_updates, stop_requested, sync_rollout, token_logprobs, tokenize_problems)
+from common import (TRAIN_SUMS, Logger, Metrics, PromptStream, StepTimer, UpdateGuard, all_reduce_max, all_reduce_sum,
+                    check_config, cleanup_dist, die, dynamic_sampling, evaluate_and_log, find_checkpoint, format_step,
+                    group_advantages, handle_stop_signals, load_checkpoint, load_datasets, load_model,
+                    load_reference_model, loss_weights, make_batch, make_rollout, micro_batch_loss, micro_batches,
+                    model_path, old_logprobs, parse_config, print0, resolve_template, save_checkpoint, setup_dist,
+                    shard_model, split_updates, stop_requested, tokenize_datasets, train_metrics)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -59,7 +55,7 @@ class Config:
     algo: str = "da3po"  # preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
-    eval_data: str = "arith"  # same choices; 'arith' uses the held-out split
+    eval_data: str = "arith"  # same choices, comma-separated for several sets; 'arith': 200 held-out sums
     out_dir: str = "out/da3po"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
     steps: int = 60  # RL steps (one rollout batch each)
@@ -81,7 +77,8 @@ class Config:
     rollout: str = "hf"  # rollout engine: hf (transformers generate) | vllm | auto (vLLM if installed and usable)
     vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
-    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, chat if the tokenizer has one)
+    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, chat if the tokenizer
+    #                                has one, else plain)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
     prompt_key: str = ""  # data field holding the problem ('' = try problem, question, prompt; dots for nested)
     answer_key: str = ""  # data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)
@@ -94,7 +91,8 @@ class Config:
     #                             the constant lam (our extension [dev 4])
     tau: float = 0.5  # hard prompt: group pass rate p_hat < tau (strict) [dev 1]
     lam_max: float = 4.0  # cap of the adaptive factor; binds for running estimates (p_hat >= 1/G keeps it <= ~1.65)
-    p_estimate: str = "group"  # pass rate used by DAA: group (p_hat of the G samples) | running (per-prompt, all epochs)
+    p_estimate: str = "group"  # pass rate used by DAA: group (p_hat of the G samples) | running (per prompt, over
+    #                            all epochs so far)
     # advantages and loss
     std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
@@ -170,6 +168,16 @@ def adaptive_lam(p: torch.Tensor, G: int, lam_max: float) -> torch.Tensor:
     return ((1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1))).clamp(max=lam_max)
 
 
+def check_algorithm_config(cfg: Config):
+    """DAA's flags that cannot work stop here, naming the flag (exit 2)."""
+    if not 0 < cfg.tau <= 1:
+        die(f"--tau must be in (0, 1], got {cfg.tau}")
+    if cfg.lam <= 0:
+        die(f"--lam must be > 0, got {cfg.lam}")
+    if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
+        die(f"--p_estimate must be group or running and --lam_max >= 1, got {cfg.p_estimate!r}, {cfg.lam_max}")
+
+
 def pass_key(group: dict) -> str:
     """The prompt a running pass count belongs to (problem text and gold answer)."""
     return f"{group['prompt']}\x00{group['answer']}"
@@ -182,6 +190,24 @@ def count_passes(counts: dict, groups: list[dict]):
         c = counts.setdefault(pass_key(g), [0, 0])
         c[0] += sum(g["correct"])
         c[1] += len(g["correct"])
+
+
+def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], pass_counts: dict, cfg: Config):
+    """Step 3 of the loop: DAA on this rank's groups, with the pass-rate estimate (the group's p_hat, or the running
+    one) and the factor (lam, or adaptive) the flags ask for. advantage, correct: (N, G).
+    Returns (the amplified advantages (N, G), the daa/* metrics over all ranks)."""
+    p = correct.float().mean(-1, keepdim=True)  # p_hat (N, 1)
+    if cfg.p_estimate == "running":
+        counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=torch.float, device=p.device)  # (N, 2)
+        p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
+    factor = adaptive_lam(p, cfg.group_size, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
+    advantage, amplified = daa(advantage, correct, factor, cfg.tau, p)
+    applied = (factor * torch.ones_like(p)).expand_as(advantage)[amplified]  # the factor of each amplified one
+    num_applied = all_reduce_sum(torch.tensor(float(len(applied)))).item()
+    return advantage, {
+        "daa/amplified_frac": num_applied / all_reduce_sum(torch.tensor(float(amplified.numel()))).item(),
+        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0 when nothing was amplified
+        "daa/lam_max": all_reduce_max(applied.max() if len(applied) else p.new_zeros(())).item()}  # same device
 
 
 def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
@@ -222,200 +248,95 @@ def print_theory():
 def main(cfg: Config):
     if cfg.theory:
         return print_theory()
-    d = setup_dist(cfg.device)
-    G, world = cfg.group_size, d.world_size
-    check_config(cfg, world)  # a flag combination that cannot work stops here with exit code 2
-    if not 0 < cfg.tau <= 1:
-        die(f"--tau must be in (0, 1], got {cfg.tau}")
-    if cfg.lam <= 0:
-        die(f"--lam must be > 0, got {cfg.lam}")
-    if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
-        die(f"--p_estimate must be group or running and --lam_max >= 1, got {cfg.p_estimate!r}, {cfg.lam_max}")
-    gen_groups = math.ceil(cfg.prompts_per_step * (cfg.oversample if cfg.dynamic_sampling else 1) / world) * world
+    dist_info = setup_dist(cfg.device)
+    check_config(cfg, dist_info.world_size)  # a flag combination that cannot work stops here with exit code 2
+    check_algorithm_config(cfg)
+    G, device = cfg.group_size, dist_info.device
     print0(f"{cfg.prompts_per_step} groups x {G} = {cfg.prompts_per_step * G} sequences per step "
-           f"({cfg.prompts_per_step * G // world} per rank), {cfg.updates_per_step} optimizer updates per step")
+           f"({cfg.prompts_per_step * G // dist_info.world_size} per rank), up to {cfg.updates_per_step} optimizer "
+           f"updates per step")
 
-    # data first (a bad file fails in a second), then model, optimizer
-    train_problems = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
-    specs = cfg.eval_data.split(",")
-    eval_sets = {name: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)[:cfg.eval_size or None]
-                 for name, spec in zip(eval_set_names(specs), specs)}
+    # data first (a bad file fails in a second), then the model, the rollout engine, the optimizer, and a resume
+    train_problems, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
-    ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if cfg.resume and not ckpt:
-        print0(f"--resume: no checkpoint in {cfg.out_dir!r}; starting from step 0")
-    base = model_path(cfg.model)  # 'demo': the shipped demo model
-    model, tok = load_model(ckpt or base, d.device)  # float32 master weights; --dtype sets the compute dtype
+    ckpt, base = find_checkpoint(cfg), model_path(cfg.model)  # --resume: the latest checkpoint; 'demo' is shipped
+    model, tok = load_model(ckpt or base, device)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
-    train_problems = tokenize_problems(train_problems, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
-    eval_sets = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
-                 for (name, problems), spec in zip(eval_sets.items(), specs)}
-    stream = PromptStream(train_problems, cfg.seed)
-    policy = rollout_copy(model, d, cfg.dtype)  # what generates: the model itself, or a full copy per rank under FSDP
-    model = shard_model(model, d, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
-    ref_model = shard_model(load_model(base, d.device)[0].requires_grad_(False), d, cfg.dtype).eval() \
-        if cfg.kl_coef > 0 else None  # the KL anchor is the initial model, also after a resume
+    train_problems, eval_sets = tokenize_datasets(train_problems, eval_sets, tok, cfg)
+    engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF generate or vLLM, behind one interface
+    model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    ref_model = load_reference_model(base, cfg, dist_info)  # the KL anchor; None when --kl_coef is 0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
-    engine = None
-    if resolve_rollout(cfg.rollout, d.device) == "vllm":  # before the sampling seed: vLLM reseeds torch's RNG
-        engine = VLLMRollout(ckpt or base, tok, d, cfg.dtype, cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                             cpu_kv_cache_gb=cfg.vllm_cpu_kv_gb)
-        print0(f"rollout: vLLM, probe log-prob diff at start {engine.check_sync(model):.1e}")
-    amp = lambda: torch.autocast(d.device.type, getattr(torch, cfg.dtype), enabled=cfg.dtype != "float32")  # noqa: E731
-
-    def generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p):
-        if engine is not None:  # also returns vLLM's sampling log-probs (logged as rollout/logprob_diff)
-            return engine.generate(prompts, cfg.max_new_tokens, temperature, top_p)
-        return hf_generate(policy, tok, prompts, cfg.max_new_tokens, temperature, top_p, cfg.rollout_batch_size)
-
-    def run_eval(step):
-        gen = lambda prompts: generate(prompts, cfg.eval_temperature, cfg.eval_top_p)  # noqa: E731
-        metrics = {"step": step, **evaluate_sets(gen, tok, eval_sets, cfg, d.rank, world)}
-        logger.log(metrics)
-        for line in format_eval(step, metrics, list(eval_sets)):
-            logger.line(line)
-        return metrics
-
-    def save(step):
-        save_checkpoint(cfg.out_dir, step, model, policy, tok, {
-            "optimizer": local_state(opt.state_dict()), "scheduler": sched.state_dict(), "rng": rng_state(),
-            "data_position": stream.position, "step": step, "pass_counts": pass_counts}, keep=cfg.keep_last)
-
-    start_step, pass_counts = 0, {}  # pass_counts: prompt -> [#correct, #samples] for --p_estimate running
-    if ckpt:
-        state = torch.load(os.path.join(ckpt, f"trainer_rank{d.rank}.pt"), weights_only=False)
-        load_optimizer_state(opt, state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        stream.position, start_step, pass_counts = state["data_position"], state["step"], state["pass_counts"]
-        set_rng_state(state["rng"])
-        print0(f"resumed from {ckpt} (step {start_step})")
-    else:
-        torch.manual_seed(cfg.seed + d.rank)  # sampling differs per rank
-    logger = Logger(cfg.out_dir, d.is_main, resume_step=start_step if cfg.resume else -1)
-    if d.is_main:
-        print0("config: " + " ".join(f"{k}={v}" for k, v in config_dict(cfg, world).items()))
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(config_dict(cfg, world), f, indent=1)
+    stream = PromptStream(train_problems, cfg.seed)
+    start_step, state = load_checkpoint(ckpt, opt, sched, stream, cfg.seed, dist_info)  # fresh: seeds the sampling
+    pass_counts = state.get("pass_counts", {})  # prompt -> [#correct, #samples], for --p_estimate running
+    logger = Logger(cfg, dist_info, resume_step=start_step if cfg.resume else -1)
     if cfg.eval_only:
-        run_eval(start_step)
+        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
         return cleanup_dist(engine)
 
     handle_stop_signals()
-    first_eval = run_eval(0) if start_step == 0 else None
-    bad_updates = 0
+    first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, 0) if start_step == 0 else None
+    guard = UpdateGuard(cfg.max_bad_updates)  # skips a non-finite update; stops the run after several in a row
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
-                     disable=not d.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in log files
-        t0 = time.time()
-        # 1) roll out G completions per prompt, verify, and keep mixed groups (dynamic sampling)
-        roll = lambda problems: roll_groups(generate, tok, problems, cfg, G)  # noqa: E731
-        groups, m = dynamic_sampling(stream, roll, cfg.prompts_per_step, gen_groups,
-                                     cfg.max_gen_batches if cfg.dynamic_sampling else 1, d.rank, world,
-                                     cfg.dynamic_sampling, on_generated=(lambda gs: count_passes(pass_counts, gs))
-                                     if cfg.p_estimate == "running" else None)
-        m["time/rollout_s"], t1 = time.time() - t0, time.time()
-        # 2) GRPO advantages, then DAA on the correct completions of hard groups
-        sums = {"loss": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "grad_norm": 0.0, "tokens": 0.0,
-                "skipped": 0.0, "logprob_diff": 0.0}
+                     disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
+        timer, sums, updates = StepTimer(), Metrics(*TRAIN_SUMS), []
+        # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
+        with timer("rollout"):
+            groups, generated, m = dynamic_sampling(engine, tok, stream, cfg, dist_info)
+        if cfg.p_estimate == "running":
+            count_passes(pass_counts, generated)  # every generated group, kept or not, on every rank
         if groups:  # an all-filtered step (nothing kept) is logged and skipped
-            if engine is not None:
-                engine.sleep()  # GPU: hand vLLM's weights and KV cache memory to the update (no-op on CPU)
-            batch = make_batch(groups, tok.pad_token_id)
-            adv = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
-            correct = batch["correct"].view(-1, G)  # (N, G)
-            p = correct.float().mean(-1, keepdim=True)  # p_hat (N, 1)
-            if cfg.p_estimate == "running":
-                counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=torch.float)  # (N, 2)
-                p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
-            factor = adaptive_lam(p, G, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
-            adv, amplified = daa(adv, correct, factor, cfg.tau, p)
-            applied = (factor * torch.ones_like(p)).expand_as(adv)[amplified]  # the factor of each amplified one
-            m["daa/lam_mean"] = all_reduce_sum(applied.sum()).item() / max(1.0, all_reduce_sum(
-                torch.tensor(float(len(applied)))).item())  # over all ranks; 0 when nothing was amplified
-            m["daa/lam_max"] = all_reduce_max(applied.max() if len(applied) else torch.tensor(0.0)).item()
-            batch["advantage"] = adv.flatten()  # (B,)
-            batch = {k: v.to(d.device) for k, v in batch.items()}
-            m["daa/amplified_frac"] = all_reduce_sum(amplified.float().sum()).item() / (m["train/num_groups"] * G)
-            updates = split_updates(len(groups), cfg.updates_per_step, G)  # row indices per update, none empty
-            m["train/num_updates"] = len(updates)
-            # 3) old log-probs from the trainer, before any update. The first mini-batch is trained before the weights
-            #    move, so its old log-probs are the current ones (logp.detach() below): only later mini-batches need a pass
-            batch["old_logp"] = old_logprobs(model, batch, torch.arange(len(updates[0]), len(batch["mask"])),
-                                             cfg.micro_batch_size, cfg.temperature, amp)  # (B, T)
-            # 4) optimizer updates over mini-batches; each sums micro-batch losses with global token weights
-            batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-            for u, rows in enumerate(updates):
-                batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
-                opt.zero_grad(set_to_none=True)
-                update_loss = 0.0
-                for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
-                    T = mb["mask"].shape[1]
-                    with amp():
-                        logp, entropy = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
-                                                       cfg.temperature, with_entropy=True)
-                        ref_logp = None
-                        if ref_model is not None:
-                            with torch.no_grad():
-                                ref_logp = token_logprobs(ref_model, mb["input_ids"], mb["attention_mask"], T,
-                                                          cfg.temperature)[0]
-                    old_logp = logp.detach() if u == 0 else mb["old_logp"]
-                    if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights (logged only)
-                        sums["logprob_diff"] += ((old_logp - mb["sampling_logp"]).abs() * mb["mask"]).sum().item()
-                    loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low,
-                                              cfg.clip_high, cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
-                    loss.backward()
-                    update_loss += loss.item()
-                    sums["entropy"] += (entropy * mb["mask"]).sum().item()
-                    sums["clip_low"] += stats["clip_low"].item()
-                    sums["clip_high"] += stats["clip_high"].item()
-                    sums["tokens"] += mb["mask"].sum().item()
-                stepped, grad_norm = guarded_step(model, opt, cfg.grad_clip, update_loss)  # NaN/inf: skipped
-                if stepped:
-                    sums["loss"] += update_loss
-                    sums["grad_norm"] += grad_norm / world  # the same global norm on every rank
-                    bad_updates = 0
-                else:
-                    sums["skipped"] += 1.0 / world
-                    bad_updates += 1
-                    print0(f"warning: step {step} update {u}: non-finite loss or gradient; update skipped")
-                    if bad_updates >= cfg.max_bad_updates:
-                        print0(f"error: {bad_updates} non-finite updates in a row (--max_bad_updates); stopping. "
-                               f"Try a lower --lr, --dtype float32, or check the data.")
-                        raise SystemExit(1)
-            m["time/update_s"], t2 = time.time() - t1, time.time()
-            if engine is not None:  # stream the weights into vLLM, reset its prefix cache, check them (raises)
-                m["rollout/sync_diff"] = engine.sync_weights(model)
-            else:
-                sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
-            m["time/sync_s"] = time.time() - t2
+            engine.sleep()  # vLLM on a GPU: hand its weights' and KV cache's memory to the update
+            with timer("update"):
+                # 2) GRPO advantages
+                batch = make_batch(groups, tok.pad_token_id, device)
+                advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
+                # 3) the algorithm: DAA on the correct completions of hard groups
+                advantage, daa_metrics = amplify(advantage, batch["correct"].view(-1, G), groups, pass_counts, cfg)
+                m.update(daa_metrics)
+                batch["advantage"] = advantage.flatten()  # (B,)
+                # 4) old log-probs from the trainer, before any update; the first update trains before the weights
+                #    move, so its old log-probs are the current ones and only the later updates' rows need a pass
+                updates = split_updates(len(groups), cfg.updates_per_step, G)  # row indices per update, none empty
+                batch["old_logp"] = old_logprobs(model, batch, torch.arange(len(updates[0]), len(batch["mask"])),
+                                                 cfg, device)  # (B, T)
+                # 5) optimizer updates, each the sum of its micro-batches' losses with global token weights
+                batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
+                for u, rows in enumerate(updates):
+                    batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
+                    opt.zero_grad(set_to_none=True)
+                    update_loss = 0.0
+                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
+                        loss = micro_batch_loss(model, ref_model, mb, u == 0, cfg, device, sums)
+                        loss.backward()
+                        update_loss += loss.item()
+                    guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}")
+            # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
+            with timer("sync"):
+                m.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
-        totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
-        m.setdefault("train/num_updates", 0)
-        tokens, done = max(totals["tokens"], 1.0), max(m["train/num_updates"] - totals["skipped"], 1.0)
-        m.update({"step": step, "train/loss": totals["loss"] / done, "train/entropy": totals["entropy"] / tokens,
-                  "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
-                  "train/grad_norm": totals["grad_norm"] / done, "train/skipped_updates": totals["skipped"],
-                  "train/lr": sched.get_last_lr()[0],
-                  "time/step_s": time.time() - t0})
+        # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
+        m.update(train_metrics(sums.reduce(), len(updates), sched.get_last_lr()[0], engine.sampling_logprobs))
+        m.update({"step": step, **timer.metrics()})
         for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max"):
             m.setdefault(key, 0.0)
-        if engine is not None:
-            m["rollout/logprob_diff"] = totals["logprob_diff"] / tokens
         logger.log(m)
         logger.line(format_step(step, cfg.steps, m) + f" | amp {m['daa/amplified_frac']:.2f}")
         if cfg.sample_every and step % cfg.sample_every == 0 and groups:
-            log_samples(logger, step, groups[0])
-        # 6) evaluation and checkpoints (also on SIGTERM/SIGINT, then a clean exit)
+            logger.samples(step, groups[0])
+        # 8) evaluation and checkpoints (also on SIGTERM/SIGINT, then a clean exit)
         stop = stop_requested()
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and not stop:
-            run_eval(step)
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
-            save(step)
+            save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, {"pass_counts": pass_counts},
+                            cfg.keep_last)
         if stop:
             print0(f"stopped at step {step}; continue with --resume")
             return cleanup_dist(engine)
-    last_eval = run_eval(cfg.steps)
+    last_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps)
     if first_eval is not None:
         print0(f"eval/acc before {first_eval['eval/acc']:.3f} -> after {last_eval['eval/acc']:.3f}")
     cleanup_dist(engine)

@@ -36,28 +36,24 @@ Deviations from the paper (each tagged "[dev N]" in the code):
   4) DAPO's dynamic sampling is on (not known for the paper): it changes which prompts fill a batch, not the loss.
 
 Run:
-  python daro.py                                                           # built-in demo, CPU or GPU, ~3 min
+  python daro.py                                                           # built-in demo, CPU or GPU, ~1 min
   python daro.py --algo var --steps 3 --out_dir /tmp/x                     # a static weighting, smoke test
   python daro.py --model Qwen/Qwen2.5-Math-7B --train_data openr1.parquet --lr 1e-6 --prompts_per_step 128 ...
   torchrun --standalone --nproc_per_node=8 daro.py --model Qwen/Qwen2.5-Math-7B ...      # N GPUs
 """
-import json
 import math
-import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from common import (Logger, PromptStream, VLLMRollout, all_reduce_sum, check_config, cleanup_dist,
-                    config_dict, die, dynamic_sampling, eval_set_names, evaluate_sets, format_eval, format_step,
-                    group_advantages, guarded_step, handle_stop_signals, hf_generate, latest_checkpoint, load_data,
-                    load_model, load_optimizer_state, local_state, log_samples, loss_weights, make_batch, model_path,
-                    micro_batches, old_logprobs, parse_config, policy_loss, print0, resolve_rollout, resolve_template,
-                    rng_state, roll_groups, rollout_copy, save_checkpoint, set_rng_state, setup_dist, shard_model,
-                    split_updates, stop_requested, sync_rollout, token_logprobs, tokenize_problems)
+from common import (TRAIN_SUMS, Logger, Metrics, PromptStream, StepTimer, UpdateGuard, all_reduce_sum, check_config,
+                    cleanup_dist, die, dynamic_sampling, evaluate_and_log, find_checkpoint, format_step,
+                    group_advantages, handle_stop_signals, load_checkpoint, load_datasets, load_model,
+                    load_reference_model, loss_weights, make_batch, make_rollout, micro_batch_loss, micro_batches,
+                    model_path, old_logprobs, parse_config, print0, resolve_template, save_checkpoint, setup_dist,
+                    shard_model, split_updates, stop_requested, tokenize_datasets, train_metrics)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -70,7 +66,7 @@ class Config:
     algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo; explicit flags override the preset
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
-    eval_data: str = "arith"  # same choices; 'arith' uses the held-out split
+    eval_data: str = "arith"  # same choices, comma-separated for several sets; 'arith': 200 held-out sums
     out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
     steps: int = 60  # RL steps (one rollout batch each)
@@ -92,7 +88,8 @@ class Config:
     rollout: str = "hf"  # rollout engine: hf (transformers generate) | vllm | auto (vLLM if installed and usable)
     vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
-    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, chat if the tokenizer has one)
+    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, chat if the tokenizer
+    #                                has one, else plain)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
     prompt_key: str = ""  # data field holding the problem ('' = try problem, question, prompt; dots for nested)
     answer_key: str = ""  # data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)
@@ -101,7 +98,7 @@ class Config:
     overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
     # difficulty-aware reweighting, Eq. (1)-(3)
     weighting: str = "learned"  # w_mu: learned (DARO) | uniform (1) | var (sqrt(mu(1-mu))) | none (no bins, loss_agg)
-    weight_lr: float = 1e-3  # Adam learning rate of the log-weights s_mu (paper: 1e-3)
+    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu, the weights' parameters (paper: 1e-3)
     daro_delta: float = 1e-3  # delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]
     daro_literal: bool = False  # fit the weights to L_mu itself, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
     w_min: float = 0.1  # lower clamp of every w_mu, applied after each weight step [dev 1]
@@ -169,254 +166,189 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
     return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
 
 
-def bin_weights(log_w: list[torch.Tensor], weighting: str) -> torch.Tensor:
+def bin_weights(neg_log_w: list[torch.Tensor], weighting: str) -> torch.Tensor:
     """w_mu for mu = 0, 1/G, ..., 1 as a constant (G+1,) tensor: learned exp(-s_mu), Eq. (3), or a static function of
     mu; 0 for mu = 0 and 1. `none` (the baselines' own loss, no bins) weighs every bin 1."""
-    G, device = len(log_w) + 1, log_w[0].device
+    G, device = len(neg_log_w) + 1, neg_log_w[0].device
     if weighting == "none":
         return torch.ones(G + 1, device=device)
     mu = torch.arange(1, G, device=device) / G  # (G-1,)
     if weighting == "learned":
-        w = torch.exp(-torch.stack(log_w).detach())  # Eq. (3)
+        w = torch.exp(-torch.stack(neg_log_w).detach())  # Eq. (3)
     else:  # uniform; var on top of the z-scored advantage gives a total weight mu(1-mu) (ALGORITHMS.md 7.3)
         w = torch.ones_like(mu) if weighting == "uniform" else (mu * (1 - mu)).sqrt()
     return torch.nn.functional.pad(w, (1, 1))
 
 
-def weight_objective(log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, delta: float,
+def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, delta: float,
                      literal: bool) -> torch.Tensor:
     """The weights' side of Eq. (1) over the bins present in the update (absent ones are not in the graph at all):
     sum_mu w_mu L_mu + s_mu, as -ln w = s; bin_loss (G+1,) is a constant here. Guarded (default): |L_mu| + delta in
     place of L_mu, so the minimum w_mu = 1 / (|L_mu| + delta) always exists [dev 1]."""
     target = bin_loss if literal else bin_loss.abs() + delta  # (G+1,)
-    return sum(torch.exp(-s) * target[i] + s for i, s in enumerate(log_w, 1) if present[i])  # Eq. (1), (3)
+    return sum(torch.exp(-s) * target[i] + s for i, s in enumerate(neg_log_w, 1) if present[i])  # Eq. (1), (3)
 
 
-def update_weights(log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor, present: torch.Tensor, cfg):
-    """One Adam step of the log-weights on Eq. (1), then clamp w to [w_min, w_max]. An absent bin keeps .grad None, so
+def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor, present: torch.Tensor, cfg):
+    """One Adam step of s = -ln w on Eq. (1), then clamp w to [w_min, w_max]. An absent bin keeps .grad None, so
     Adam skips it: with a zero gradient instead, its momentum would still move the weight (ALGORITHMS.md pitfall 11)."""
     if not present[1:-1].any():
         return
     weight_opt.zero_grad(set_to_none=True)
-    weight_objective(log_w, bin_loss, present, cfg.daro_delta, cfg.daro_literal).backward()
+    weight_objective(neg_log_w, bin_loss, present, cfg.daro_delta, cfg.daro_literal).backward()
     weight_opt.step()
     with torch.no_grad():
-        for s in log_w:
+        for s in neg_log_w:
             s.clamp_(-math.log(cfg.w_max), -math.log(cfg.w_min))  # w = exp(-s) in [w_min, w_max] [dev 1]
+
+def check_algorithm_config(cfg: Config):
+    """DARO's flags that cannot work stop here, naming the flag (exit 2)."""
+    if cfg.weighting not in ("learned", "uniform", "var", "none"):
+        die(f"--weighting {cfg.weighting!r}: choose one of learned, uniform, var, none")
+    if not 0 < cfg.w_min <= 1 <= cfg.w_max:
+        die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
+
+
+def init_weights(cfg: Config, device: torch.device, state: dict):
+    """s_mu = -ln w_mu for mu = 1/G .. (G-1)/G, Eq. (3), at 0 (w = 1) or as saved in a checkpoint's `state`: one
+    tensor per bin, so that Adam can skip a bin absent from an update, and an Adam of their own (--weight_lr), which
+    keeps them out of the model's weight decay and gradient clipping (ALGORITHMS.md pitfall 11)."""
+    neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(1, cfg.group_size)]
+    weight_opt = torch.optim.Adam(neg_log_w, lr=cfg.weight_lr)
+    if state:
+        with torch.no_grad():
+            for s, saved in zip(neg_log_w, state["daro_neg_log_w"]):
+                s.copy_(saved)
+        weight_opt.load_state_dict(state["weight_optimizer"])
+    return neg_log_w, weight_opt
+
+
+def weights_state(neg_log_w: list[torch.Tensor], weight_opt) -> dict:
+    """What a checkpoint keeps of the weights (init_weights reads it back)."""
+    return {"daro_neg_log_w": torch.stack(neg_log_w).detach().cpu(), "weight_optimizer": weight_opt.state_dict()}
+
+
+def bin_metrics(neg_log_w: list[torch.Tensor], bin_sum: torch.Tensor, bin_seen: torch.Tensor,
+                bin_count: torch.Tensor, cfg: Config) -> dict:
+    """The step's daro/* record, keys naming mu with three decimals (daro/w_0.125): w_mu after the step, L_mu (its
+    mean over the updates in which bin mu was present; 0 if none), and n_mu, the groups trained on per bin (all
+    ranks). bin_sum, bin_seen, bin_count: (G+1,) on this rank's side."""
+    G = cfg.group_size
+    w = bin_weights(neg_log_w, cfg.weighting).cpu()  # (G+1,)
+    counts = all_reduce_sum(bin_count)  # groups trained on, per bin, over all ranks
+    m = {}
+    for i in range(G + 1):
+        m[f"daro/n_{i / G:.3f}"] = counts[i].item()
+        if 0 < i < G:
+            m[f"daro/w_{i / G:.3f}"] = w[i].item()
+            m[f"daro/L_{i / G:.3f}"] = (bin_sum[i] / bin_seen[i].clamp(min=1)).item()
+    return m
 
 # -----------------------------------------------------------------------------------------------------------------
 # Training
 
 
 def main(cfg: Config):
-    d = setup_dist(cfg.device)
-    G, world = cfg.group_size, d.world_size
-    check_config(cfg, world)  # a flag combination that cannot work stops here with exit code 2
-    if cfg.weighting not in ("learned", "uniform", "var", "none"):
-        die(f"--weighting {cfg.weighting!r}: choose one of learned, uniform, var, none")
-    if not 0 < cfg.w_min <= 1 <= cfg.w_max:
-        die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
-    gen_groups = math.ceil(cfg.prompts_per_step * (cfg.oversample if cfg.dynamic_sampling else 1) / world) * world
+    dist_info = setup_dist(cfg.device)
+    check_config(cfg, dist_info.world_size)  # a flag combination that cannot work stops here with exit code 2
+    check_algorithm_config(cfg)
+    G, device = cfg.group_size, dist_info.device
     print0(f"{cfg.prompts_per_step} groups x {G} = {cfg.prompts_per_step * G} sequences per step "
-           f"({cfg.prompts_per_step * G // world} per rank), {cfg.updates_per_step} optimizer updates per step")
+           f"({cfg.prompts_per_step * G // dist_info.world_size} per rank), up to {cfg.updates_per_step} optimizer "
+           f"updates per step")
 
-    # data first (a bad file fails in a second), then model, optimizer
-    train_problems = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
-    specs = cfg.eval_data.split(",")
-    eval_sets = {name: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)[:cfg.eval_size or None]
-                 for name, spec in zip(eval_set_names(specs), specs)}
+    # data first (a bad file fails in a second), then the model, the rollout engine, the optimizer, and a resume
+    train_problems, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
-    ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if cfg.resume and not ckpt:
-        print0(f"--resume: no checkpoint in {cfg.out_dir!r}; starting from step 0")
-    base = model_path(cfg.model)  # 'demo': the shipped demo model
-    model, tok = load_model(ckpt or base, d.device)  # float32 master weights; --dtype sets the compute dtype
+    ckpt, base = find_checkpoint(cfg), model_path(cfg.model)  # --resume: the latest checkpoint; 'demo' is shipped
+    model, tok = load_model(ckpt or base, device)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
-    train_problems = tokenize_problems(train_problems, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
-    eval_sets = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
-                 for (name, problems), spec in zip(eval_sets.items(), specs)}
-    stream = PromptStream(train_problems, cfg.seed)
-    policy = rollout_copy(model, d, cfg.dtype)  # what generates: the model itself, or a full copy per rank under FSDP
-    model = shard_model(model, d, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
-    ref_model = shard_model(load_model(base, d.device)[0].requires_grad_(False), d, cfg.dtype).eval() \
-        if cfg.kl_coef > 0 else None  # the KL anchor is the initial model, also after a resume
+    train_problems, eval_sets = tokenize_datasets(train_problems, eval_sets, tok, cfg)
+    engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF generate or vLLM, behind one interface
+    model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    ref_model = load_reference_model(base, cfg, dist_info)  # the KL anchor; None when --kl_coef is 0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
-    engine = None
-    if resolve_rollout(cfg.rollout, d.device) == "vllm":  # before the sampling seed: vLLM reseeds torch's RNG
-        engine = VLLMRollout(ckpt or base, tok, d, cfg.dtype, cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                             cpu_kv_cache_gb=cfg.vllm_cpu_kv_gb)
-        print0(f"rollout: vLLM, probe log-prob diff at start {engine.check_sync(model):.1e}")
-    amp = lambda: torch.autocast(d.device.type, getattr(torch, cfg.dtype), enabled=cfg.dtype != "float32")  # noqa: E731
-    # s_mu for mu = 1/G .. (G-1)/G, Eq. (3): one tensor per bin, so that Adam can skip a bin absent from an update;
-    # their own optimizer keeps them out of the model's weight decay and gradient clipping (ALGORITHMS.md pitfall 11)
-    log_w = [torch.zeros((), device=d.device, requires_grad=True) for _ in range(1, G)]
-    weight_opt = torch.optim.Adam(log_w, lr=cfg.weight_lr)
-
-    def generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p):
-        if engine is not None:  # also returns vLLM's sampling log-probs (logged as rollout/logprob_diff)
-            return engine.generate(prompts, cfg.max_new_tokens, temperature, top_p)
-        return hf_generate(policy, tok, prompts, cfg.max_new_tokens, temperature, top_p, cfg.rollout_batch_size)
-
-    def run_eval(step):
-        gen = lambda prompts: generate(prompts, cfg.eval_temperature, cfg.eval_top_p)  # noqa: E731
-        metrics = {"step": step, **evaluate_sets(gen, tok, eval_sets, cfg, d.rank, world)}
-        logger.log(metrics)
-        for line in format_eval(step, metrics, list(eval_sets)):
-            logger.line(line)
-        return metrics
-
-    def save(step):
-        save_checkpoint(cfg.out_dir, step, model, policy, tok, {
-            "optimizer": local_state(opt.state_dict()), "scheduler": sched.state_dict(), "rng": rng_state(),
-            "data_position": stream.position, "step": step, "daro_log_w": torch.stack(log_w).detach().cpu(),
-            "weight_optimizer": weight_opt.state_dict()}, keep=cfg.keep_last)
-
-    start_step = 0
-    if ckpt:
-        state = torch.load(os.path.join(ckpt, f"trainer_rank{d.rank}.pt"), weights_only=False)
-        load_optimizer_state(opt, state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        with torch.no_grad():
-            for s, saved in zip(log_w, state["daro_log_w"]):
-                s.copy_(saved)
-        weight_opt.load_state_dict(state["weight_optimizer"])
-        stream.position, start_step = state["data_position"], state["step"]
-        set_rng_state(state["rng"])
-        print0(f"resumed from {ckpt} (step {start_step})")
-    else:
-        torch.manual_seed(cfg.seed + d.rank)  # sampling differs per rank
-    logger = Logger(cfg.out_dir, d.is_main, resume_step=start_step if cfg.resume else -1)
-    if d.is_main:
-        print0("config: " + " ".join(f"{k}={v}" for k, v in config_dict(cfg, world).items()))
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(config_dict(cfg, world), f, indent=1)
+    stream = PromptStream(train_problems, cfg.seed)
+    start_step, state = load_checkpoint(ckpt, opt, sched, stream, cfg.seed, dist_info)  # fresh: seeds the sampling
+    neg_log_w, weight_opt = init_weights(cfg, device, state)  # s_mu = -ln w_mu and their own Adam, Eq. (3)
+    logger = Logger(cfg, dist_info, resume_step=start_step if cfg.resume else -1)
     if cfg.eval_only:
-        run_eval(start_step)
+        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
         return cleanup_dist(engine)
 
     handle_stop_signals()
-    first_eval = run_eval(0) if start_step == 0 else None
-    bad_updates = 0
+    first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, 0) if start_step == 0 else None
+    guard = UpdateGuard(cfg.max_bad_updates)  # skips a non-finite update; stops the run after several in a row
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
-                     disable=not d.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in log files
-        t0 = time.time()
-        # 1) roll out G completions per prompt, verify, and keep mixed groups (dynamic sampling)
-        roll = lambda problems: roll_groups(generate, tok, problems, cfg, G)  # noqa: E731
-        groups, m = dynamic_sampling(stream, roll, cfg.prompts_per_step, gen_groups,
-                                     cfg.max_gen_batches if cfg.dynamic_sampling else 1, d.rank, world,
-                                     cfg.dynamic_sampling)
-        m["time/rollout_s"], t1 = time.time() - t0, time.time()
-        # 2) GRPO advantages, and the difficulty bin of every completion: #correct of its group (mu = bin / G)
-        sums = {"loss": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "grad_norm": 0.0, "tokens": 0.0,
-                "skipped": 0.0, "logprob_diff": 0.0}
-        bin_sum, bin_seen = torch.zeros(G + 1), torch.zeros(G + 1)  # L_mu summed over updates; updates with bin mu
+                     disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
+        timer, sums, updates = StepTimer(), Metrics(*TRAIN_SUMS), []
+        bin_sum, bin_seen, bin_count = torch.zeros(G + 1), torch.zeros(G + 1), torch.zeros(G + 1)  # per bin mu
+        # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
+        with timer("rollout"):
+            groups, generated, m = dynamic_sampling(engine, tok, stream, cfg, dist_info)
         if groups:  # an all-filtered step (nothing kept) is logged and skipped
-            if engine is not None:
-                engine.sleep()  # GPU: hand vLLM's weights and KV cache memory to the update (no-op on CPU)
-            batch = make_batch(groups, tok.pad_token_id)
-            adv = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
-            batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
-            batch["advantage"] = adv.flatten()  # (B,)
-            batch = {k: v.to(d.device) for k, v in batch.items()}
-            updates = split_updates(len(groups), cfg.updates_per_step, G)  # row indices per update, none empty
-            m["train/num_updates"] = len(updates)
-            # 3) old log-probs from the trainer, before any update. The first mini-batch is trained before the weights
-            #    move, so its old log-probs are the current ones (logp.detach() below): only later mini-batches need a pass
-            batch["old_logp"] = old_logprobs(model, batch, torch.arange(len(updates[0]), len(batch["mask"])),
-                                             cfg.micro_batch_size, cfg.temperature, amp)  # (B, T)
-            # 4) optimizer updates over mini-batches; each sums micro-batch losses with global per-bin token weights
-            batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-            for u, rows in enumerate(updates):
-                batch["weight"][rows], bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], G)
-                if cfg.weighting == "none":  # the baselines' own aggregation over the whole update, no bins
-                    batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
-                # w_mu enters the loss as a constant: the model's gradient is sum_mu w_mu grad L_mu, Eq. (1). The loss
-                # is linear in this leaf, so autograd sums each bin's weighted token losses into .grad: L_mu, Eq. (2)
-                coef = bin_weights(log_w, cfg.weighting).requires_grad_()  # (G+1,)
-                coef.grad = torch.zeros_like(coef)
-                opt.zero_grad(set_to_none=True)
-                update_loss = 0.0
-                for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
-                    T = mb["mask"].shape[1]
-                    with amp():
-                        logp, entropy = token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
-                                                       cfg.temperature, with_entropy=True)
-                        ref_logp = None
-                        if ref_model is not None:
-                            with torch.no_grad():
-                                ref_logp = token_logprobs(ref_model, mb["input_ids"], mb["attention_mask"], T,
-                                                          cfg.temperature)[0]
-                    old_logp = logp.detach() if u == 0 else mb["old_logp"]
-                    if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights (logged only)
-                        sums["logprob_diff"] += ((old_logp - mb["sampling_logp"]).abs() * mb["mask"]).sum().item()
-                    weight = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)  # (B, T): w_mu / #tokens of bin mu
-                    loss, stats = policy_loss(logp, old_logp, mb["advantage"], weight, cfg.clip_low,
-                                              cfg.clip_high, cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
-                    loss.backward()
-                    update_loss += loss.item()
-                    sums["entropy"] += (entropy * mb["mask"]).sum().item()
-                    sums["clip_low"] += stats["clip_low"].item()
-                    sums["clip_high"] += stats["clip_high"].item()
-                    sums["tokens"] += mb["mask"].sum().item()
-                stepped, grad_norm = guarded_step(model, opt, cfg.grad_clip, update_loss)  # NaN/inf: skipped
-                if stepped:
-                    sums["loss"] += update_loss
-                    sums["grad_norm"] += grad_norm / world  # the same global norm on every rank
-                    bad_updates = 0
-                    bin_loss = all_reduce_sum(coef.grad)  # (G+1,) L_mu, all ranks: the same weight step on each rank
-                    if cfg.weighting == "learned":  # skipped, like the model's step, after a non-finite update
-                        update_weights(log_w, weight_opt, bin_loss, bin_tokens > 0, cfg)
-                    bin_sum += torch.where(bin_tokens > 0, bin_loss, 0.0).cpu()
-                    bin_seen += (bin_tokens > 0).float().cpu()
-                else:
-                    sums["skipped"] += 1.0 / world
-                    bad_updates += 1
-                    print0(f"warning: step {step} update {u}: non-finite loss or gradient; update skipped")
-                    if bad_updates >= cfg.max_bad_updates:
-                        print0(f"error: {bad_updates} non-finite updates in a row (--max_bad_updates); stopping. "
-                               f"Try a lower --lr, --dtype float32, or check the data.")
-                        raise SystemExit(1)
-            m["time/update_s"], t2 = time.time() - t1, time.time()
-            if engine is not None:  # stream the weights into vLLM, reset its prefix cache, check them (raises)
-                m["rollout/sync_diff"] = engine.sync_weights(model)
-            else:
-                sync_rollout(model, policy)  # the next rollout, eval or checkpoint sees the new weights
-            m["time/sync_s"] = time.time() - t2
+            engine.sleep()  # vLLM on a GPU: hand its weights' and KV cache's memory to the update
+            with timer("update"):
+                # 2) GRPO advantages
+                batch = make_batch(groups, tok.pad_token_id, device)
+                advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
+                # 3) the algorithm: the difficulty bin of every completion, #correct of its group (mu = bin / G)
+                batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
+                bin_count = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
+                batch["advantage"] = advantage.flatten()  # (B,)
+                # 4) old log-probs from the trainer, before any update; the first update trains before the weights
+                #    move, so its old log-probs are the current ones and only the later updates' rows need a pass
+                updates = split_updates(len(groups), cfg.updates_per_step, G)  # row indices per update, none empty
+                batch["old_logp"] = old_logprobs(model, batch, torch.arange(len(updates[0]), len(batch["mask"])),
+                                                 cfg, device)  # (B, T)
+                # 5) optimizer updates of the model and the weights, with global per-bin token weights, Eq. (1)-(3)
+                batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
+                for u, rows in enumerate(updates):
+                    batch["weight"][rows], bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], G)
+                    if cfg.weighting == "none":  # the baselines' own aggregation over the whole update, no bins
+                        batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
+                    # w_mu enters the loss as a constant: the model's gradient is sum_mu w_mu grad L_mu, Eq. (1). The
+                    # loss is linear in this leaf, so autograd sums each bin's weighted token losses into .grad: L_mu
+                    coef = bin_weights(neg_log_w, cfg.weighting).requires_grad_()  # (G+1,)
+                    coef.grad = torch.zeros_like(coef)
+                    opt.zero_grad(set_to_none=True)
+                    update_loss = 0.0
+                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
+                        mb["weight"] = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)  # (B, T): w_mu / #tokens of mu
+                        loss = micro_batch_loss(model, ref_model, mb, u == 0, cfg, device, sums)
+                        loss.backward()
+                        update_loss += loss.item()
+                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}"):
+                        bin_loss = all_reduce_sum(coef.grad)  # (G+1,) L_mu over all ranks: one weight step everywhere
+                        if cfg.weighting == "learned":  # skipped, like the model's step, after a non-finite update
+                            update_weights(neg_log_w, weight_opt, bin_loss, bin_tokens > 0, cfg)
+                        bin_sum += torch.where(bin_tokens > 0, bin_loss, 0.0).cpu()
+                        bin_seen += (bin_tokens > 0).float().cpu()
+            # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
+            with timer("sync"):
+                m.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 5) one printed line and one metrics record; metrics are sums over micro-batches and ranks
-        totals = {k: all_reduce_sum(torch.tensor(v)).item() for k, v in sums.items()}
-        m.setdefault("train/num_updates", 0)
-        tokens, done = max(totals["tokens"], 1.0), max(m["train/num_updates"] - totals["skipped"], 1.0)
-        m.update({"step": step, "train/loss": totals["loss"] / done, "train/entropy": totals["entropy"] / tokens,
-                  "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
-                  "train/grad_norm": totals["grad_norm"] / done, "train/skipped_updates": totals["skipped"],
-                  "train/lr": sched.get_last_lr()[0],
-                  "time/step_s": time.time() - t0})
-        w = bin_weights(log_w, cfg.weighting).cpu()  # (G+1,)
-        counts = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1) if groups else torch.zeros(G + 1)
-        counts = all_reduce_sum(counts.float())  # groups trained on, per bin, over all ranks
-        for i in range(G + 1):  # keys name mu with three decimals: daro/w_0.125
-            m[f"daro/n_{i / G:.3f}"] = counts[i].item()
-            if 0 < i < G:  # L_mu: mean over the updates in which bin mu was present (0 if none)
-                m[f"daro/w_{i / G:.3f}"] = w[i].item()
-                m[f"daro/L_{i / G:.3f}"] = (bin_sum[i] / bin_seen[i].clamp(min=1)).item()
-        if engine is not None:
-            m["rollout/logprob_diff"] = totals["logprob_diff"] / tokens
+        # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
+        m.update(train_metrics(sums.reduce(), len(updates), sched.get_last_lr()[0], engine.sampling_logprobs))
+        m.update({"step": step, **timer.metrics()})
+        m.update(bin_metrics(neg_log_w, bin_sum, bin_seen, bin_count, cfg))
         logger.log(m)
-        logger.line(format_step(step, cfg.steps, m) + f" | w {w[1:G].min():.2f}-{w[1:G].max():.2f}")
+        w = [m[f"daro/w_{i / G:.3f}"] for i in range(1, G)]
+        logger.line(format_step(step, cfg.steps, m) + f" | w {min(w):.2f}-{max(w):.2f}")
         if cfg.sample_every and step % cfg.sample_every == 0 and groups:
-            log_samples(logger, step, groups[0])
-        # 6) evaluation and checkpoints (also on SIGTERM/SIGINT, then a clean exit)
+            logger.samples(step, groups[0])
+        # 8) evaluation and checkpoints (also on SIGTERM/SIGINT, then a clean exit)
         stop = stop_requested()
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and not stop:
-            run_eval(step)
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
-            save(step)
+            save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, weights_state(neg_log_w, weight_opt),
+                            cfg.keep_last)
         if stop:
             print0(f"stopped at step {step}; continue with --resume")
             return cleanup_dist(engine)
-    last_eval = run_eval(cfg.steps)
+    last_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps)
     if first_eval is not None:
         print0(f"eval/acc before {first_eval['eval/acc']:.3f} -> after {last_eval['eval/acc']:.3f}")
     cleanup_dist(engine)

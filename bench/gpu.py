@@ -36,7 +36,7 @@ config = Qwen3Config(**size, max_position_embeddings=4096, tie_word_embeddings=T
 model = AutoModelForCausalLM.from_config(config).to(d.device)
 n_params = sum(p.numel() for p in model.parameters())
 dtype = "bfloat16" if d.device.type == "cuda" else "float32"
-policy = common.rollout_copy(model, d, dtype) if common.is_dist() else None
+engine = common.HFRollout(model, None, d, dtype)  # under FSDP: an unsharded copy, as --rollout hf keeps
 model = common.shard_model(model, d, dtype, grad_checkpointing=not args.tiny)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 P, T, B = (16, 32, 4) if args.tiny else (args.prompt_len, args.completion_len, args.micro_batch)
@@ -58,7 +58,7 @@ for step in range(args.steps + 1):  # the first step warms up (allocator, kernel
     weights = common.loss_weights(mask, "token-mean", T)
     loss, _ = common.policy_loss(logp, logp.detach(), adv, weights, 0.2, 0.28)
     loss.backward()
-    common.clip_grad_norm(model, 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     sync()
@@ -76,8 +76,8 @@ if d.device.type == "cuda":
     common.print0(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 # generation: HF generate on the unsharded copy (what --rollout hf uses), 64 prompts x 256 new tokens
-gen_model = policy if policy is not None else model
-common.sync_rollout(model, gen_model)
+engine.sync_weights(model)
+gen_model = engine.model
 prompts = [torch.randint(0, size["vocab_size"], (P,)).tolist() for _ in range(8 if args.tiny else 64)]
 
 

@@ -86,7 +86,7 @@ def update():
 update_s, _ = best_of(update)
 sleep_s, _ = best_of(lambda: (engine.sleep(), engine.wake_up()))  # no-ops on CPU (vLLM has no sleep mode there)
 engine.sleep()
-sync_s, diff = best_of(lambda: (engine.sleep(), engine.sync_weights(model))[1])  # wake weights, load, wake KV, check
+sync_s, diff = best_of(lambda: (engine.sleep(), engine.sync_weights(model)["rollout/sync_diff"])[1])  # + check
 step_s = vllm_s + update_s + sleep_s + sync_s
 
 print(f"model: {path if args.model else f'demo architecture, hidden {args.hidden}, {args.layers} layers'} "

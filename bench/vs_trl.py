@@ -48,9 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import da3po  # noqa: E402
-from common import (format_prompt, group_advantages, hf_generate, load_data, load_model, loss_weights,  # noqa: E402
-                    make_batch, model_path, policy_loss, resolve_template, roll_groups, shaped_reward, token_logprobs,
-                    tokenize_problems)
+from common import (DistInfo, HFRollout, format_prompt, group_advantages, load_data, load_model,  # noqa: E402
+                    loss_weights, make_batch, model_path, policy_loss, resolve_template, roll_groups, shaped_reward,
+                    token_logprobs, tokenize_problems)
 from verifier import verify_batch  # noqa: E402
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -216,10 +216,10 @@ def compare_loss(args, path: str):
         cfg = our_config(args, out_dir, 0)
         model, tok = load_model(path, torch.device("cpu"))
         cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
-        gen = lambda prompts: hf_generate(model, tok, prompts, cfg.max_new_tokens, 1.0, 1.0)  # noqa: E731
+        engine = HFRollout(model, tok, DistInfo())
         problems = tokenize_problems(load_data("arith", "train")[:args.prompts_per_step], tok, cfg.prompt_template,
                                      cfg.max_prompt_length, "arith")
-        groups, _ = roll_groups(gen, tok, problems, cfg, G)
+        groups, _ = roll_groups(engine, tok, problems, cfg, G, 1.0, 1.0)
         batch = make_batch(groups, tok.pad_token_id)
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["mask"]  # (B, P+T), (B, P+T), (B, T)
         B, T = mask.shape

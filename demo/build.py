@@ -94,11 +94,11 @@ def pass_rates(model, tok, problems: list[dict], samples: int, seed: int = 0) ->
     and verifier (common.roll_groups)."""
     cfg = argparse.Namespace(max_new_tokens=12, overlong_buffer=0, overlong_penalty=1.0, answer_format="auto")
     problems = common.tokenize_problems(problems, tok, "none", 64, "calibration")
+    engine = common.HFRollout(model, tok, common.DistInfo(), batch_size=4096)
     torch.manual_seed(seed)
     rates = []
     for s in range(0, len(problems), 128):
-        generate = lambda prompts: common.hf_generate(model, tok, prompts, 12, 1.0, 1.0, 4096)  # noqa: E731
-        groups, _ = common.roll_groups(generate, tok, problems[s:s + 128], cfg, samples)
+        groups, _ = common.roll_groups(engine, tok, problems[s:s + 128], cfg, samples, temperature=1.0, top_p=1.0)
         rates += [sum(g["correct"]) / samples for g in groups]
     return rates
 

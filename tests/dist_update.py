@@ -1,5 +1,6 @@
 """One optimizer update on a fixed global batch, in a plain process or under torchrun (FSDP2 on gloo).
-Used by test_dist.py: python tests/dist_update.py MODEL_DIR OUT.pt  |  torchrun --nproc_per_node=2 tests/dist_update.py ...
+Used by test_dist.py: python tests/dist_update.py MODEL_DIR OUT.pt
+                   | torchrun --nproc_per_node=2 tests/dist_update.py MODEL_DIR OUT.pt
 Rank 0 writes the summed loss, the gradient norm and the updated full parameters to OUT.pt."""
 import os
 import sys
@@ -14,7 +15,7 @@ model_dir, out = sys.argv[1], sys.argv[2]
 d = common.setup_dist("cpu")
 torch.manual_seed(0)
 model, tok = common.load_model(model_dir, d.device)
-policy = common.rollout_copy(model, d)
+engine = common.HFRollout(model, tok, d)  # under FSDP a full copy that sync_weights refreshes
 model = common.shard_model(model, d)
 # SGD with lr 1 makes the update equal the gradient, so comparing parameters compares gradients. (Adam's first step is
 # lr * g / |g|: for the few weights whose gradient is ~1e-9, float noise in the reduction flips it, which says nothing.)
@@ -40,12 +41,12 @@ for _, mb in common.micro_batches(batch, torch.arange(len(batch["mask"])), 3):  
     loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
     loss.backward()
     total += loss.item()
-grad_norm = common.clip_grad_norm(model, 1e9).item()
+grad_norm = common.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)).item()
 opt.step()
-common.sync_rollout(model, policy)
+engine.sync_weights(model)
 loss_sum = common.all_reduce_sum(torch.tensor(total)).item()
 params = common.full_state_dict(model)
 if d.is_main:
-    rollout = {k: v.clone() for k, v in policy.state_dict().items()}
+    rollout = {k: v.clone() for k, v in engine.model.state_dict().items()}
     torch.save({"loss": loss_sum, "grad_norm": grad_norm, "params": params, "rollout": rollout}, out)
 common.cleanup_dist()

@@ -119,7 +119,8 @@ def test_microbatch_split_does_not_change_loss_or_gradient(demo_dir, loss_agg):
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 8, (12,), generator=g)]
-    completions = [torch.randint(10, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (12,), generator=g)]
+    completions = [torch.randint(10, 40, (int(n),), generator=g).tolist()
+                   for n in torch.randint(1, 9, (12,), generator=g)]
     ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
     T = mask.shape[1]
     with torch.no_grad():

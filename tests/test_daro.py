@@ -106,7 +106,8 @@ def update_batch(demo_dir):
     g = torch.Generator().manual_seed(0)
     n = 16
     prompts = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 8, (n,), generator=g)]
-    completions = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(1, 9, (n,), generator=g)]
+    completions = [torch.randint(10, 40, (int(k),), generator=g).tolist()
+                   for k in torch.randint(1, 9, (n,), generator=g)]
     ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
     T = mask.shape[1]
     with torch.no_grad():
@@ -294,7 +295,7 @@ def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys)
     daro.main(common.parse_config(Config, args, PRESETS))
     straight = train_records(out)[-1]
     state = torch.load(out / "step_000002" / "trainer_rank0.pt", weights_only=False)
-    assert state["daro_log_w"].shape == (G - 1,) and state["daro_log_w"].abs().max() > 0.1
+    assert state["daro_neg_log_w"].shape == (G - 1,) and state["daro_neg_log_w"].abs().max() > 0.1
     assert len(state["weight_optimizer"]["state"]) > 0
     shutil.rmtree(out / "step_000003")
     capsys.readouterr()

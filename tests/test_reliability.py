@@ -54,11 +54,14 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path)
         sys.path.insert(0, {ROOT!r})
         import common
         model, tok = common.load_model({demo_dir!r}, torch.device("cpu"))
-        common.save_checkpoint({str(tmp_path)!r}, 1, model, model, tok, {{"step": 1}})
+        opt = torch.optim.AdamW(model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+        stream = common.PromptStream([{{"prompt": "1+1", "answer": "2"}}], seed=0)
+        common.save_checkpoint({str(tmp_path)!r}, 1, model, tok, opt, sched, stream, {{}})
         torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die while writing the trainer state
         with torch.no_grad():
             next(model.parameters()).add_(1.0)
-        common.save_checkpoint({str(tmp_path)!r}, 2, model, model, tok, {{"step": 2}})
+        common.save_checkpoint({str(tmp_path)!r}, 2, model, tok, opt, sched, stream, {{}})
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -128,7 +131,7 @@ def test_nan_loss_skips_the_update_and_leaves_parameters_unchanged(demo_dir, tmp
         loss, stats = real(*args, **kwargs)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(da3po, "policy_loss", nan_loss)
+    monkeypatch.setattr(common, "policy_loss", nan_loss)
     cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path),
                                              "--max_bad_updates", "100", "--no-dynamic_sampling", *SMALL],
                               da3po.PRESETS)

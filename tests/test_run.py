@@ -29,15 +29,15 @@ def test_demo_model_save_load_round_trip(demo_dir, tmp_path):
 def test_dynamic_sampling_cap_warns_instead_of_hanging(demo_dir, capsys):
     """A task the model always fails: every group is all-wrong, so nothing is kept; the cap ends the step."""
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
-    cfg = Config(group_size=4, max_new_tokens=4, prompt_template="none")
+    cfg = Config(group_size=4, max_new_tokens=4, prompt_template="none", prompts_per_step=8, oversample=0.75,
+                 max_gen_batches=3)
     impossible = common.tokenize_problems([{"prompt": f"{i}+{i}", "answer": "never", "level": 0} for i in range(50)],
                                           tok, "none", 64, "impossible")
     stream = common.PromptStream(impossible, seed=0)
-    gen = lambda prompts: common.hf_generate(model, tok, prompts, cfg.max_new_tokens)  # noqa: E731
-    roll = lambda probs: common.roll_groups(gen, tok, probs, cfg, cfg.group_size)  # noqa: E731
-    groups, stats = common.dynamic_sampling(stream, roll, num_groups=8, gen_groups=6, max_gen_batches=3)
+    engine = common.HFRollout(model, tok, common.DistInfo())
+    groups, generated, stats = common.dynamic_sampling(engine, tok, stream, cfg, common.DistInfo())
     assert groups == [] and stats["train/num_gen_batches"] == 3 and stats["train/keep_rate"] == 0
-    assert stream.position == 18
+    assert stream.position == 18 and len(generated) == 18  # 3 batches of 6 prompts (0.75 x 8)
     assert "dynamic sampling kept 0/8 groups after 3 generation batches" in capsys.readouterr().out
 
 
@@ -72,11 +72,11 @@ def test_eval_is_deterministic_for_the_same_weights(demo_dir):
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
     cfg = Config(eval_samples=2, prompt_template="none")
     problems = common.tokenize_problems(common.load_data("arith", "eval")[:24], tok, "none", 64, "arith")
-    gen = lambda prompts: common.hf_generate(model, tok, prompts, cfg.max_new_tokens)  # noqa: E731
+    engine = common.HFRollout(model, tok, common.DistInfo())
     torch.manual_seed(1)
-    a = common.evaluate(gen, tok, problems, cfg)
+    a = common.evaluate(engine, tok, problems, cfg)
     torch.manual_seed(2)  # a different training RNG state must not change the score
-    b = common.evaluate(gen, tok, problems, cfg)
+    b = common.evaluate(engine, tok, problems, cfg)
     assert a == b
 
 
@@ -104,10 +104,10 @@ def test_groups_kept_at_the_sampling_cap_are_all_trained_once(demo_dir, tmp_path
     completion must be trained exactly once, in as many updates as there are groups (none empty)."""
     import da3po
     batch_tokens, trained = [], []
-    real_make_batch, real_loss = da3po.make_batch, da3po.policy_loss
+    real_make_batch, real_loss = da3po.make_batch, common.policy_loss
 
-    def make_batch(groups, pad_id):
-        batch = real_make_batch(groups, pad_id)
+    def make_batch(groups, pad_id, device):
+        batch = real_make_batch(groups, pad_id, device)
         batch_tokens.append(batch["mask"].sum().item())
         return batch
 
@@ -116,7 +116,7 @@ def test_groups_kept_at_the_sampling_cap_are_all_trained_once(demo_dir, tmp_path
         return real_loss(logp, old_logp, advantages, weights, *args, **kwargs)
 
     monkeypatch.setattr(da3po, "make_batch", make_batch)
-    monkeypatch.setattr(da3po, "policy_loss", policy_loss)
+    monkeypatch.setattr(common, "policy_loss", policy_loss)
     train = run_main(demo_dir, tmp_path, "--steps", "1", "--updates_per_step", "8", "--max_gen_batches", "1",
                      "--oversample", "1", "--micro_batch_size", "1000")
     kept = train[0]["train/num_groups"]
@@ -170,7 +170,7 @@ def test_checkpoint_sampling_knobs_are_ignored(demo_dir, tmp_path):
     out = []
     for m in (plain, knobbed):
         torch.manual_seed(0)
-        out.append(common.hf_generate(m, tok, prompts, 12, temperature=1.0))
+        out.append(common.HFRollout(m, tok, common.DistInfo()).generate(prompts, 12, temperature=1.0))
     assert out[0] == out[1]
     assert knobbed.generation_config.repetition_penalty == 5.0  # and the model's own config is left as it was
 

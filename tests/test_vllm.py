@@ -64,7 +64,7 @@ def test_greedy_completions_equal_the_trainers_after_sync(setup):
     with pytest.raises(RuntimeError, match="sync check failed"):  # the engine still runs the old weights
         engine.check_sync(model)
     # float32 agreement is relative: after these large SGD steps the probe's log-probs are ~-20, so ~1e-5 absolute
-    assert engine.sync_weights(model) < 1e-4
+    assert engine.sync_weights(model)["rollout/sync_diff"] < 1e-4
     completions, truncated, _ = engine.generate(prompts, 12, temperature=0.0)
     hf_completions, hf_truncated = common.hf_generate(model, tok, prompts, 12, temperature=0.0)
     assert completions != before, "the SGD steps should have changed some greedy completion"
@@ -117,7 +117,9 @@ def test_sampling_logprobs_match_the_trainers(setup):
     ids, attn, mask = common.pad_prompt_completion(group_prompts, completions, tok.pad_token_id)
     with torch.no_grad():
         trainer, _ = common.token_logprobs(model, ids, attn, mask.shape[1], temperature)  # (B, T)
-    engine_logp = common.pad_sampling_logp([{"sampling_logp": logps}], mask.shape[1])  # (B, T)
+    engine_logp = common.make_batch([{"prompt_ids": p, "completions": [c], "reward": [0.0], "correct": [False],
+                                      "sampling_logp": [lp]} for p, c, lp in zip(group_prompts, completions, logps)],
+                                    tok.pad_token_id)["sampling_logp"]  # (B, T)
     diff = (trainer - engine_logp).abs() * mask
     assert diff.sum() / mask.sum() < 1e-5 and diff.max() < 1e-4, (diff.sum() / mask.sum(), diff.max())
 
