@@ -568,12 +568,20 @@ def eval_set_names(specs: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]  # identical paths given twice
 
 
+def spread(problems: list[dict], n: int) -> list[dict]:
+    """n problems spread evenly over the list (every len/n-th), so that a smaller eval set keeps the whole set's mix
+    of levels (files such as demo/arith_eval.jsonl are sorted by level); all of them when n is 0 or too large."""
+    if not n or n >= len(problems):
+        return problems
+    return [problems[i * len(problems) // n] for i in range(n)]
+
+
 def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
-    """--train_data and every --eval_data set (named by eval_set_names, cut to --eval_size), not yet tokenized: a bad
-    file fails here, in a second, before any model is loaded."""
+    """--train_data and every --eval_data set (named by eval_set_names, --eval_size of them spread over the set), not
+    yet tokenized: a bad file fails here, in a second, before any model is loaded."""
     train = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
     specs = cfg.eval_data.split(",")
-    evals = {name: load_data(spec, "eval", cfg.prompt_key, cfg.answer_key)[:cfg.eval_size or None]
+    evals = {name: spread(load_data(spec, "eval", cfg.prompt_key, cfg.answer_key), cfg.eval_size)
              for name, spec in zip(eval_set_names(specs), specs)}
     return train, evals
 

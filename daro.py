@@ -121,7 +121,7 @@ class Config:
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
     eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k)
-    eval_size: int = 0  # eval problems to use; 0 = all
+    eval_size: int = 0  # eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all
     eval_temperature: float = 1.0  # eval sampling temperature
     eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
     eval_batch_size: int = 128  # eval problems per generate call

@@ -110,3 +110,10 @@ def test_eval_only_prints_avg_and_pass_at_k(demo_dir, tmp_path):
     assert record["eval/arith/acc"] == record["eval/acc"] > 0  # the demo checkpoint solves some level-1 sums
     assert record["eval/pass@1"] == pytest.approx(record["eval/acc"])
     assert record["eval/pass@8"] >= record["eval/pass@4"] >= record["eval/pass@1"]
+
+
+def test_eval_size_keeps_the_mix_of_levels():
+    problems = common.load_data("arith", "eval")  # sorted by level, 40 each
+    assert [p["level"] for p in common.spread(problems, 10)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert common.spread(problems, 0) == problems and common.spread(problems, 500) == problems
+    assert len({p["prompt"] for p in common.spread(problems, 199)}) == 199
