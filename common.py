@@ -13,6 +13,7 @@ Shape legend used in comments:
   P = prompt tokens (left padded), T = completion tokens (right padded), V = vocabulary size.
 """
 import argparse
+import atexit
 import contextlib
 import datetime
 import glob
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -115,11 +117,13 @@ def check_config(cfg, world_size: int):
     """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded."""
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                "dtype": ("float32", "bfloat16", "float16"), "prompt_template": PROMPT_TEMPLATES,
-               "answer_format": ("boxed", "answer_line", "auto"), "rollout": ("hf", "vllm", "auto")}
+               "answer_format": ("boxed", "answer_line", "auto"), "rollout": ("hf", "vllm", "auto"),
+               "rollout_is": ("none", "token", "sequence"), "report_to": ("none", "tensorboard", "wandb")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
-    for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer"):
+    for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer",
+                 "micro_batch_tokens", "logprob_chunk"):
         if getattr(cfg, name) < 0:
             die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens", "max_prompt_length",
@@ -138,6 +142,8 @@ def check_config(cfg, world_size: int):
         die(f"--out_dir {cfg.out_dir!r} is an existing file, not a folder")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
         die(f"--overlong_buffer {cfg.overlong_buffer} must be below --max_new_tokens {cfg.max_new_tokens}")
+    if cfg.rollout_is_cap <= 1:
+        die(f"--rollout_is_cap must be > 1 (weights are kept in [1/cap, cap]), got {cfg.rollout_is_cap}")
     if cfg.oversample < 1:
         die(f"--oversample must be >= 1, got {cfg.oversample}")
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
@@ -908,6 +914,9 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     """The rollout engine --rollout asks for (vLLM from the model folder `path`, or HF generate on `model`). Call it
     before shard_model (HF copies the unsharded model under FSDP) and before the sampling seed (vLLM reseeds)."""
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
+        if cfg.rollout_is != "none":
+            print0(f"note: --rollout_is {cfg.rollout_is} is not applied: HF generate samples with the trainer's own "
+                   f"weights and returns no log-probs of its own (the correction is for vLLM rollouts)")
         return HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size)
     engine = VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
                          cpu_kv_cache_gb=cfg.vllm_cpu_kv_gb)
@@ -952,9 +961,10 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     keep the groups whose correctness is mixed, and repeat until prompts_per_step groups are kept across all ranks or
     max_gen_batches batches were generated. Then truncate to exactly prompts_per_step and hand each rank its stride.
     At the cap it warns and returns what was kept (a multiple of the world size, possibly none): it never raises and
-    never loops forever. With --no-dynamic_sampling: one batch of prompts_per_step prompts, all kept.
+    never loops forever. With --no-dynamic_sampling: one batch of prompts_per_step prompts, all kept. Every rank
+    gets every group; plan_updates then hands each rank its share.
 
-    Returns (this rank's kept groups, every group generated on every rank, the step's rollout metrics)."""
+    Returns (the kept groups, every group generated on every rank, the step's rollout metrics)."""
     rank, world = dist_info.rank, dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per generation batch
@@ -983,7 +993,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
              "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
              "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated),
              "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item()}
-    return kept[rank::world], generated, stats
+    return kept, generated, stats
 
 # -----------------------------------------------------------------------------------------------------------------
 # 8. Log-probs and micro-batches: groups -> padded tensors, the step's split into optimizer updates and of each update
@@ -991,12 +1001,13 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 
 
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
-    """Flatten groups into padded tensors on `device`: input_ids/attention_mask (B, P+T), mask (B, T), reward/correct
-    (B,), group index (B,) (which prompt each completion belongs to)[, sampling_logp (B, T)]."""
+    """Flatten groups into padded tensors on `device`: input_ids/attention_mask (B, P+T), mask (B, T) (1 = a
+    completion token), loss_mask (B, T) (the tokens the loss counts: the mask, less what rollout_correction rejects),
+    reward/correct (B,), group index (B,) (which prompt each completion belongs to)[, sampling_logp (B, T)]."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
     ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id)
-    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
+    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "loss_mask": mask.clone(),
              "reward": torch.tensor([r for g in groups for r in g["reward"]]),
              "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
              "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
@@ -1007,24 +1018,75 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def split_updates(num_groups: int, num_updates: int, G: int) -> list[torch.Tensor]:
-    """Row indices (into make_batch's rows, G per group) of each optimizer update of a step: the groups cut into
-    min(num_updates, num_groups) contiguous parts whose sizes differ by at most one group, so every group is trained
-    exactly once and no update is empty, also when dynamic sampling stopped at its cap with fewer groups than usual.
-    Every rank holds the same number of groups, so every rank makes the same updates. Example: 13 groups, 2 updates,
-    G = 8 -> rows 0-55 (7 groups) and 56-103 (6 groups); 1 group, 16 updates -> one update of rows 0-7."""
-    n = min(num_updates, num_groups)
-    sizes = [num_groups // n + (i < num_groups % n) for i in range(n)]
-    starts = [sum(sizes[:i]) for i in range(n)]
-    return [torch.arange(s * G, (s + k) * G) for s, k in zip(starts, sizes)]
+def group_tokens(group: dict) -> int:
+    """Tokens a group puts through the trainer: its G prompt + completion rows."""
+    return sum(len(group["prompt_ids"]) + len(c) for c in group["completions"])
 
 
-def micro_batches(batch: dict, index: torch.Tensor, size: int):
-    """Chunks of at most `size` of the rows `index` of `batch`, with the padding columns that are empty in the
-    micro-batch trimmed away (less compute; results are unchanged since padding is masked).
-    Yields (rows, micro-batch)."""
-    for s in range(0, len(index), size):
-        rows = index[s:s + size]
+def plan_updates(groups: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
+    """Which groups this rank trains in each optimizer update of the step. The kept groups (the same list on every
+    rank, a multiple of the world size) are cut into min(num_updates, groups / world) contiguous updates whose sizes
+    are multiples of the world size and differ by at most one group per rank: every group is trained exactly once and
+    no update is empty, also when dynamic sampling stopped at its cap with fewer groups than usual. Inside an update
+    every rank takes the same number of groups: every world-th one, or with `balance` the heaviest first, each to the
+    rank with the fewest tokens so far, so that no rank waits on another's long completions.
+
+    Returns (this rank's groups in update order, the row indices of each update into make_batch of those groups).
+    Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6); 1 group, 16 updates ->
+    one update of rows 0-7."""
+    world, rank, G = dist_info.world_size, dist_info.rank, len(groups[0]["completions"])
+    blocks = len(groups) // world  # groups per rank
+    n = min(num_updates, blocks)
+    mine, updates, start = [], [], 0
+    for i in range(n):
+        size = (blocks // n + (i < blocks % n)) * world
+        part, start = groups[start:start + size], start + size
+        if balance and world > 1:
+            shares, load = [[] for _ in range(world)], [0] * world
+            for g in sorted(part, key=group_tokens, reverse=True):  # a stable sort: the same plan on every rank
+                r = min((r for r in range(world) if len(shares[r]) < size // world), key=lambda r: load[r])
+                shares[r].append(g)
+                load[r] += group_tokens(g)
+            part = shares[rank]
+        else:
+            part = part[rank::world]
+        updates.append(torch.arange(len(mine) * G, (len(mine) + len(part)) * G))
+        mine += part
+    return mine, updates
+
+
+def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
+    """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
+    length: the rows sorted by their own prompt + completion tokens, longest first, each micro-batch filled while its
+    padded size (rows x (longest prompt + longest completion)) stays within max_tokens and it has at most `size`
+    rows (a longer row gets one of its own). Every rank then splits its largest micro-batches until all ranks make
+    the same number, since FSDP's collectives must match; the rows per rank are equal, so that is always possible."""
+    if max_tokens <= 0:
+        return [index[s:s + size] for s in range(0, len(index), size)]
+    P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
+    prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
+    completion_len = batch["mask"][index].sum(-1).tolist()
+    order = sorted(range(len(index)), key=lambda i: -(prompt_len[i] + completion_len[i]))
+    chunks, width = [[]], (0, 0)  # width: the longest prompt and completion of the current chunk
+    for i in order:
+        wider = (max(width[0], prompt_len[i]), max(width[1], completion_len[i]))
+        if chunks[-1] and ((len(chunks[-1]) + 1) * sum(wider) > max_tokens or len(chunks[-1]) >= size):
+            chunks.append([])
+            wider = (prompt_len[i], completion_len[i])
+        chunks[-1].append(i)
+        width = wider
+    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())
+    while len(chunks) < count:
+        k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
+        chunks[k:k + 1] = [chunks[k][:len(chunks[k]) // 2], chunks[k][len(chunks[k]) // 2:]]
+    return [index[torch.tensor(c, dtype=torch.long)] for c in chunks]
+
+
+def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int = 0):
+    """The rows `index` of `batch` in micro-batches (_packed_rows: `size` rows each, or packed by length within a
+    budget of max_tokens tokens), each with the padding columns that are empty in it trimmed away (less compute;
+    results are unchanged since padding is masked, and the loss weights are global). Yields (rows, micro-batch)."""
+    for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
         T = int(mb["mask"].sum(-1).max().clamp(min=1))  # longest completion in this micro-batch
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
@@ -1037,41 +1099,95 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int):
         yield rows, mb
 
 
+def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool):
+    """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and the token entropy (B, t) (no
+    grad) or None."""
+    if logits.dtype in (torch.float16, torch.bfloat16):  # softmax in float32 at least (float64 stays float64)
+        logits = logits.float()
+    if temperature != 1.0:  # the sampling distribution was at this temperature (as verl does)
+        logits = logits / temperature
+    lse = logits.logsumexp(-1)  # (B, t)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, t)
+    entropy = None
+    if with_entropy:  # H = lse - sum_v p_v logit_v, the sum as a batched dot: one (B, t, V) tensor less than p * logits
+        with torch.no_grad():
+            entropy = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]  # (B, t)
+    return logp, entropy
+
+
+def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entropy: bool):
+    """The output layer and _logprobs_of_logits on a chunk of positions: hidden (B, t, H) -> (B, t) log-probs."""
+    return _logprobs_of_logits(torch.nn.functional.linear(hidden, weight, bias), targets, temperature, with_entropy)
+
+
+@contextlib.contextmanager
+def _output_layer_bypassed(head):
+    """Inside, the model's forward returns its final hidden states where it would return logits (the output layer
+    is an identity), so token_logprobs can apply the real one a chunk at a time. Under FSDP2 the root module's
+    parameters (the output layer's among them) stay gathered after its forward, so the chunks can use them."""
+    head.forward = lambda hidden: hidden  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, chunk_tokens: int = 0):
     """log pi(token) (B, T) for the last T tokens of each row, and optionally the token entropy (B, T) (no grad).
 
     Only the last T+1 positions go through the output layer (`logits_to_keep`), so a long prompt costs no (B, P, V)
     logits. position_ids follow the attention mask so that left padding does not shift positions.
-    """
+
+    Memory at a real vocabulary: the logits of the whole micro-batch are (B, T, V) floats, about 50 GB for B = 4,
+    T = 20,480, V = 151,936, and the log-softmax and the entropy make more of that size. With chunk_tokens > 0 and
+    B * T above it, the model returns its hidden states (B, T, H) instead, and the output layer, the log-softmax and
+    the entropy run on chunks of positions of at most chunk_tokens tokens (B x positions); in the backward each
+    chunk's logits are recomputed (activation checkpointing) rather than kept. Peak memory then grows with
+    chunk_tokens x V, not B x T x V; the values and gradients are the same up to float rounding (tested to 1e-6;
+    bench/logprob_memory.py measures both)."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=T + 1).logits[:, :-1]  # (B, T, V): position t predicts completion token t
-    logits = logits.float() / temperature  # the sampling distribution was at this temperature (as verl does)
-    targets = input_ids[:, -T:]
-    lse = logits.logsumexp(-1)  # (B, T)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, T)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
-    return logp, entropy
+    targets = input_ids[:, -T:]  # (B, T)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1)
+    if chunk_tokens <= 0 or input_ids.shape[0] * T <= chunk_tokens:  # small enough: the whole logits at once
+        logits = model(**inputs).logits[:, :-1]  # (B, T, V): position t predicts completion token t
+        return _logprobs_of_logits(logits, targets, temperature, with_entropy)
+    head = model.get_output_embeddings()
+    with _output_layer_bypassed(head):
+        hidden = model(**inputs).logits[:, :-1]  # (B, T, H)
+    step = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
+    logps, entropies = [], []
+    for s in range(0, T, step):
+        args = (hidden[:, s:s + step], targets[:, s:s + step], head.weight, head.bias, temperature, with_entropy)
+        if torch.is_grad_enabled():  # recompute this chunk's logits in the backward instead of keeping them
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps, 1), torch.cat(entropies, 1) if with_entropy else None
 
 
-def batch_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False):
-    """token_logprobs of a micro-batch's completion tokens: (logp (B, T), entropy (B, T) or None)."""
-    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], temperature, with_entropy)
+def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False):
+    """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of
+    --logprob_chunk tokens: (logp (B, T), entropy (B, T) or None)."""
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
+                          with_entropy, cfg.logprob_chunk)
 
 
 @torch.no_grad()
-def old_logprobs(model, batch: dict, rows: torch.Tensor, cfg, device: torch.device) -> torch.Tensor:
-    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens of `rows` under the current weights
-    (zeros elsewhere), computed in micro-batches before the step's first update."""
+def old_logprobs(model, batch: dict, updates: list[torch.Tensor], cfg, device: torch.device) -> torch.Tensor:
+    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens under the current weights, computed in
+    micro-batches before the step's first update. The first update trains before the weights move, so its old
+    log-probs are the current ones (micro_batch_loss takes logp.detach()) and its rows are skipped here (zeros),
+    unless the rollout correction needs them beforehand."""
+    correcting = cfg.rollout_is != "none" and "sampling_logp" in batch
+    rows = torch.cat(updates if correcting else updates[1:] or [torch.zeros(0, dtype=torch.long)])
     out = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-    for r, mb in micro_batches(batch, rows, cfg.micro_batch_size):
+    for r, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
         with autocast(cfg.dtype, device):
-            out[r, :mb["mask"].shape[1]] = batch_logprobs(model, mb, cfg.temperature)[0]
+            out[r, :mb["mask"].shape[1]] = batch_logprobs(model, mb, cfg)[0]
     return out
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -1098,7 +1214,8 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
     mask = mask if mask.is_floating_point() else mask.float()
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
-    num_seqs = all_reduce_sum(torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device)).clamp(min=1)
+    # sequences with a token to train on: a sequence the rollout correction rejected whole leaves the mean (verl #3915)
+    num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum().to(mask.dtype)).clamp(min=1)
     if loss_agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_seqs)
     if loss_agg == "seq-mean-token-sum-norm":
@@ -1107,7 +1224,7 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
 
 
 def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high: float, clip_ratio_c: float = 0.0,
-                seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0):
+                seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0, is_weight=None):
     """Clipped surrogate, summed with `weights` (B, T) (which also carry the mask and the aggregation).
 
     token loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            PPO/GRPO, DAPO's decoupled clip
@@ -1115,6 +1232,8 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high:
     seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)), so every token of a
         completion shares the length-normalised sequence ratio and the whole sequence is clipped together
     kl_coef > 0: + kl_coef * k3 estimate of KL(pi || pi_ref) per token
+    is_weight (B, T): the rollout correction's truncated pi_old / pi_rollout, multiplying the clipped surrogate of
+        each token (not the KL term), as verl and TRL apply it
     Returns (loss, stats) with stats = weighted sums of clipped tokens (low / high) for logging. Everything is
     computed in the dtype of the inputs (float64 in, float64 out)."""
     mask = (weights > 0).to(weights.dtype)
@@ -1127,6 +1246,8 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high:
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
     if clip_ratio_c > 1:
         token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * clip_ratio_c), token_loss)
+    if is_weight is not None:
+        token_loss = token_loss * is_weight
     if kl_coef > 0:
         delta = ref_logp - logp
         token_loss = token_loss + kl_coef * (torch.exp(delta) - delta - 1)  # k3 estimator, >= 0
@@ -1137,23 +1258,67 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high:
     return loss, stats
 
 
+def rollout_correction(batch: dict, cfg) -> dict:
+    """Correct the mismatch between the rollout engine's sampling distribution and the trainer's pi_old (vLLM samples
+    with its own kernels, in bf16 on GPUs), with --rollout_is token | sequence: a truncated importance weight
+    w = pi_old / pi_rollout, detached, that multiplies each token's clipped surrogate (policy_loss's is_weight).
+      token      w_t = exp(log pi_old_t - log pi_rollout_t)
+      sequence   w_i = exp(sum_t (log pi_old_t - log pi_rollout_t)), the product over the completion, on every token
+    Truncation (default): w <- min(w, C), C = --rollout_is_cap (2 by default, as verl). With --rollout_is_mask the
+    tokens (or whole sequences) whose w lies outside [1/C, C] are rejected instead: they leave batch["loss_mask"],
+    so they leave the loss's denominator too (zeroing only their weight would still count them: the bug verl fixed
+    in v0.6.1 and TRL 1.16's *_mask modes still have); the others keep their untruncated w.
+    Where we differ from the peers (ALGORITHMS.md-style notes in the README): one cap C for both bounds (verl: an
+    upper cap for truncation, a ratio band such as [0.5, 2] for rejection; TRL: clamp(min, max), default max 3), no
+    'bypass' mode (pi_old is always the trainer's recomputed log-prob), no veto, and no geometric-mean level.
+    Needs batch["old_logp"] on every row and batch["sampling_logp"]; a no-op ({}) without them. Returns the
+    rollout_is/* metrics over all ranks: the mean and max weight applied, the share of loss tokens whose raw weight
+    was truncated (or rejected), all token-weighted."""
+    if cfg.rollout_is == "none" or "sampling_logp" not in batch:
+        return {}
+    mask = batch["mask"].to(batch["old_logp"].dtype)  # (B, T)
+    log_r = (batch["old_logp"] - batch["sampling_logp"]) * mask  # (B, T)
+    if cfg.rollout_is == "sequence":
+        log_r = log_r.sum(-1, keepdim=True).expand_as(mask)  # the sequence's log ratio on each of its tokens
+    raw = torch.exp(log_r.clamp(-20, 20))  # (B, T)
+    cap = cfg.rollout_is_cap
+    outside = ((raw > cap) | (raw < 1 / cap)) if cfg.rollout_is_mask else raw > cap
+    if cfg.rollout_is_mask:
+        batch["loss_mask"] = batch["loss_mask"] * ~outside
+        weight = raw
+    else:
+        weight = raw.clamp(max=cap)
+    batch["is_weight"] = (weight * mask).detach()
+    tokens = all_reduce_sum(mask.sum()).clamp(min=1)
+    kept = mask * batch["loss_mask"]
+    return {"rollout_is/weight_mean": (all_reduce_sum((weight * kept).sum()) / all_reduce_sum(kept.sum()).clamp(
+                min=1)).item(),
+            "rollout_is/weight_max": all_reduce_max((weight * kept).max()).item(),
+            ("rollout_is/masked_frac" if cfg.rollout_is_mask else "rollout_is/truncated_frac"):
+                (all_reduce_sum((outside * mask).sum()) / tokens).item()}
+
+
 def micro_batch_loss(model, ref_model, mb: dict, first_update: bool, cfg, device: torch.device, metrics):
-    """Forward one micro-batch and return its share of the update's loss (policy_loss with mb["weight"]), adding its
-    entropy, clipped-token counts, tokens and (vLLM) rollout/trainer log-prob gap to `metrics`. The first update of a
-    step trains before the weights move, so its old log-probs are the current ones (logp.detach())."""
+    """Forward one micro-batch and return its share of the update's loss (policy_loss with mb["weight"] and, with
+    --rollout_is, mb["is_weight"]), adding its entropy, clipped-token counts, tokens, padding and (vLLM) the
+    rollout/trainer log-prob gap to `metrics`. The first update of a step trains before the weights move, so its old
+    log-probs are the current ones (logp.detach()), unless old_logprobs computed them for the rollout correction."""
     with autocast(cfg.dtype, device):
-        logp, entropy = batch_logprobs(model, mb, cfg.temperature, with_entropy=True)
+        logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad():
-                ref_logp = batch_logprobs(ref_model, mb, cfg.temperature)[0]
-    old_logp = logp.detach() if first_update else mb["old_logp"]
-    if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights (logged only)
-        metrics.add(logprob_diff=((old_logp - mb["sampling_logp"]).abs() * mb["mask"]).sum().item())
+                ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
+    old_logp = logp.detach() if first_update and "is_weight" not in mb else mb["old_logp"]
+    if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights: log r = log pi_old - log pi_rollout
+        log_r = (old_logp - mb["sampling_logp"]) * mb["mask"]
+        metrics.add(logprob_diff=log_r.abs().sum().item(), kl_k1=-log_r.sum().item(),
+                    kl_k3=((torch.exp(log_r) - 1 - log_r) * mb["mask"]).sum().item())
     loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low, cfg.clip_high,
-                              cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef)
+                              cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef, mb.get("is_weight"))
     metrics.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=stats["clip_low"].item(),
-                clip_high=stats["clip_high"].item(), tokens=mb["mask"].sum().item())
+                clip_high=stats["clip_high"].item(), tokens=mb["mask"].sum().item(),
+                forward_tokens=mb["attention_mask"].numel(), real_tokens=mb["attention_mask"].sum().item())
     return loss
 
 
@@ -1263,7 +1428,8 @@ class Metrics:
         return dict(zip(self.sums, totals.tolist()))
 
 
-TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff")
+TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff", "kl_k1",
+              "kl_k3", "forward_tokens", "real_tokens")
 
 
 def train_metrics(totals: dict, num_updates: int, lr: float, sampling_logprobs: bool) -> dict:
@@ -1272,9 +1438,11 @@ def train_metrics(totals: dict, num_updates: int, lr: float, sampling_logprobs: 
     m = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
          "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
          "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
-         "train/num_updates": num_updates, "train/lr": lr}
-    if sampling_logprobs:  # mean |pi_rollout - pi_trainer| over the trained tokens
-        m["rollout/logprob_diff"] = totals["logprob_diff"] / tokens
+         "train/num_updates": num_updates, "train/lr": lr,
+         "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the update's forwards
+    if sampling_logprobs:  # the rollout engine vs the trainer on the trained tokens: mean |log r|, KL(rollout || old)
+        m.update({"rollout/logprob_diff": totals["logprob_diff"] / tokens, "rollout/kl_k1": totals["kl_k1"] / tokens,
+                  "rollout/kl_k3": totals["kl_k3"] / tokens})
     return m
 
 
@@ -1296,11 +1464,12 @@ class StepTimer:
 
 
 class Logger:
-    """metrics.jsonl, samples.jsonl, config.json and the console lines of rank 0. On --resume the records written
-    after the checkpoint are dropped (the resumed run writes them again)."""
+    """metrics.jsonl, samples.jsonl, config.json and the console lines of rank 0, and with --report_to a tracker
+    that gets the same records under the same names. On --resume the records written after the checkpoint are
+    dropped (the resumed run writes them again)."""
 
     def __init__(self, cfg, dist_info: DistInfo, resume_step: int = -1):
-        self.enabled, self.out_dir = dist_info.is_main, cfg.out_dir
+        self.enabled, self.out_dir, self.tracker = dist_info.is_main, cfg.out_dir, None
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
             if resume_step >= 0:
@@ -1310,11 +1479,15 @@ class Logger:
             print0("config: " + " ".join(f"{k}={v}" for k, v in config.items()))
             with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
                 json.dump(config, f, indent=1)
+            if cfg.report_to != "none":
+                self.tracker = Tracker(cfg.report_to, cfg.out_dir, config, cfg.wandb_project)
 
     def log(self, record: dict, name: str = "metrics.jsonl"):
         if self.enabled:
             with open(os.path.join(self.out_dir, name), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.tracker is not None and name == "metrics.jsonl":
+                self.tracker.log(record)
 
     def line(self, text: str):
         if self.enabled:
@@ -1327,6 +1500,43 @@ class Logger:
                       "reward": reward}, "samples.jsonl")
         self.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} (answer {group['answer']}, "
                   f"reward {group['reward'][0]:+.2f})")
+
+
+class Tracker:
+    """An optional experiment tracker beside metrics.jsonl (the source of truth): --report_to tensorboard (event files
+    in out_dir/tensorboard) or wandb (project --wandb_project; run files in out_dir/wandb; offline with
+    WANDB_MODE=offline). Imported only when chosen; the config is logged once, every record's numbers at its step
+    under the metrics.jsonl names. Closed at exit (flushes the last records)."""
+
+    def __init__(self, kind: str, out_dir: str, config: dict, wandb_project: str):
+        self.kind = kind
+        try:
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+                self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
+            else:
+                import wandb
+                self.run = wandb.init(project=wandb_project, dir=out_dir, config=config,
+                                      name=os.path.basename(os.path.normpath(out_dir)))
+        except ImportError as e:
+            die(f"--report_to {kind}: {e.name} is not installed (pip install -r requirements-tracking.txt)")
+        atexit.register(self.close)
+
+    def log(self, record: dict):
+        numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        if self.kind == "tensorboard":
+            for key, value in numbers.items():
+                self.writer.add_scalar(key, value, record["step"])
+            self.writer.flush()
+        else:
+            self.run.log(numbers, step=record["step"])
+
+    def close(self):
+        if self.kind == "tensorboard":
+            self.writer.close()
+        else:
+            self.run.finish()
 
 
 def _truncate_jsonl(path: str, last_step: int):

@@ -48,12 +48,12 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (TRAIN_SUMS, Logger, Metrics, PromptStream, StepTimer, UpdateGuard, all_reduce_sum, check_config,
+from common import (Logger, Metrics, PromptStream, StepTimer, TRAIN_SUMS, UpdateGuard, all_reduce_sum, check_config,
                     cleanup_dist, die, dynamic_sampling, evaluate_and_log, find_checkpoint, format_step,
                     group_advantages, handle_stop_signals, load_checkpoint, load_datasets, load_model,
                     load_reference_model, loss_weights, make_batch, make_rollout, micro_batch_loss, micro_batches,
-                    model_path, old_logprobs, parse_config, print0, resolve_template, save_checkpoint, setup_dist,
-                    shard_model, split_updates, stop_requested, tokenize_datasets, train_metrics)
+                    model_path, old_logprobs, parse_config, plan_updates, print0, resolve_template, rollout_correction,
+                    save_checkpoint, setup_dist, shard_model, stop_requested, tokenize_datasets, train_metrics)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -88,6 +88,11 @@ class Config:
     rollout: str = "hf"  # rollout engine: hf (transformers generate) | vllm | auto (vLLM if installed and usable)
     vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
+    rollout_is: str = "none"  # correct the rollout/trainer mismatch (vLLM rollouts): none | token | sequence, a
+    #                           truncated importance weight pi_old / pi_rollout on each token's loss (verl, TRL)
+    rollout_is_cap: float = 2.0  # C: the weight is truncated at C (with rollout_is_mask: kept within [1/C, C])
+    rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C], out of the loss and
+    #                                its denominator, instead of truncating
     prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, chat if the tokenizer
     #                                has one, else plain)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
@@ -118,6 +123,10 @@ class Config:
     grad_clip: float = 1.0  # max global gradient norm
     updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step; the step's groups are split evenly
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; does not change the math)
+    micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens (prompt + completion,
+    #                              padding included) and ranks balanced by tokens; for long, uneven completions
+    logprob_chunk: int = 1024  # tokens whose logits exist at once when computing log-probs (recomputed in the
+    #                            backward); bounds memory at a large vocabulary and length; 0 = all at once
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
     eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k)
@@ -131,6 +140,8 @@ class Config:
     resume: bool = False  # continue from the latest checkpoint in out_dir
     max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row (each is skipped)
     eval_only: bool = False  # evaluate --model on --eval_data and exit
+    report_to: str = "none"  # also log to: none | tensorboard | wandb (optional packages: requirements-tracking.txt)
+    wandb_project: str = "da3po"  # wandb project of --report_to wandb
 
 
 # Each preset is its paper's recipe, written out for every knob that defines the algorithm; the scale (model, lr,
@@ -286,35 +297,37 @@ def main(cfg: Config):
         bin_sum, bin_seen, bin_count = torch.zeros(G + 1), torch.zeros(G + 1), torch.zeros(G + 1)  # per bin mu
         # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
         with timer("rollout"):
-            groups, generated, m = dynamic_sampling(engine, tok, stream, cfg, dist_info)
-        if groups:  # an all-filtered step (nothing kept) is logged and skipped
+            kept, generated, m = dynamic_sampling(engine, tok, stream, cfg, dist_info)
+        if kept:  # an all-filtered step (nothing kept) is logged and skipped
             engine.sleep()  # vLLM on a GPU: hand its weights' and KV cache's memory to the update
             with timer("update"):
-                # 2) GRPO advantages
+                # 2) this rank's groups of each update (ranks balanced by tokens with --micro_batch_tokens), advantages
+                groups, updates = plan_updates(kept, cfg.updates_per_step, dist_info, cfg.micro_batch_tokens > 0)
                 batch = make_batch(groups, tok.pad_token_id, device)
                 advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
                 # 3) the algorithm: the difficulty bin of every completion, #correct of its group (mu = bin / G)
                 batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
                 bin_count = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
                 batch["advantage"] = advantage.flatten()  # (B,)
-                # 4) old log-probs from the trainer, before any update; the first update trains before the weights
-                #    move, so its old log-probs are the current ones and only the later updates' rows need a pass
-                updates = split_updates(len(groups), cfg.updates_per_step, G)  # row indices per update, none empty
-                batch["old_logp"] = old_logprobs(model, batch, torch.arange(len(updates[0]), len(batch["mask"])),
-                                                 cfg, device)  # (B, T)
+                # 4) old log-probs from the trainer, before any update (the first update's are its current ones),
+                #    and, with --rollout_is, the importance weights pi_old / pi_rollout of vLLM's samples
+                batch["old_logp"] = old_logprobs(model, batch, updates, cfg, device)  # (B, T)
+                m.update(rollout_correction(batch, cfg))
                 # 5) optimizer updates of the model and the weights, with global per-bin token weights, Eq. (1)-(3)
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u, rows in enumerate(updates):
-                    batch["weight"][rows], bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], G)
+                    batch["weight"][rows], bin_tokens = bin_token_weights(batch["loss_mask"][rows], batch["bin"][rows],
+                                                                          G)
                     if cfg.weighting == "none":  # the baselines' own aggregation over the whole update, no bins
-                        batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
+                        batch["weight"][rows] = loss_weights(batch["loss_mask"][rows], cfg.loss_agg,
+                                                             cfg.max_new_tokens)
                     # w_mu enters the loss as a constant: the model's gradient is sum_mu w_mu grad L_mu, Eq. (1). The
                     # loss is linear in this leaf, so autograd sums each bin's weighted token losses into .grad: L_mu
                     coef = bin_weights(neg_log_w, cfg.weighting).requires_grad_()  # (G+1,)
                     coef.grad = torch.zeros_like(coef)
                     opt.zero_grad(set_to_none=True)
                     update_loss = 0.0
-                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size):
+                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
                         mb["weight"] = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)  # (B, T): w_mu / #tokens of mu
                         loss = micro_batch_loss(model, ref_model, mb, u == 0, cfg, device, sums)
                         loss.backward()

@@ -1,6 +1,6 @@
 """One optimizer update on a fixed global batch, in a plain process or under torchrun (FSDP2 on gloo).
-Used by test_dist.py: python tests/dist_update.py MODEL_DIR OUT.pt
-                   | torchrun --nproc_per_node=2 tests/dist_update.py MODEL_DIR OUT.pt
+Used by test_dist.py: python tests/dist_update.py MODEL_DIR OUT.pt [CHUNK_TOKENS]
+                   | torchrun --nproc_per_node=2 tests/dist_update.py MODEL_DIR OUT.pt [CHUNK_TOKENS]
 Rank 0 writes the summed loss, the gradient norm and the updated full parameters to OUT.pt."""
 import os
 import sys
@@ -12,6 +12,7 @@ import common  # noqa: E402
 
 torch.use_deterministic_algorithms(True)
 model_dir, out = sys.argv[1], sys.argv[2]
+chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # token_logprobs' chunk_tokens (0: the whole logits at once)
 d = common.setup_dist("cpu")
 torch.manual_seed(0)
 model, tok = common.load_model(model_dir, d.device)
@@ -37,7 +38,8 @@ batch["weight"] = common.loss_weights(batch["mask"], "token-mean", 12)
 
 total = 0.0
 for _, mb in common.micro_batches(batch, torch.arange(len(batch["mask"])), 3):  # uneven: 16 rows -> 3+3+3+3+3+1
-    logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+    logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], 1.0, False,
+                                    chunk)
     loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
     loss.backward()
     total += loss.item()

@@ -206,17 +206,23 @@ def test_running_pass_counts():
     assert counts == {"1+1\x002": [4, 6]}
 
 
-def test_split_updates_trains_every_kept_group_once():
+def test_plan_updates_trains_every_kept_group_once():
+    groups = lambda n, G: [{"prompt_ids": [1], "completions": [[2]] * G, "id": i} for i in range(n)]  # noqa: E731
+    one = common.DistInfo()
     # 13 groups kept at the dynamic-sampling cap, 2 updates: 7 + 6 groups (the old split trained 96 of 104 rows)
-    parts = common.split_updates(13, 2, G=8)
-    assert [len(p) for p in parts] == [56, 48]
-    assert torch.equal(torch.cat(parts), torch.arange(104))
+    mine, updates = common.plan_updates(groups(13, 8), 2, one)
+    assert [len(u) for u in updates] == [56, 48] and torch.equal(torch.cat(updates), torch.arange(104))
+    assert [g["id"] for g in mine] == list(range(13))
     # fewer groups than updates: fewer updates, none empty (the old split made 16 empty updates)
-    assert [p.tolist() for p in common.split_updates(1, 16, G=8)] == [list(range(8))]
-    parts = common.split_updates(15, 16, G=2)  # the README's 8-rank recipe at a cap of 120 groups: 15 per rank
-    assert len(parts) == 15 and all(len(p) == 2 for p in parts) and torch.equal(torch.cat(parts), torch.arange(30))
-    parts = common.split_updates(32, 2, G=8)  # the usual case: equal halves
-    assert [len(p) for p in parts] == [128, 128]
+    assert [u.tolist() for u in common.plan_updates(groups(1, 8), 16, one)[1]] == [list(range(8))]
+    # the README's 8-rank recipe at a cap of 120 groups: 15 per rank, so 15 updates of one group on every rank
+    seen = []
+    for rank in range(8):
+        mine, updates = common.plan_updates(groups(120, 2), 16, common.DistInfo(rank=rank, world_size=8))
+        assert len(updates) == 15 and all(len(u) == 2 for u in updates)
+        seen += [g["id"] for g in mine]
+    assert sorted(seen) == list(range(120))  # every group on exactly one rank
+    assert [len(u) for u in common.plan_updates(groups(32, 8), 2, one)[1]] == [128, 128]  # the usual case
 
 
 def test_loss_formulas_keep_float64():

@@ -2,6 +2,7 @@
 Run: python -m pytest -q tests/test_dist.py"""
 import json
 
+import pytest
 import torch
 
 from conftest import run_script
@@ -9,10 +10,15 @@ from conftest import run_script
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def test_two_ranks_match_one_process(demo_dir, tmp_path):
+@pytest.mark.parametrize("chunk", ["0", "10"])
+def test_two_ranks_match_one_process(demo_dir, tmp_path, chunk):
+    """One update on 2 FSDP2 ranks equals it in one process; with chunk 10 the two ranks compute their log-probs a
+    chunk of positions at a time (the output layer's weight used after the root module's forward) while the single
+    process takes the whole logits at once."""
     single, double = tmp_path / "one.pt", tmp_path / "two.pt"
-    for args, out in [(["tests/dist_update.py"], single), ([*TORCHRUN, "tests/dist_update.py"], double)]:
-        r = run_script([*args, demo_dir, str(out)])
+    for args, out in [(["tests/dist_update.py", demo_dir, str(single)], single),
+                      ([*TORCHRUN, "tests/dist_update.py", demo_dir, str(double), chunk], double)]:
+        r = run_script(args)
         assert r.returncode == 0, r.stderr[-3000:]
     a, b = torch.load(single), torch.load(double)
     assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"]))
@@ -37,7 +43,7 @@ def test_torchrun_da3po_checkpoint_loads_and_resumes(demo_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out / "step_000001")
     assert torch.isfinite(model(torch.tensor([[4, 10, 11, 5]])).logits).all()
-    r = run_script([*args, "--steps", "2", "--resume"])
+    r = run_script([*args, "--steps", "2", "--resume", "--micro_batch_tokens", "150"])  # packed, balanced ranks
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout
     steps = [json.loads(x)["step"] for x in open(out / "metrics.jsonl") if "train/loss" in x]

@@ -148,11 +148,13 @@ def test_da3po_runs_with_vllm(setup, demo_dir, tmp_path):
     tok.save_pretrained(tmp_path / "knobbed")
     out = tmp_path / "run"
     r = run_script(["da3po.py", "--rollout", "vllm", "--model", str(tmp_path / "knobbed"), "--steps", "2", "--out_dir",
-                    str(out), "--prompts_per_step", "8",
+                    str(out), "--rollout_is", "sequence", "--prompts_per_step", "8",
                     "--updates_per_step", "2",
                     "--eval_size", "16", "--eval_samples", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
     train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
     assert [x["step"] for x in train] == [1, 2]
-    assert all(x["rollout/logprob_diff"] < 1e-4 for x in train), train
+    assert all(x["rollout/logprob_diff"] < 1e-4 and abs(x["rollout/kl_k3"]) < 1e-6 for x in train), train
+    # the correction is applied (float32 vLLM on CPU: the weights are 1 within float noise, none truncated)
+    assert all(abs(x["rollout_is/weight_mean"] - 1) < 1e-3 and x["rollout_is/truncated_frac"] == 0 for x in train)
     assert all(x["rollout/sync_diff"] < 1e-4 for x in train if "rollout/sync_diff" in x), train  # steps that updated

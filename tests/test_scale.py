@@ -1,0 +1,275 @@
+"""What real-scale runs need: chunked log-probs, the rollout/trainer mismatch correction, token-budget micro-batches,
+experiment tracking. Run: python -m pytest -q tests/test_scale.py"""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import common
+import da3po
+
+
+def random_batch(tok, n, seed=0, skew=False):
+    """n rows of random prompts and completions; skew: completions of 1 to 40 tokens, most of them short."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 8, (n,), generator=g)]
+    lengths = (torch.rand(n, generator=g) ** 4 * 39 + 1).long() if skew else torch.randint(1, 12, (n,), generator=g)
+    completions = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in lengths]
+    ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "loss_mask": mask.clone(),
+            "advantage": torch.randn(n, generator=g)}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Log-probs in chunks of positions
+
+
+@pytest.mark.parametrize("chunk", [5, 13, 40])
+def test_chunked_logprobs_equal_the_plain_ones(demo_dir, chunk):
+    """Values, entropies and gradients of token_logprobs with the output layer applied a chunk at a time (and
+    recomputed in the backward) against the whole (B, T, V) logits at once; the demo model ties its output layer
+    to its embedding, so both paths of the shared weight's gradient are exercised. In float64, so that 1e-6 measures
+    the method, not float32's summation order."""
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model.double().train()
+    batch = random_batch(tok, 6)
+    T = batch["mask"].shape[1]
+    out = []
+    for chunk_tokens in (0, chunk):
+        model.zero_grad()
+        logp, entropy = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
+                                              chunk_tokens)
+        (logp * batch["mask"] * torch.linspace(-1, 1, T)).sum().backward()
+        out.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+    (lp0, ent0, grads0), (lp1, ent1, grads1) = out
+    assert torch.allclose(lp0, lp1, atol=1e-6, rtol=0) and torch.allclose(ent0, ent1, atol=1e-6, rtol=0)
+    for a, b in zip(grads0, grads1):
+        assert (a - b).abs().max() <= 1e-6 * max(1.0, a.abs().max().item())
+    with torch.no_grad():  # the no-grad path (old log-probs) too
+        again, _ = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, False, chunk)
+    assert torch.allclose(again, lp0, atol=1e-6, rtol=0)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Rollout/trainer mismatch correction
+
+
+def correction_batch():
+    """Two completions of 3 and 2 tokens with hand-picked trainer and rollout log-probs: log r = old - rollout."""
+    old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, 0.0]], dtype=torch.float64)
+    log_r = torch.tensor([[0.1, -0.9, 0.3], [1.0, 0.2, 0.0]], dtype=torch.float64)  # token ratios e^.1 e^-.9 ...
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    return {"mask": mask, "loss_mask": mask.clone(), "old_logp": old, "sampling_logp": old - log_r}
+
+
+def cfg_for(level, cap=2.0, mask=False):
+    return common.parse_config(da3po.Config, ["--rollout_is", level, "--rollout_is_cap", str(cap)]
+                               + (["--rollout_is_mask"] if mask else []), da3po.PRESETS)
+
+
+def test_rollout_is_token_truncation_by_hand():
+    batch = correction_batch()
+    metrics = common.rollout_correction(batch, cfg_for("token", cap=2.0))
+    r = [[math.exp(0.1), math.exp(-0.9), math.exp(0.3)], [math.exp(1.0), math.exp(0.2), 0.0]]
+    expected = [[r[0][0], r[0][1], r[0][2]], [2.0, r[1][1], 0.0]]  # e^1 = 2.72 truncated at C = 2
+    assert torch.allclose(batch["is_weight"], torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(batch["loss_mask"], batch["mask"])  # truncation rejects nothing
+    assert metrics["rollout_is/truncated_frac"] == pytest.approx(1 / 5)
+    assert metrics["rollout_is/weight_max"] == pytest.approx(2.0)
+    assert metrics["rollout_is/weight_mean"] == pytest.approx((r[0][0] + r[0][1] + r[0][2] + 2.0 + r[1][1]) / 5)
+
+
+def test_rollout_is_sequence_level_by_hand():
+    batch = correction_batch()
+    common.rollout_correction(batch, cfg_for("sequence", cap=3.0))
+    w0, w1 = math.exp(0.1 - 0.9 + 0.3), min(math.exp(1.2), 3.0)  # products of the token ratios; e^1.2 = 3.32 > C
+    assert torch.allclose(batch["is_weight"], torch.tensor([[w0] * 3, [w1, w1, 0.0]], dtype=torch.float64))
+
+
+def test_rollout_is_mask_leaves_the_denominator():
+    """A rejected token is out of the loss AND out of its token-mean denominator: the loss equals the formula over
+    the kept tokens only (zeroing its weight but still counting it would divide by 5 instead of 4)."""
+    batch = correction_batch()
+    metrics = common.rollout_correction(batch, cfg_for("token", cap=2.0, mask=True))
+    assert batch["loss_mask"].tolist() == [[1, 0, 1], [0, 1, 0]]  # e^-0.9 = 0.41 < 1/2 and e^1 = 2.72 > 2: rejected
+    batch2 = correction_batch()
+    common.rollout_correction(batch2, cfg_for("token", cap=3.0, mask=True))
+    assert batch2["loss_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]  # within [1/3, 3] everything stays
+    assert metrics["rollout_is/masked_frac"] == pytest.approx(2 / 5)
+    logp = batch["old_logp"] + 0.05  # the policy moved a little
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    weights = common.loss_weights(batch["loss_mask"].to(torch.float64), "token-mean", 3)
+    loss, _ = common.policy_loss(logp, batch["old_logp"], adv, weights, 0.2, 0.28, is_weight=batch["is_weight"])
+    kept = [(i, t) for i in range(2) for t in range(3) if batch["loss_mask"][i, t]]
+    ratio = math.exp(0.05)
+    expected = sum(max(-adv[i].item() * ratio, -adv[i].item() * min(max(ratio, 0.8), 1.28))
+                   * batch["is_weight"][i, t].item() for i, t in kept) / len(kept)
+    assert len(kept) == 3 and loss.item() == pytest.approx(expected, abs=1e-12)
+    # a sequence rejected whole also leaves the per-sequence mean (seq-mean-token-mean counts 1 sequence, not 2)
+    seq = correction_batch()
+    common.rollout_correction(seq, cfg_for("sequence", cap=3.0, mask=True))
+    assert seq["loss_mask"].tolist() == [[1, 1, 1], [0, 0, 0]]
+    w = common.loss_weights(seq["loss_mask"].to(torch.float64), "seq-mean-token-mean", 3)
+    assert torch.allclose(w[0], torch.full((3,), 1 / 3, dtype=torch.float64)) and w[1].sum() == 0
+
+
+class MismatchedRollout(common.HFRollout):
+    """A deliberately mismatched engine: it samples at 2 x the temperature it is asked for and reports the log-probs
+    of what it really sampled from, as an engine with other kernels or precision would differ from the trainer."""
+    sampling_logprobs = True
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
+        completions, truncated, _ = super().generate(prompts, max_new_tokens, temperature * 2.0, top_p)
+        ids, attn, mask = common.pad_prompt_completion(prompts, completions, self.tok.pad_token_id)
+        with torch.no_grad():
+            logp, _ = common.token_logprobs(self.model, ids, attn, mask.shape[1], temperature * 2.0)
+        return completions, truncated, [lp[:int(m.sum())].tolist() for lp, m in zip(logp, mask)]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_with_a_mismatched_engine(tmp_path, monkeypatch, level):
+    monkeypatch.setattr(da3po, "make_rollout", lambda cfg, model, tok, dist_info, path: MismatchedRollout(
+        model, tok, dist_info))
+    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+                                             "--eval_size", "10", "--eval_samples", "2", "--rollout_is", level,
+                                             "--rollout_is_cap", "1.05"], da3po.PRESETS)
+    da3po.main(cfg)
+    train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
+    for r in train:
+        assert r["rollout/kl_k3"] > 1e-3 and r["rollout/logprob_diff"] > 1e-2  # the mismatch is there
+        assert r["rollout_is/truncated_frac"] > 0 and r["rollout_is/weight_max"] <= 1.05 + 1e-6
+        assert 0 < r["rollout_is/weight_mean"] <= 1.05 and math.isfinite(r["train/loss"])
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Token-budget micro-batches and rank balance
+
+
+def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir):
+    """Packed by length vs fixed micro-batches of 6 rows: the same loss and gradient (float64, so 1e-6 measures the
+    split, not float32's summation order), and far less padding on skewed lengths."""
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model.double().train()
+    batch = random_batch(tok, 24, seed=1, skew=True)
+    T = batch["mask"].shape[1]
+    with torch.no_grad():
+        batch["old_logp"] = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] - 0.05
+    batch["weight"] = common.loss_weights(batch["mask"].double(), "token-mean", 40)
+    batch["advantage"] = batch["advantage"].double()
+    rows = torch.arange(24)
+
+    def run(size, max_tokens):
+        model.zero_grad()
+        total, padded, real, seen = 0.0, 0, 0, []
+        for r, mb in common.micro_batches(batch, rows, size, max_tokens):
+            seen += r.tolist()
+            padded += mb["attention_mask"].numel()
+            real += mb["attention_mask"].sum().item()
+            assert len(r) <= size and (max_tokens == 0 or len(r) == 1 or mb["attention_mask"].numel() <= max_tokens)
+            logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+            loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
+            loss.backward()
+            total += loss.item()
+        assert sorted(seen) == rows.tolist()  # every row once
+        return total, [p.grad.clone() for p in model.parameters()], 1 - real / padded
+
+    loss_fixed, grads_fixed, pad_fixed = run(6, 0)
+    loss_packed, grads_packed, pad_packed = run(64, 160)
+    assert loss_packed == pytest.approx(loss_fixed, abs=1e-6)
+    for a, b in zip(grads_fixed, grads_packed):
+        assert (a - b).abs().max() <= 1e-6 * max(1.0, a.abs().max().item())
+    assert pad_packed < pad_fixed / 2, (pad_packed, pad_fixed)
+
+
+def test_plan_updates_balances_tokens_over_ranks():
+    groups = [{"prompt_ids": [1] * 3, "completions": [[2] * n] * 2} for n in (40, 1, 1, 30, 2, 2, 25, 3, 1, 1, 1, 1)]
+    plans = [common.plan_updates(groups, 2, common.DistInfo(rank=r, world_size=2), balance=True) for r in (0, 1)]
+    for u in range(2):  # each update: the 6 groups shared 3 and 3, heavy ones on different ranks
+        shares = [[id(g) for g in plan[0][u * 3:(u + 1) * 3]] for plan in plans]
+        assert len(set(shares[0]) | set(shares[1])) == 6
+        loads = [sum(common.group_tokens(g) for g in plan[0][u * 3:(u + 1) * 3]) for plan in plans]
+        assert max(loads) - min(loads) <= max(common.group_tokens(g) for g in groups[u * 6:(u + 1) * 6])
+    strided = common.plan_updates(groups, 2, common.DistInfo(rank=0, world_size=2))
+    loads = [sum(common.group_tokens(g) for g in strided[0][:3])]
+    assert loads[0] > sum(common.group_tokens(g) for g in plans[0][0][:3])  # without balance rank 0 gets 40, 30 (+2)
+    mine, updates = common.plan_updates(groups, 5, common.DistInfo(rank=1, world_size=2))
+    assert [len(u) for u in updates] == [4, 2, 2, 2, 2] and len(mine) == 6  # 6 groups per rank in 5 updates
+
+
+def test_token_budget_run_logs_padding(tmp_path):
+    cfg = common.parse_config(da3po.Config, ["--steps", "1", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+                                             "--eval_size", "10", "--eval_samples", "2", "--micro_batch_tokens", "120"],
+                              da3po.PRESETS)
+    da3po.main(cfg)
+    train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
+    assert 0 <= train[0]["perf/pad_frac"] < 0.5 and math.isfinite(train[0]["train/loss"])
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Experiment tracking
+
+
+def test_tensorboard_gets_the_metrics(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+                                             "--eval_size", "10", "--eval_samples", "2", "--report_to",
+                                             "tensorboard"], da3po.PRESETS)
+    da3po.main(cfg)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    for key in ("train/loss", "train/reward", "eval/acc", "daa/amplified_frac"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        expected = [(r["step"], r[key]) for r in records if key in r]
+        assert [s for s, _ in logged] == [s for s, _ in expected]
+        assert all(v == pytest.approx(x, rel=1e-6) for (_, v), (_, x) in zip(logged, expected)), key
+    assert "config" in events.Tags()["tensors"] or "config/text_summary" in events.Tags()["tensors"]
+
+
+def wandb_history(path: str) -> list[dict]:
+    """The history records of an offline wandb run, read back from its run-<id>.wandb transaction log: a 7-byte file
+    header, then LevelDB-style log records in 32 KiB blocks (each with a 7-byte header: crc32c, length, type; type 1
+    = a whole record, 2/3/4 = its first/middle/last piece), each record a wandb_internal_pb2.Record."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, piece, history = 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):  # the zero-filled tail of a block
+            pos += left
+            continue
+        piece += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(piece)
+            piece = b""
+            if record.WhichOneof("record_type") == "history":
+                history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return history
+
+
+def test_wandb_offline_gets_the_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+                                             "--eval_size", "10", "--eval_samples", "2", "--report_to", "wandb"],
+                              da3po.PRESETS)
+    da3po.main(cfg)
+    import wandb
+    wandb.finish()  # what the exit hook does at the end of a real run
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    log = next(f for f in os.listdir(tmp_path / "wandb" / runs[0]) if f.endswith(".wandb"))
+    history = wandb_history(str(tmp_path / "wandb" / runs[0] / log))
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    for key in ("train/loss", "eval/acc", "daa/lam_mean"):
+        logged = [(h["_step"], h[key]) for h in history if key in h]
+        assert logged == [(r["step"], pytest.approx(r[key])) for r in records if key in r], key
