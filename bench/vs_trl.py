@@ -80,12 +80,13 @@ def parse_args():
 def our_config(args, out_dir: str, seed: int) -> da3po.Config:
     """da3po's Config for `--algo dapo`, sized like the TRL run; dynamic sampling off (TRL has none)."""
     per_update = args.prompts_per_step // args.updates
-    return da3po.Config(**{**da3po.PRESETS["dapo"], "algo": "dapo"}, model="demo", out_dir=out_dir, seed=seed,
-                        steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                        updates_per_step=args.updates, micro_batch_size=per_update * args.group_size,  # 1 fwd/bwd each
-                        dynamic_sampling=False, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0,
-                        lr=args.lr, grad_checkpointing=args.grad_checkpointing, eval_every=0, eval_size=4,
-                        eval_samples=2, sample_every=0)
+    return da3po.Config(**{**da3po.PRESETS["dapo"], "algo": "dapo", "dynamic_sampling": False}, model="demo",
+                        out_dir=out_dir, seed=seed, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                        group_size=args.group_size, updates_per_step=args.updates,
+                        micro_batch_size=per_update * args.group_size,  # one forward/backward per update
+                        max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, lr=args.lr,
+                        grad_checkpointing=args.grad_checkpointing, eval_every=0, eval_size=4, eval_samples=2,
+                        sample_every=0)
 
 
 def trl_config(args, out_dir: str, seed: int, updates: int):
