@@ -636,62 +636,98 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
     return reward
 
 # -----------------------------------------------------------------------------------------------------------------
-# 6a. Rollout engines, one interface: generate(prompts, max_new_tokens, temperature, top_p) -> (completions up to and
-#     including eos, truncated flags, the engine's sampling log-probs or None); sleep() before the update;
-#     sync_weights(model) -> metrics dict, after it; close(). The scripts never branch on the engine.
-#     HFRollout: transformers generate, batched, left-padded prompts.
+# 6a. Rollout engines, one interface: generate(prompts, max_new_tokens, temperature, top_p, n) -> (n completions of
+#     each prompt up to and including eos, truncated flags, the engine's sampling log-probs or None); sleep() before
+#     the update; sync_weights(model) -> metrics dict, after it; close(). The scripts never branch on the engine.
+#     HFRollout: the transformers model's own forward with a KV cache, batched, left-padded prompts.
 
 
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
     """Left-pad prompts to P and right-pad completions to T; returns input_ids (B, P+T), attention_mask (B, P+T) and
     the completion mask (B, T) (1 = a real completion token, the final eos included)."""
     P, T = max(map(len, prompts)), max(1, max(map(len, completions)))
-    ids = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)  # (B, P+T)
-    attn = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        attn[i, P - len(p):P] = 1
-        if c:
-            ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[i, P:P + len(c)] = 1
+    ids = torch.tensor([[pad_id] * (P - len(p)) + p + c + [pad_id] * (T - len(c))
+                        for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T), one tensor built
+    attn = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
+                         for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T)
     return ids, attn, attn[:, P:].clone()
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits (B, V): softmax(logits / temperature) restricted to the nucleus top_p (the
+    smallest set of most likely tokens whose probability reaches top_p, as transformers' TopPLogitsWarper keeps it),
+    or the argmax when temperature is 0. Returns (tokens (B,), their log-probs (B,) under softmax(logits /
+    temperature) over the whole vocabulary, as the trainer's token_logprobs computes them; 0 when greedy)."""
+    if temperature <= 0:
+        return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
+    logp = (logits.float() / temperature).log_softmax(-1)  # (B, V)
+    sampling = logp
+    if top_p < 1:
+        sorted_logp, order = logp.sort(-1)  # ascending
+        drop = sorted_logp.exp().cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # the most likely token always stays
+        sampling = logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
+    token = torch.multinomial(sampling.softmax(-1) if top_p < 1 else logp.exp(), 1)[:, 0]
+    return token, logp.gather(-1, token[:, None])[:, 0]
 
 
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                top_p: float = 1.0, batch_size: int = 256) -> tuple[list[list[int]], list[bool]]:
-    """Sample one completion per prompt (repeat a prompt G times for a group). Returns the completion token ids (up to
-    and including the first eos) and whether each was truncated (no eos within max_new_tokens)."""
-    from transformers import GenerationConfig
+                top_p: float = 1.0, batch_size: int = 256, n: int = 1):
+    """n sampled completions of each prompt (all of the first prompt's, then the second's, ...), with the model's own
+    forward and KV cache rather than generate(): each prompt's prefill runs once and its cache is repeated n times
+    (a group's G completions share their prompt), finished rows leave the batch (no compute spent on padding after
+    eos), and nothing is read from the checkpoint's generation_config.json but its eos ids (many instruct models set
+    repetition_penalty 1.05 or top_k 20 there, which would make rollouts silently off-policy for the trainer's
+    softmax(logits / T)). batch_size counts sequences (prompts x n) per forward.
+    Returns (the completion token ids, up to and including the first eos; whether each was truncated, with no eos
+    within max_new_tokens; the log-prob of each sampled token under softmax(logits / temperature) over the whole
+    vocabulary, as token_logprobs computes it, or None when greedy)."""
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
-    eos = sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tok.eos_token_id})
-    # Sample exactly what the flags say. generate() fills every knob we leave unset from the checkpoint's own
-    # generation_config.json (repetition_penalty 1.05, top_k 20, min_p, ... in many instruct models), which would make
-    # the rollouts silently off-policy for the trainer's plain softmax(logits / T). So the model's generation config is
-    # swapped for one built from our flags alone while generate runs, and restored afterwards.
-    sample = temperature > 0
-    ours = GenerationConfig(do_sample=sample, temperature=temperature if sample else 1.0,
-                            top_p=top_p if sample else 1.0, top_k=0, max_new_tokens=max_new_tokens, use_cache=True,
-                            pad_token_id=tok.pad_token_id, eos_token_id=eos)
-    completions, truncated = [], []
-    was_training, checkpoint_config = model.training, model.generation_config
-    model.eval()  # gradient checkpointing is off in eval mode, so generate keeps its KV cache
-    model.generation_config = ours
+    eos = torch.tensor(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                              | {tok.eos_token_id}), device=device)
+    completions, truncated, logprobs = [], [], []
+    was_training = model.training
+    model.eval()  # gradient checkpointing is off in eval mode, so the KV cache is kept
+    per_call = max(1, batch_size // n)  # prompts per prefill
     try:
-        for s in range(0, len(prompts), batch_size):
-            chunk = prompts[s:s + batch_size]
+        for s in range(0, len(prompts), per_call):
+            chunk = prompts[s:s + per_call]
             ids, attn, _ = pad_prompt_completion(chunk, [[]] * len(chunk), tok.pad_token_id)
-            ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # drop the empty completion column
-            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=ours)
-            for row in out[:, ids.shape[1]:].tolist():
-                cut = next((j for j, t in enumerate(row) if t in eos), None)
-                completions.append(row if cut is None else row[:cut + 1])
-                truncated.append(cut is None)
+            ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # (N, P): the empty completion column dropped
+            out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                        use_cache=True, logits_to_keep=1)
+            cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)  # (B, V), B = N * n
+            cache.batch_repeat_interleave(n)
+            attn = attn.repeat_interleave(n, 0)  # (B, P + t)
+            rows = torch.arange(len(chunk) * n, device=device)  # the output row of each row still generating
+            tokens, logps, ended = [[] for _ in range(len(chunk) * n)], [[] for _ in range(len(chunk) * n)], \
+                [False] * (len(chunk) * n)
+            for t in range(max_new_tokens):
+                new, logp = sample_token(logits, temperature, top_p)  # (b,), (b,)
+                for r, token, lp in zip(rows.tolist(), new.tolist(), logp.tolist()):
+                    tokens[r].append(token)
+                    logps[r].append(lp)
+                done = torch.isin(new, eos)
+                for r in rows[done].tolist():
+                    ended[r] = True
+                if done.all() or t == max_new_tokens - 1:
+                    break
+                if done.any():  # finished rows leave the batch and the cache
+                    keep = (~done).nonzero()[:, 0]
+                    cache.batch_select_indices(keep)
+                    rows, new, attn = rows[keep], new[keep], attn[keep]
+                position = attn.sum(-1, keepdim=True)  # (b, 1): the new token's position
+                attn = torch.cat([attn, torch.ones_like(position)], 1)
+                logits = model(input_ids=new[:, None], attention_mask=attn, position_ids=position,
+                               past_key_values=cache, use_cache=True).logits[:, -1]
+            completions += tokens
+            truncated += [not e for e in ended]
+            logprobs += logps
     finally:
-        model.generation_config = checkpoint_config
         model.train(was_training)
-    return completions, truncated
+    return completions, truncated, logprobs if temperature > 0 else None
 
 
 class HFRollout:
@@ -700,16 +736,23 @@ class HFRollout:
     collectives: generating on the sharded module deadlocks when ranks stop at different lengths (notes/cpu-stack.md).
     Create it before shard_model."""
 
-    sampling_logprobs = False  # generate returns no log-probs of its own
+    sampling_logprobs = False  # no log-probs of another sampler to correct for: it samples with the trainer's model
 
     def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32", batch_size: int = 512):
         import copy
         self.tok, self.batch_size = tok, batch_size
+        # In float32 the log-probs of what it samples are the trainer's pi_old (the same weights, the same float32
+        # arithmetic, up to ~1e-6 from the KV cache): the trainer then needs no old-log-prob pass. In bf16 the trainer
+        # computes under autocast from float32 master weights, so it recomputes them.
+        self.trainer_logprobs = dtype == "float32"
         self.model = copy.deepcopy(model).to(getattr(torch, dtype)).eval().requires_grad_(False) if is_dist() \
             else model
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0):
-        return (*hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p, self.batch_size), None)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 n: int = 1):
+        completions, truncated, logps = hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p,
+                                                    self.batch_size, n)
+        return completions, truncated, logps if self.trainer_logprobs else None
 
     def sleep(self):
         """Nothing to free: the weights are the trainer's own (plain run) or a copy that the next rollout needs."""
@@ -749,7 +792,8 @@ class VLLMRollout:
     engine.generate(prompts, 16); ... optimizer.step(); engine.sync_weights(model)  # raises if the weights did not land
     """
 
-    sampling_logprobs = True  # generate returns the engine's own log-probs of the sampled tokens
+    sampling_logprobs = True  # generate returns the engine's own log-probs of the sampled tokens (to correct for)
+    trainer_logprobs = False  # and the trainer recomputes pi_old itself
 
     def __init__(self, model_path: str, tok, dist_info: DistInfo, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 0, gpu_memory_utilization: float = 0.3, cpu_kv_cache_gb: float = 0.5,
@@ -785,19 +829,20 @@ class VLLMRollout:
         self.sync_tol = sync_tol or (1e-3 if dtype == "float32" else 5e-2)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0):
-        """One sample per prompt (repeat a prompt G times for a group). Every sampler knob is set here, so the model
-        folder's generation_config.json never applies. Returns (completions up to and including eos, truncated (no eos
-        within max_new_tokens, from vLLM's finish reason), the sampling log-probs of each completion token (after
-        temperature; renormalised over the nucleus when top_p < 1))."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 n: int = 1):
+        """n samples of each prompt (all of the first prompt's, then the second's, ...; vLLM shares their prefill).
+        Every sampler knob is set here, so the model folder's generation_config.json never applies. Returns
+        (completions up to and including eos, truncated (no eos within max_new_tokens, from vLLM's finish reason),
+        the sampling log-probs of each completion token (after temperature; renormalised over the nucleus when
+        top_p < 1))."""
         from vllm import SamplingParams
         assert not self.asleep, "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update"
-        params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
                                 stop_token_ids=self.eos, logprobs=0, detokenize=False)  # we decode, not vLLM
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         completions, truncated, logps = [], [], []
-        for out in outputs:
-            c = out.outputs[0]
+        for c in (c for out in outputs for c in out.outputs):
             assert c.finish_reason in ("stop", "length"), f"vLLM finished a rollout with {c.finish_reason!r}"
             ids = list(c.token_ids)
             lp = [step[t].logprob for step, t in zip(c.logprobs, ids)]  # the sampled token is always in its dict
@@ -931,13 +976,14 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
 def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float):
     """G completions for each problem, verified and rewarded. One group = one prompt:
     {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
-     "answer", "level", "prompt"[, "sampling_logp" (G lists)]}. Returns (groups, the verifier's info: timeouts,
-    symbolic comparisons, cache hits)."""
+     "answer", "level", "prompt"[, "sampling_logp" or "old_logp" (G lists)]}. Returns (groups, the verifier's info:
+    timeouts, symbolic comparisons, cache hits, and its seconds)."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
-    completions, truncated, sampling_logp = engine.generate([ids for ids in prompt_ids for _ in range(G)],
-                                                            cfg.max_new_tokens, temperature, top_p)
+    completions, truncated, sampling_logp = engine.generate(prompt_ids, cfg.max_new_tokens, temperature, top_p, n=G)
     texts = tok.batch_decode(completions, skip_special_tokens=True)
+    t0 = time.perf_counter()
     correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
+    info["seconds"] = time.perf_counter() - t0
     groups = []
     for i, p in enumerate(problems):
         s = slice(i * G, (i + 1) * G)
@@ -946,8 +992,8 @@ def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: flo
         groups.append({"prompt": p["prompt"], "answer": p["answer"], "level": p.get("level", 0),
                        "prompt_ids": prompt_ids[i], "completions": completions[s], "texts": texts[s],
                        "truncated": truncated[s], "correct": correct[s], "reward": rewards})
-        if sampling_logp is not None:
-            groups[-1]["sampling_logp"] = sampling_logp[s]
+        if sampling_logp is not None:  # vLLM: its own log-probs; HF in float32: the trainer's pi_old itself
+            groups[-1]["sampling_logp" if engine.sampling_logprobs else "old_logp"] = sampling_logp[s]
     return groups, info
 
 
@@ -969,12 +1015,12 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per generation batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
-    kept, generated, n_batches, timeouts = [], [], 0, 0
+    kept, generated, n_batches, timeouts, verify_s = [], [], 0, 0, 0.0
     while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
         mine, info = roll_groups(engine, tok, stream.next(batch_groups)[rank::world], cfg, cfg.group_size,
                                  cfg.temperature, cfg.top_p)
         groups = all_gather_list(mine)  # every rank sees every group
-        timeouts += info["timeouts"]
+        timeouts, verify_s = timeouts + info["timeouts"], verify_s + info["seconds"]
         n_batches += 1
         generated += groups
         kept += [g for g in groups if not cfg.dynamic_sampling or _mixed(g)]
@@ -992,7 +1038,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
              "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
              "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
              "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated),
-             "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item()}
+             "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item(),
+             "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
     return kept, generated, stats
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -1003,7 +1050,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
     """Flatten groups into padded tensors on `device`: input_ids/attention_mask (B, P+T), mask (B, T) (1 = a
     completion token), loss_mask (B, T) (the tokens the loss counts: the mask, less what rollout_correction rejects),
-    reward/correct (B,), group index (B,) (which prompt each completion belongs to)[, sampling_logp (B, T)]."""
+    reward/correct (B,), group index (B,) (which prompt each completion belongs to)[, sampling_logp or old_logp
+    (B, T), the rollout's log-probs]."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
     ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id)
@@ -1011,10 +1059,9 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
              "reward": torch.tensor([r for g in groups for r in g["reward"]]),
              "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
              "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
-    if "sampling_logp" in groups[0]:  # the rollout engine's own log-probs (vLLM), right-padded like the mask
-        batch["sampling_logp"] = torch.zeros(len(completions), mask.shape[1])  # (B, T)
-        for i, lp in enumerate(lp for g in groups for lp in g["sampling_logp"]):
-            batch["sampling_logp"][i, :len(lp)] = torch.tensor(lp)
+    for key in ("sampling_logp", "old_logp"):  # the rollout's log-probs (vLLM's own, or HF's = pi_old), padded
+        if key in groups[0]:
+            batch[key] = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for g in groups for lp in g[key]])
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -1132,12 +1179,39 @@ def _output_layer_bypassed(head):
         del head.forward
 
 
-def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                   with_entropy: bool = False, chunk_tokens: int = 0):
-    """log pi(token) (B, T) for the last T tokens of each row, and optionally the token entropy (B, T) (no grad).
+def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
+    """The model's outputs (logits, or hidden states while the output layer is bypassed) at the T positions that
+    predict the last T tokens of each row: (B, T, .). position_ids follow the attention mask, so left padding does not
+    shift positions, and only those positions go through the output layer (`logits_to_keep`).
 
-    Only the last T+1 positions go through the output layer (`logits_to_keep`), so a long prompt costs no (B, P, V)
-    logits. position_ids follow the attention mask so that left padding does not shift positions.
+    Shared prompts: when `groups` (B,) says that rows share a prompt (a group's G completions do) and no activation
+    checkpointing is on, each prompt is run once, and its KV cache is indexed out to its rows (an autograd op, so the
+    gradient of every row flows back into the one prompt forward) before the completions run on top of it: the same
+    values and gradients as the rows run whole (tested), with the prompt's compute spent once per group instead of G
+    times. (Checkpointed layers drop a KV cache in training mode, so they take the plain path.)"""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    shared = groups is not None and T > 1 and len(torch.unique(groups)) < len(groups) \
+        and not (model.training and getattr(model, "is_gradient_checkpointing", False))
+    if not shared:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=T + 1).logits[:, :-1]
+    P = input_ids.shape[1] - T
+    unique, inverse = torch.unique(groups, return_inverse=True)
+    first = torch.zeros(len(unique), dtype=torch.long, device=groups.device).scatter_(
+        0, inverse, torch.arange(len(groups), device=groups.device))  # a row of each prompt
+    prompt = model(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
+                   position_ids=position_ids[first, :P], use_cache=True, logits_to_keep=1)  # (U, 1, .)
+    cache = prompt.past_key_values
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): each row gets its prompt's keys and values
+    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, P:-1],
+                 past_key_values=cache, use_cache=True).logits  # (B, T - 1, .): predicting completion tokens 1..T-1
+    return torch.cat([prompt.logits[inverse], rest], 1)  # (B, T, .)
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
+                   with_entropy: bool = False, chunk_tokens: int = 0, groups=None):
+    """log pi(token) (B, T) for the last T tokens of each row, and optionally the token entropy (B, T) (no grad);
+    `groups` (B,) lets rows that share a prompt run it once (_predicting_outputs).
 
     Memory at a real vocabulary: the logits of the whole micro-batch are (B, T, V) floats, about 50 GB for B = 4,
     T = 20,480, V = 151,936, and the log-softmax and the entropy make more of that size. With chunk_tokens > 0 and
@@ -1147,15 +1221,13 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     chunk_tokens x V, not B x T x V; the values and gradients are the same up to float rounding (tested to 1e-6;
     bench/logprob_memory.py measures both)."""
     T = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -T:]  # (B, T)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1)
     if chunk_tokens <= 0 or input_ids.shape[0] * T <= chunk_tokens:  # small enough: the whole logits at once
-        logits = model(**inputs).logits[:, :-1]  # (B, T, V): position t predicts completion token t
+        logits = _predicting_outputs(model, input_ids, attention_mask, T, groups)  # (B, T, V)
         return _logprobs_of_logits(logits, targets, temperature, with_entropy)
     head = model.get_output_embeddings()
     with _output_layer_bypassed(head):
-        hidden = model(**inputs).logits[:, :-1]  # (B, T, H)
+        hidden = _predicting_outputs(model, input_ids, attention_mask, T, groups)  # (B, T, H)
     step = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
     logps, entropies = [], []
     for s in range(0, T, step):
@@ -1171,24 +1243,30 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
 
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False):
     """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of
-    --logprob_chunk tokens: (logp (B, T), entropy (B, T) or None)."""
+    --logprob_chunk tokens, each group's prompt run once: (logp (B, T), entropy (B, T) or None)."""
     return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
-                          with_entropy, cfg.logprob_chunk)
+                          with_entropy, cfg.logprob_chunk, mb.get("group"))
 
 
 @torch.no_grad()
-def old_logprobs(model, batch: dict, updates: list[torch.Tensor], cfg, device: torch.device) -> torch.Tensor:
-    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens under the current weights, computed in
-    micro-batches before the step's first update. The first update trains before the weights move, so its old
-    log-probs are the current ones (micro_batch_loss takes logp.detach()) and its rows are skipped here (zeros),
-    unless the rollout correction needs them beforehand."""
+def old_logprobs(model, batch: dict, updates: list[torch.Tensor], cfg, device: torch.device):
+    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens under the weights before the step's
+    first update, and which rows (B,) have them. HF rollouts in float32 sampled with exactly these weights and
+    returned them (batch["old_logp"]): nothing to compute. Otherwise a pass of micro-batches over the rows of the
+    second and later updates: the first update trains before the weights move, so micro_batch_loss takes its
+    current log-probs (logp.detach()) for the rows not known here, unless the rollout correction needs them first.
+    Returns (old_logp (B, T), known (B,) bool)."""
+    if "old_logp" in batch:  # from the rollout, which used the trainer's own model and arithmetic
+        return batch["old_logp"], torch.ones(len(batch["mask"]), dtype=torch.bool, device=device)
     correcting = cfg.rollout_is != "none" and "sampling_logp" in batch
     rows = torch.cat(updates if correcting else updates[1:] or [torch.zeros(0, dtype=torch.long)])
     out = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
+    known = torch.zeros(len(batch["mask"]), dtype=torch.bool, device=device)  # (B,)
+    known[rows] = True
     for r, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
         with autocast(cfg.dtype, device):
             out[r, :mb["mask"].shape[1]] = batch_logprobs(model, mb, cfg)[0]
-    return out
+    return out, known
 
 # -----------------------------------------------------------------------------------------------------------------
 # 9. Loss: GRPO advantages, the per-token weights of each aggregation, the clipped surrogate (with GSPO's sequence
@@ -1298,18 +1376,18 @@ def rollout_correction(batch: dict, cfg) -> dict:
                 (all_reduce_sum((outside * mask).sum()) / tokens).item()}
 
 
-def micro_batch_loss(model, ref_model, mb: dict, first_update: bool, cfg, device: torch.device, metrics):
+def micro_batch_loss(model, ref_model, mb: dict, cfg, device: torch.device, metrics):
     """Forward one micro-batch and return its share of the update's loss (policy_loss with mb["weight"] and, with
     --rollout_is, mb["is_weight"]), adding its entropy, clipped-token counts, tokens, padding and (vLLM) the
-    rollout/trainer log-prob gap to `metrics`. The first update of a step trains before the weights move, so its old
-    log-probs are the current ones (logp.detach()), unless old_logprobs computed them for the rollout correction."""
+    rollout/trainer log-prob gap to `metrics`. Rows whose old log-probs old_logprobs left unknown belong to the
+    step's first update, which trains before the weights move: their old log-probs are the current ones."""
     with autocast(cfg.dtype, device):
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad():
                 ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
-    old_logp = logp.detach() if first_update and "is_weight" not in mb else mb["old_logp"]
+    old_logp = torch.where(mb["old_known"].unsqueeze(-1), mb["old_logp"], logp.detach())  # (B, T)
     if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights: log r = log pi_old - log pi_rollout
         log_r = (old_logp - mb["sampling_logp"]) * mb["mask"]
         metrics.add(logprob_diff=log_r.abs().sum().item(), kl_k1=-log_r.sum().item(),

@@ -278,7 +278,7 @@ def main(cfg: Config):
     engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF generate or vLLM, behind one interface
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     ref_model = load_reference_model(base, cfg, dist_info)  # the KL anchor; None when --kl_coef is 0
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_problems, cfg.seed)
     start_step, state = load_checkpoint(ckpt, opt, sched, stream, cfg.seed, dist_info)  # fresh: seeds the sampling
@@ -309,9 +309,9 @@ def main(cfg: Config):
                 batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
                 bin_count = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
                 batch["advantage"] = advantage.flatten()  # (B,)
-                # 4) old log-probs from the trainer, before any update (the first update's are its current ones),
-                #    and, with --rollout_is, the importance weights pi_old / pi_rollout of vLLM's samples
-                batch["old_logp"] = old_logprobs(model, batch, updates, cfg, device)  # (B, T)
+                # 4) old log-probs from the trainer before any update (HF in float32: the rollout's own; the first
+                #    update: its current ones), and with --rollout_is the weights pi_old / pi_rollout of vLLM's samples
+                batch["old_logp"], batch["old_known"] = old_logprobs(model, batch, updates, cfg, device)
                 m.update(rollout_correction(batch, cfg))
                 # 5) optimizer updates of the model and the weights, with global per-bin token weights, Eq. (1)-(3)
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
@@ -329,7 +329,7 @@ def main(cfg: Config):
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
                         mb["weight"] = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)  # (B, T): w_mu / #tokens of mu
-                        loss = micro_batch_loss(model, ref_model, mb, u == 0, cfg, device, sums)
+                        loss = micro_batch_loss(model, ref_model, mb, cfg, device, sums)
                         loss.backward()
                         update_loss += loss.item()
                     if guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}"):

@@ -1382,6 +1382,9 @@ def _new_info() -> dict:
     return {"timeouts": 0, "symbolic": 0, "cached": 0, "inline": 0, "crashed": 0}
 
 
+_INT_RE = re.compile(r"-?\d{1,50}")  # a plain integer, settled by int() before any normalisation
+
+
 def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, info: dict) -> list[bool]:
     """Shared core of math_equal / verify_batch: fast paths and cache inline, the rest on the pool."""
     # Cheapest first: identical raw strings, a length gate, normalised and plain-number checks (_quick_check), the
@@ -1397,6 +1400,10 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
             pred, gold = str(pred), str(gold)
             if pred == gold and pred.strip():
                 results[i] = True
+                info["inline"] += 1
+                continue
+            if _INT_RE.fullmatch(pred) and _INT_RE.fullmatch(gold):  # two plain integers, most RL answers: exact
+                results[i] = int(pred) == int(gold)
                 info["inline"] += 1
                 continue
             if len(pred) > 4 * _MAX_LEN or len(gold) > 4 * _MAX_LEN:

@@ -89,7 +89,7 @@ new = 16 if args.tiny else 256
 gen_model.generation_config.eos_token_id = Tok.eos_token_id
 sync()
 t0 = time.time()
-completions, _ = common.hf_generate(gen_model, Tok(), prompts, new, temperature=1.0)
+completions, _, _ = common.hf_generate(gen_model, Tok(), prompts, new, temperature=1.0)
 sync()
 gen_s = time.time() - t0
 common.print0(f"HF generate: {len(prompts)} x {new} tokens in {gen_s:.1f} s = "

@@ -1,9 +1,10 @@
 """Where the seconds of an RL step go: generate, verify, old log-probs, forward, backward, optimizer, weight sync,
 logging and the rest, as seconds per step and shares, plus cProfile's top functions, for two workloads:
   demo   the default demo (`python da3po.py`: 32 prompts x 8, dynamic sampling, completions of ~6 tokens)
+  vs_trl bench/vs_trl.py's work on our side (the demo model, 16 prompts x 8, no dynamic sampling, 4 updates)
   25M    a 25M-parameter Qwen3-shaped model built in code (hidden 512, 8 layers, the demo's tokenizer, untrained, so
          its completions run to the 128-token cap), 16 prompts x 8, no dynamic sampling, 4 updates per step
-Usage: python bench/profile_step.py [--workloads demo,25M] [--steps 8] [--threads 2] [--out FILE]
+Usage: python bench/profile_step.py [--workloads demo,vs_trl,25M] [--steps 8] [--threads 2] [--out FILE]
 
 da3po.main runs in this process with the phases' functions wrapped by timers (nothing in the training code is
 changed for this); the first step of each workload is a warm-up and is not counted, nor are set-up and evaluation.
@@ -58,6 +59,9 @@ def run(workload: str, steps: int, tmp: str):
     """One workload: (per-phase seconds per counted step, the step seconds, cProfile stats of the counted steps)."""
     flags = ["--steps", str(steps + 1), "--out_dir", os.path.join(tmp, workload), "--eval_every", "0",
              "--eval_size", "5", "--eval_samples", "1", "--sample_every", "0"]
+    if workload == "vs_trl":  # bench/vs_trl.py's work: 16 prompts x 8, 4 updates of one forward/backward each
+        flags += ["--algo", "dapo", "--prompts_per_step", "16", "--updates_per_step", "4", "--micro_batch_size", "32",
+                  "--no-dynamic_sampling"]
     if workload == "25M":
         flags += ["--model", build_25m(os.path.join(tmp, "model25m")), "--prompt_template", "none",
                   "--prompts_per_step", "16", "--updates_per_step", "4", "--max_new_tokens", "128",
@@ -111,7 +115,7 @@ def run(workload: str, steps: int, tmp: str):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--workloads", default="demo,25M")
+    p.add_argument("--workloads", default="demo,vs_trl,25M")
     p.add_argument("--steps", type=int, default=8, help="counted steps per workload (after one warm-up step)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=15)

@@ -66,7 +66,7 @@ t0 = time.perf_counter()
 engine = common.VLLMRollout(path, tok, common.DistInfo(device=device), args.dtype, seed=0, cpu_kv_cache_gb=1.0,
                             max_num_seqs=len(prompts))
 startup = time.perf_counter() - t0
-hf_s, (hf_out, _) = best_of(lambda: common.hf_generate(model, tok, prompts, args.max_new, 1.0, 1.0, len(prompts)))
+hf_s, (hf_out, _, _) = best_of(lambda: common.hf_generate(model, tok, prompts, args.max_new, 1.0, 1.0, len(prompts)))
 vllm_s, (vllm_out, _, _) = best_of(lambda: engine.generate(prompts, args.max_new, 1.0, 1.0))
 hf_tokens, vllm_tokens = sum(map(len, hf_out)), sum(map(len, vllm_out))
 

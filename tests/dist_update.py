@@ -39,7 +39,7 @@ batch["weight"] = common.loss_weights(batch["mask"], "token-mean", 12)
 total = 0.0
 for _, mb in common.micro_batches(batch, torch.arange(len(batch["mask"])), 3):  # uneven: 16 rows -> 3+3+3+3+3+1
     logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], 1.0, False,
-                                    chunk)
+                                    chunk, mb["group"])  # a group's prompt run once, its KV cache shared
     loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
     loss.backward()
     total += loss.item()

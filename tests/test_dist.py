@@ -14,7 +14,8 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 def test_two_ranks_match_one_process(demo_dir, tmp_path, chunk):
     """One update on 2 FSDP2 ranks equals it in one process; with chunk 10 the two ranks compute their log-probs a
     chunk of positions at a time (the output layer's weight used after the root module's forward) while the single
-    process takes the whole logits at once."""
+    process takes the whole logits at once. Both run each group's prompt once (two forwards of the sharded model per
+    micro-batch before its backward)."""
     single, double = tmp_path / "one.pt", tmp_path / "two.pt"
     for args, out in [(["tests/dist_update.py", demo_dir, str(single)], single),
                       ([*TORCHRUN, "tests/dist_update.py", demo_dir, str(double), chunk], double)]:

@@ -118,14 +118,11 @@ def test_rollout_is_mask_leaves_the_denominator():
 class MismatchedRollout(common.HFRollout):
     """A deliberately mismatched engine: it samples at 2 x the temperature it is asked for and reports the log-probs
     of what it really sampled from, as an engine with other kernels or precision would differ from the trainer."""
-    sampling_logprobs = True
+    sampling_logprobs, trainer_logprobs = True, False
 
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
-        completions, truncated, _ = super().generate(prompts, max_new_tokens, temperature * 2.0, top_p)
-        ids, attn, mask = common.pad_prompt_completion(prompts, completions, self.tok.pad_token_id)
-        with torch.no_grad():
-            logp, _ = common.token_logprobs(self.model, ids, attn, mask.shape[1], temperature * 2.0)
-        return completions, truncated, [lp[:int(m.sum())].tolist() for lp, m in zip(logp, mask)]
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, n=1):
+        return common.hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature * 2.0, top_p,
+                                  self.batch_size, n)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

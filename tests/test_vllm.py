@@ -66,7 +66,7 @@ def test_greedy_completions_equal_the_trainers_after_sync(setup):
     # float32 agreement is relative: after these large SGD steps the probe's log-probs are ~-20, so ~1e-5 absolute
     assert engine.sync_weights(model)["rollout/sync_diff"] < 1e-4
     completions, truncated, _ = engine.generate(prompts, 12, temperature=0.0)
-    hf_completions, hf_truncated = common.hf_generate(model, tok, prompts, 12, temperature=0.0)
+    hf_completions, hf_truncated, _ = common.hf_generate(model, tok, prompts, 12, temperature=0.0)
     assert completions != before, "the SGD steps should have changed some greedy completion"
     assert completions == hf_completions and truncated == hf_truncated
 
@@ -105,7 +105,7 @@ def test_truncation_comes_from_the_finish_reason(setup, demo_dir):
     for ids, cut, lp in zip(completions, truncated, logps):
         assert cut == (ids[-1] != tok.eos_token_id) and len(lp) == len(ids)
         assert len(ids) == max_new if cut else len(ids) <= max_new
-    assert (completions, truncated) == common.hf_generate(model, tok, prompts, max_new, temperature=0.0)
+    assert (completions, truncated) == common.hf_generate(model, tok, prompts, max_new, temperature=0.0)[:2]
 
 
 def test_sampling_logprobs_match_the_trainers(setup):
