@@ -1,5 +1,6 @@
 """GPU figures for a lent GPU machine, in about 5 minutes: FSDP2 training-update throughput (tokens/s) and model FLOPs
-utilisation in bf16 for a ~0.5B Qwen-style model built from a config (no download), and HF generate tokens/s.
+utilisation in bf16 for a ~0.5B Qwen-style model built from a config (no download), the peak memory of a log-prob
+pass with the whole logits and with --logprob_chunk's chunks, and HF rollout tokens/s.
 Usage:  torchrun --standalone --nproc_per_node=1 bench/gpu.py            # the FSDP2 path on one GPU (or N)
         python bench/gpu.py --tiny --device cpu                           # a smoke test of the script on a CPU
 Peak FLOPs for MFU: --peak_tflops (default 989, H100/H200 dense bf16)."""
@@ -21,6 +22,8 @@ p.add_argument("--prompt_len", type=int, default=256)
 p.add_argument("--completion_len", type=int, default=1024)
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--peak_tflops", type=float, default=989.0)
+p.add_argument("--logprob_len", type=int, default=8192, help="completion tokens of the log-prob memory pass")
+p.add_argument("--logprob_chunk", type=int, default=1024)
 args = p.parse_args()
 
 d = common.setup_dist(args.device)
@@ -54,7 +57,7 @@ for step in range(args.steps + 1):  # the first step warms up (allocator, kernel
     sync()
     t0 = time.time()
     with torch.autocast(d.device.type, torch.bfloat16, enabled=dtype == "bfloat16"):
-        logp, _ = common.token_logprobs(model, ids, attn, T)
+        logp, _ = common.token_logprobs(model, ids, attn, T, chunk_tokens=args.logprob_chunk)
     weights = common.loss_weights(mask, "token-mean", T)
     loss, _ = common.policy_loss(logp, logp.detach(), adv, weights, 0.2, 0.28)
     loss.backward()
@@ -74,6 +77,23 @@ common.print0(f"update: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, MF
               f"(of {args.peak_tflops:.0f} TFLOPS/GPU)")
 if d.device.type == "cuda":
     common.print0(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+# memory of a log-prob pass (old log-probs: no grad) over B sequences of --logprob_len tokens, whole vs chunked
+L = 64 if args.tiny else args.logprob_len
+long_ids = torch.randint(0, size["vocab_size"], (B, P + L), device=d.device)
+for chunk in (0, 64 if args.tiny else args.logprob_chunk):  # the smoke test exercises the chunked path too
+    if d.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    try:
+        with torch.no_grad(), torch.autocast(d.device.type, torch.bfloat16, enabled=dtype == "bfloat16"):
+            common.token_logprobs(model, long_ids, torch.ones_like(long_ids), L, chunk_tokens=chunk)
+        peak = f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.1f} GiB" if d.device.type == "cuda" else "n/a"
+    except torch.OutOfMemoryError:
+        peak = "out of memory"
+    common.print0(f"log-prob pass, {B} x {P}+{L} tokens, {'whole logits' if chunk == 0 else f'chunks of {chunk}'}: "
+                  f"peak {peak}")
 
 # generation: HF generate on the unsharded copy (what --rollout hf uses), 64 prompts x 256 new tokens
 engine.sync_weights(model)

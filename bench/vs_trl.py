@@ -2,11 +2,13 @@
 Our DAPO step (`da3po.py --algo dapo`) side by side with TRL's GRPOTrainer (loss_type="dapo"), on the same work, on CPU.
 
 The same on both sides: the demo model and its weights, the prompts (the built-in arith task in the demo's prompt
-format), G, max_new_tokens, temperature 1 (top_p 1, no top_k), the reward (+1/-1 from common.verify_batch plus DAPO's
-overlong shaping, via common.shaped_reward), AdamW with the same lr / weight decay / grad clip and a constant schedule,
-clip epsilons 0.2/0.28, no KL, and the same number of optimizer updates per RL step (ours: prompts_per_step /
-mini_batch_size; TRL: steps_per_generation with num_iterations=1), each update one forward/backward over its mini-batch,
-old log-probs from one extra no-grad pass (both do that when a step has more than one update). Dynamic sampling is off
+format), G, max_new_tokens, temperature 1 (top_p 1, no top_k), the reward (+1/-1 from verifier.verify_batch plus
+DAPO's overlong shaping, via common.shaped_reward), AdamW with the same lr / weight decay / grad clip and a constant
+schedule, clip epsilons 0.2/0.28, no KL, and the same number of optimizer updates per RL step (ours:
+--updates_per_step; TRL: steps_per_generation with num_iterations=1), each update one forward/backward over its
+mini-batch, and pi_old for the later updates (TRL: one extra no-grad pass; ours: the rollout's own log-probs, which in
+float32 are the trainer's, see common.old_logprobs; the same values to ~1e-6). How each side gets there is its own:
+ours samples G completions of one prefill and runs each group's prompt once in training. Dynamic sampling is off
 on our side because TRL has none: both generate and train on exactly prompts_per_step groups per step. Activation
 checkpointing is off on both (TRL's GRPOConfig turns it on by default, which recomputes every forward in the backward;
 --grad_checkpointing turns it on for both).
@@ -65,7 +67,7 @@ def parse_args():
     p.add_argument("--max_new_tokens", type=int, default=12, help="completion length cap")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--steps", type=int, default=10, help="RL steps per timed block")
-    p.add_argument("--repeats", type=int, default=3, help="blocks per side, alternating")
+    p.add_argument("--repeats", type=int, default=5, help="blocks per side, alternating")
     p.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     p.add_argument("--grad_checkpointing", action=argparse.BooleanOptionalAction, default=False,
                    help="activation checkpointing, both sides (ours is off by default, TRL's GRPOConfig on)")
@@ -294,7 +296,7 @@ def main():
           f"threads {args.threads} | cpus {os.cpu_count()}")
     print(f"work per RL step: {args.prompts_per_step} prompts x G={args.group_size} = {B} completions of <= "
           f"{args.max_new_tokens} tokens, temperature 1, {args.updates} optimizer updates of {B // args.updates} "
-          f"completions (one forward/backward each), old log-probs pass, lr {args.lr}, clip 0.2/0.28, no KL, "
+          f"completions (one forward/backward each), pi_old for the later updates, lr {args.lr}, clip 0.2/0.28, no KL, "
           f"activation checkpointing {'on' if args.grad_checkpointing else 'off'}")
     if args.profile:
         return profile_block(args, path)
@@ -334,6 +336,9 @@ def main():
         print(f"{side:>4} | {statistics.median(times[side]):26.3f} | {min(times[side]):6.3f} | "
               f"{max(times[side]):6.3f} | {statistics.median(peaks[side]):37.0f}")
     print(f"load average now: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (1/5/15 min, {os.cpu_count()} cpus)")
+    blocks = [statistics.median(times["ours"][i:i + args.steps]) / statistics.median(times["TRL"][i:i + args.steps])
+              for i in range(0, len(times["ours"]), args.steps)]  # each block against the TRL block right after it
+    print(f"ratio ours/TRL per block: {' '.join(f'{b:.3f}' for b in blocks)}")
     print(f"ratio ours/TRL: {statistics.median(times['ours']) / statistics.median(times['TRL']):.3f}")
 
 
