@@ -292,7 +292,7 @@ def main(cfg: Config):
     guard = UpdateGuard(cfg.max_bad_updates)  # skips a non-finite update; stops the run after several in a row
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
                      disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
-        timer, sums, updates = StepTimer(), Metrics(*TRAIN_SUMS), []
+        timer, sums, groups, updates = StepTimer(), Metrics(*TRAIN_SUMS), [], []
         # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
         with timer("rollout"):
             kept, generated, m = dynamic_sampling(engine, tok, stream, cfg, dist_info)

@@ -293,7 +293,7 @@ def main(cfg: Config):
     guard = UpdateGuard(cfg.max_bad_updates)  # skips a non-finite update; stops the run after several in a row
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
                      disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
-        timer, sums, updates = StepTimer(), Metrics(*TRAIN_SUMS), []
+        timer, sums, groups, updates = StepTimer(), Metrics(*TRAIN_SUMS), [], []
         bin_sum, bin_seen, bin_count = torch.zeros(G + 1), torch.zeros(G + 1), torch.zeros(G + 1)  # per bin mu
         # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
         with timer("rollout"):

@@ -68,6 +68,24 @@ def test_da3po_two_steps_writes_metrics(demo_dir, tmp_path):
     assert samples and {"step", "prompt", "answer", "completion", "reward"} <= set(samples[0])
 
 
+@pytest.mark.parametrize("script", ["da3po.py", "daro.py"])
+def test_steps_that_keep_no_group_are_logged_and_skipped(script, tmp_path):
+    """Every answer is unreachable, so dynamic sampling keeps nothing: each step is logged with zero groups, no update
+    happens, samples are not written from a stale step, and the run finishes normally."""
+    data = tmp_path / "never.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": "never"}) + "\n" for i in range(40)))
+    out = tmp_path / "run"
+    r = run_script([script, "--steps", "2", "--out_dir", str(out), "--train_data", str(data), "--eval_data", str(data),
+                    "--prompts_per_step", "4", "--max_gen_batches", "2", "--eval_size", "8", "--eval_samples", "1",
+                    "--sample_every", "1", "--prompt_template", "none"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/keep_rate" in x]
+    assert [x["step"] for x in train] == [1, 2]
+    assert all(x["train/num_groups"] == 0 and x["train/keep_rate"] == 0 and x["train/num_gen_batches"] == 2
+               for x in train)
+    assert not (out / "samples.jsonl").exists() or not (out / "samples.jsonl").read_text()
+
+
 def test_eval_is_deterministic_for_the_same_weights(demo_dir):
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
     cfg = Config(eval_samples=2, prompt_template="none")
