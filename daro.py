@@ -85,7 +85,7 @@ class Config:
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
-    rollout: str = "hf"  # rollout engine: hf (transformers generate) | vllm | auto (vLLM if installed and usable)
+    rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if installed and usable)
     vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
     rollout_is: str = "none"  # correct the rollout/trainer mismatch (vLLM rollouts): none | token | sequence, a
@@ -212,6 +212,7 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
         for s in neg_log_w:
             s.clamp_(-math.log(cfg.w_max), -math.log(cfg.w_min))  # w = exp(-s) in [w_min, w_max] [dev 1]
 
+
 def check_algorithm_config(cfg: Config):
     """DARO's flags that cannot work stop here, naming the flag (exit 2)."""
     if cfg.weighting not in ("learned", "uniform", "var", "none"):
@@ -275,7 +276,7 @@ def main(cfg: Config):
     model, tok = load_model(ckpt or base, device)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train_problems, eval_sets = tokenize_datasets(train_problems, eval_sets, tok, cfg)
-    engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF generate or vLLM, behind one interface
+    engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF sampler or vLLM, behind one interface
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     ref_model = load_reference_model(base, cfg, dist_info)  # the KL anchor; None when --kl_coef is 0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)

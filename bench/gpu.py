@@ -95,7 +95,7 @@ for chunk in (0, 64 if args.tiny else args.logprob_chunk):  # the smoke test exe
     common.print0(f"log-prob pass, {B} x {P}+{L} tokens, {'whole logits' if chunk == 0 else f'chunks of {chunk}'}: "
                   f"peak {peak}")
 
-# generation: HF generate on the unsharded copy (what --rollout hf uses), 64 prompts x 256 new tokens
+# generation: common.hf_generate on the unsharded copy (what --rollout hf uses), 64 prompts x 256 new tokens
 engine.sync_weights(model)
 gen_model = engine.model
 prompts = [torch.randint(0, size["vocab_size"], (P,)).tolist() for _ in range(8 if args.tiny else 64)]
@@ -112,6 +112,6 @@ t0 = time.time()
 completions, _, _ = common.hf_generate(gen_model, Tok(), prompts, new, temperature=1.0)
 sync()
 gen_s = time.time() - t0
-common.print0(f"HF generate: {len(prompts)} x {new} tokens in {gen_s:.1f} s = "
+common.print0(f"HF sampler: {len(prompts)} x {new} tokens in {gen_s:.1f} s = "
               f"{sum(map(len, completions)) / gen_s:,.0f} tokens/s")
 common.cleanup_dist()

@@ -1,5 +1,5 @@
-"""Rollout throughput, Hugging Face generate vs vLLM, on the same model and prompts in one run, and what the vLLM
-path costs per RL step on top of generating (weight sync + sleep/wake) as a share of the step.
+"""Rollout throughput, the HF sampler (common.hf_generate) vs vLLM, on the same model and prompts in one run, and what
+the vLLM path costs per RL step on top of generating (weight sync + sleep/wake) as a share of the step.
 Usage: python bench/rollout.py [--hidden 128 --layers 2] [--model <hf folder>] [--prompts 64 --group 8 --max_new 64]
        [--dtype float32|bfloat16] [--threads 1] [--repeats 3]
 Without --model it builds an untrained model of the demo's architecture (random weights rarely emit eos, so almost

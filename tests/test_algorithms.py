@@ -52,6 +52,23 @@ def test_daa_touches_only_correct_completions_of_hard_groups():
     assert torch.equal(daa(adv, correct, lam=1.0, tau=0.5)[0], adv)
 
 
+def test_amplify_reports_what_it_amplified():
+    """daa/* metrics: the share of completions whose advantage changed and the factor applied; none when lam = 1."""
+    correct = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)  # p_hat 0.25, 0.5, 0.75
+    adv = common.group_advantages(correct.float(), std_norm=True)
+    groups = [{"prompt": str(i), "answer": "1"} for i in range(3)]
+    cfg = da3po.Config(group_size=4, lam=2.0, tau=0.6)
+    out, m = da3po.amplify(adv, correct, groups, {}, cfg)
+    assert m == {"daa/amplified_frac": 3 / 12, "daa/lam_mean": 2.0, "daa/lam_max": 2.0}
+    assert out[0, 0] == 2 * adv[0, 0] and out[1, 1] == 2 * adv[1, 1] and torch.equal(out[2], adv[2])
+    out, m = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, lam=1.0, tau=0.6))
+    assert torch.equal(out, adv) and m == {"daa/amplified_frac": 0.0, "daa/lam_mean": 0.0, "daa/lam_max": 0.0}
+    out, m = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, adaptive_lam=True, tau=0.6))
+    expected = da3po.adaptive_lam(torch.tensor([0.25, 0.5]), 4, 4.0)  # 1/gamma: > 1 at 0.25, exactly 1 at 0.5
+    assert expected[1] == 1.0 and m["daa/lam_max"] == pytest.approx(expected[0].item())
+    assert m["daa/amplified_frac"] == 1 / 12  # the p_hat = 0.5 group's factor is 1: nothing amplified there
+
+
 def test_amplification_factors_match_the_paper_numbers():
     for G, p, expected in [(8, 0.1, (1.00, 1.92, 0.52)), (16, 0.1, (1.00, 1.26, 0.79))]:
         got = amplification_factors(p, G)
