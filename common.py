@@ -1043,8 +1043,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     return kept, generated, stats
 
 # -----------------------------------------------------------------------------------------------------------------
-# 8. Log-probs and micro-batches: groups -> padded tensors, the step's split into optimizer updates and of each update
-#    into micro-batches, and the log-probs of completion tokens under a model (the trainer's, and the old ones).
+# 8a. Batches and micro-batches: groups -> padded tensors, the step's split into optimizer updates and of each update
+#     into micro-batches (by count, or packed by tokens).
 
 
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
@@ -1144,6 +1144,10 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
             if v.dim() == 2 and k not in ("input_ids", "attention_mask"):
                 mb[k] = v[:, :T]
         yield rows, mb
+
+# -----------------------------------------------------------------------------------------------------------------
+# 8b. Log-probs of completion tokens under a model (the trainer's, and the old ones): a shared prompt runs once per
+#     group, and the output layer runs in chunks so that the logits of a long completion never exist all at once.
 
 
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool):
