@@ -35,7 +35,7 @@ METHODS = {  # name -> (script, flags); GRPO, DAPO and the static weightings run
     "gspo": ("da3po.py", ["--algo", "gspo"]),  # its paper's 4 updates per step: the same as everyone's here
     "uniform": ("daro.py", ["--algo", "uniform"]),
     "var": ("daro.py", ["--algo", "var"]),
-    "daro": ("daro.py", ["--algo", "daro"]),  # the paper's weight lr 1e-3: w moves by ~e^0.24 at most in 240 updates
+    "daro": ("daro.py", ["--algo", "daro"]),  # the paper's weight lr 1e-3: w moves by e^0.4 at most in 400 updates
     "daro_literal": ("daro.py", ["--algo", "daro", "--daro_literal"]),
     "daro_wlr0.05": ("daro.py", ["--algo", "daro", "--weight_lr", "0.05"]),  # fast enough to reach their optimum
     # ... and a clamp wide enough to hold it: here 1 / (|L_mu| + delta) is in the hundreds for every bin
