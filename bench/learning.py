@@ -44,9 +44,13 @@ METHODS = {  # name -> (script, flags); GRPO, DAPO and the static weightings run
 T_975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
 
 
+def run_dir(method: str, seed: int, steps: int) -> str:
+    return os.path.join(RESULTS, "runs", f"{method}-s{seed}-{steps}steps")
+
+
 def run(method: str, seed: int, steps: int, threads: int) -> tuple[list[dict], float]:
     """One training run (reused when it finished before); returns its metrics records and its wall seconds."""
-    out = os.path.join(RESULTS, "runs", f"{method}-s{seed}-{steps}steps")
+    out = run_dir(method, seed, steps)
     path, wall = os.path.join(out, "metrics.jsonl"), os.path.join(out, "wall_s.txt")
     if not os.path.exists(wall):  # written last: a run killed halfway is redone
         script, flags = METHODS[method]
@@ -107,10 +111,15 @@ def summarise(records: list[dict], budget: float, target: float) -> dict:
             "train": train}
 
 
+def bin_names(record: dict) -> list[str]:
+    """The difficulty bins mu a daro.py record logs, as its keys spell them ('0.125', ...)."""
+    return sorted(k[len("daro/L_"):] for k in record if k.startswith("daro/L_"))
+
+
 def bin_shares(train: list[dict]) -> tuple[list[str], list[int], list[list[float]]]:
     """Per step, each difficulty bin's share of |loss|: |w_mu L_mu| / sum_mu |w_mu L_mu| (daro.py's records; for the
     baselines' own losses w = 1 and daro/L_mu is already the bin's part of the loss)."""
-    bins = sorted(k[len("daro/L_"):] for k in train[0] if k.startswith("daro/L_"))
+    bins = bin_names(train[0])
     steps, shares = [], []
     for r in train:
         parts = [abs(r.get(f"daro/w_{b}", 1.0) * r[f"daro/L_{b}"]) for b in bins]
@@ -214,7 +223,7 @@ def main():
                   f"{paired(m, 'grpo', lambda x: x['at_budget'])} |" for m in vs_grpo]
     shown = [m for m in methods if "daro/L_0.500" in stats[m][0]["train"][0]]  # daro.py's runs log the bins
     if shown:
-        bins = sorted(k[len("daro/L_"):] for k in stats[shown[0]][0]["train"][0] if k.startswith("daro/L_"))
+        bins = bin_names(stats[shown[0]][0]["train"][0])
         lines += ["", "Difficulty bins (mu = pass rate of the group): each bin's mean share of sum_mu |w_mu L_mu| over "
                   "all steps and seeds (the loss-scale picture; L_mu is the bin's token-mean clipped loss, w = 1 for "
                   "GRPO/DAPO/uniform), then mean |L_mu|, the groups trained on per step, and the weights w_mu at the "
@@ -235,8 +244,7 @@ def main():
             if m.startswith("daro"):
                 rows.append(("w_mu at the end", [statistics.mean(x["train"][-1][f"daro/w_{b}"] for x in stats[m])
                                                  for b in bins], "{:.2f}"))
-                flags = METHODS[m][1]
-                w_max = float(flags[flags.index("--w_max") + 1]) if "--w_max" in flags else 10.0
+                w_max = json.load(open(os.path.join(run_dir(m, seeds[0], args.steps), "config.json")))["w_max"]
                 rows.append(("optimum of w_mu", [statistics.mean(min(w_max, 1 / (abs_loss(b, x["train"][-10:]) + 1e-3))
                                                                  for x in stats[m]) for b in bins], "{:.2f}"))
             lines += [f"| {m} | {name} | " + " | ".join(fmt.format(v) for v in vals) + " |" for name, vals, fmt in rows]
