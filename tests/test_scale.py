@@ -263,7 +263,7 @@ def test_wandb_offline_gets_the_metrics(tmp_path, monkeypatch):
     import wandb
     wandb.finish()  # what the exit hook does at the end of a real run
     # finish() can return before wandb's service process has written the transaction log (3 of 16 tries here found
-    # only its 7-byte header); teardown() waits for the service to exit, as a real run's exit does (12 of 12 complete).
+    # only its 7-byte header); teardown() waits for the service to exit, as a real run's exit does (32 of 32 complete).
     wandb.teardown()
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 1
