@@ -98,6 +98,8 @@ class Config:
     lam_max: float = 4.0  # cap of the adaptive factor; binds for running estimates (p_hat >= 1/G keeps it <= ~1.65)
     p_estimate: str = "group"  # pass rate used by DAA: group (p_hat of the G samples) | running (per prompt, over
     #                            all epochs so far)
+    daa_scope: str = "correct"  # what DAA multiplies in a hard group: correct (correct completions with A > 0, the
+    #                             paper) | all (every completion, both signs: a control that only up-weights hard prompts)
     # advantages and loss
     std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
@@ -159,16 +161,23 @@ PRESETS = {
 # Algorithm: Direct Advantage Amplification and the theory behind it
 
 
-def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None):
-    """DAA: multiply the (already group-normalised) advantage of correct completions of groups with p < tau by lam.
+def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None,
+        scope: str = "correct"):
+    """DAA: multiply the (already group-normalised) positive advantages of correct completions of groups with
+    p < tau by lam.
 
     advantages, correct: (N, G). p (N, 1) is the pass-rate estimate, by default p_hat = #correct / G of the group:
     the correctness rate, never the shaped reward (with +-1 rewards the mean reward is 2 p_hat - 1). lam is a number
-    or a (N, 1) tensor of per-group factors (adaptive DAA). Amplifying rewards instead would do nothing: a two-level
-    reward is invariant under the z-score. No renormalisation afterwards: amplified groups stop summing to zero.
+    or a (N, 1) tensor of per-group factors (adaptive DAA). Only A > 0 is amplified, as the paper amplifies the
+    positive advantages of correct responses: with a running p or tau > 0.5 a correct completion that the overlong
+    penalty puts below its group's mean has A < 0, and multiplying it would push it down harder. scope "all" is a
+    control, not the paper: every advantage of a hard group, both signs (more weight on hard prompts, no tilt toward
+    their correct answers). Amplifying rewards instead would do nothing: a two-level reward is invariant under the
+    z-score. No renormalisation afterwards: amplified groups stop summing to zero.
     Returns (amplified advantages (N, G), which entries were amplified (N, G) bool)."""
     p = correct.float().mean(-1, keepdim=True) if p is None else p  # (N, 1)
-    amplified = correct & (p < tau)  # (N, G) [dev 1]
+    hard = (p < tau).expand_as(advantages)  # (N, G) [dev 1]
+    amplified = hard if scope == "all" else hard & correct & (advantages > 0)
     return torch.where(amplified, lam * advantages, advantages), amplified
 
 
@@ -185,6 +194,8 @@ def check_algorithm_config(cfg: Config):
         die(f"--tau must be in (0, 1], got {cfg.tau}")
     if cfg.lam <= 0:
         die(f"--lam must be > 0, got {cfg.lam}")
+    if cfg.daa_scope not in ("correct", "all"):
+        die(f"--daa_scope {cfg.daa_scope!r}: choose one of correct, all")
     if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
         die(f"--p_estimate must be group or running and --lam_max >= 1, got {cfg.p_estimate!r}, {cfg.lam_max}")
 
@@ -212,7 +223,7 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
         counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=torch.float, device=p.device)  # (N, 2)
         p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
     factor = adaptive_lam(p, cfg.group_size, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
-    advantage, amplified = daa(advantage, correct, factor, cfg.tau, p)
+    advantage, amplified = daa(advantage, correct, factor, cfg.tau, p, cfg.daa_scope)
     factors = (factor * torch.ones_like(p)).expand_as(advantage)  # (N, G)
     amplified &= factors != 1  # a factor of 1 (lam = 1: DAPO, GSPO) amplifies nothing
     applied = factors[amplified]  # the factor of each amplified one

@@ -39,17 +39,35 @@ def test_daa_touches_only_correct_completions_of_hard_groups():
                             [1, 1, 0, 0],    # p_hat 0.5 == tau: NOT amplified (strict <)
                             [1, 1, 1, 0],    # easy group: untouched
                             [0, 0, 0, 0]], dtype=torch.bool)  # no correct completion: nothing to amplify
-    adv = torch.arange(16, dtype=torch.float).view(4, 4) - 7.5
+    adv = torch.arange(1, 17, dtype=torch.float).view(4, 4)  # all positive here; the sign: the next test
     out, amplified = daa(adv, correct, lam=2.0, tau=0.5)
     expected_mask = torch.zeros(4, 4, dtype=torch.bool)
     expected_mask[0, 0] = True
     assert torch.equal(amplified, expected_mask)
     assert out[0, 0] == 2.0 * adv[0, 0]
     assert torch.equal(out[~expected_mask], adv[~expected_mask])
-    # tau above 0.5 includes the p_hat = 0.5 group; lam = 1 is the identity
+    # tau above 0.5 includes the p_hat = 0.5 group (only its correct completions with A > 0); lam = 1 is the identity
     out, amplified = daa(adv, correct, lam=3.0, tau=0.6)
     assert amplified[1].tolist() == [True, True, False, False] and out[1, 1] == 3.0 * adv[1, 1]
     assert torch.equal(daa(adv, correct, lam=1.0, tau=0.5)[0], adv)
+
+
+def test_daa_never_amplifies_a_negative_advantage():
+    """The paper amplifies the positive advantages of correct responses. With a running pass-rate estimate (or
+    tau > 0.5) a correct completion that the overlong penalty pushes below its group's mean has A < 0: it stays as it
+    is. The control scope 'all' multiplies every advantage of a hard group, both signs."""
+    correct = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    rewards = torch.tensor([[1.0, -0.95, -1, -1, -1, -1, -1, -1]])  # the 2nd correct one hit the overlong ramp
+    adv = common.group_advantages(rewards, std_norm=True)
+    assert adv[0, 0] > 0 and adv[0, 1] < 0  # correct, and below the group's mean
+    running_p = torch.tensor([[0.1]])  # e.g. --p_estimate running: hard, whatever this group's p_hat
+    out, amplified = daa(adv, correct, lam=2.0, tau=0.5, p=running_p)
+    assert amplified[0].tolist() == [True] + [False] * 7
+    assert out[0, 0] == 2 * adv[0, 0] and out[0, 1] == adv[0, 1]  # the negative one is not pushed down harder
+    out, amplified = daa(adv, correct, lam=2.0, tau=0.5, p=running_p, scope="all")
+    assert amplified.all() and torch.equal(out, 2 * adv)
+    out, amplified = daa(adv, correct, lam=2.0, tau=0.5, p=torch.tensor([[0.6]]), scope="all")  # easy: untouched
+    assert not amplified.any() and torch.equal(out, adv)
 
 
 def test_amplify_reports_what_it_amplified():
