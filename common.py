@@ -642,10 +642,10 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
 #     HFRollout: the transformers model's own forward with a KV cache, batched, left-padded prompts.
 
 
-def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """Left-pad prompts to P and right-pad completions to T; returns input_ids (B, P+T), attention_mask (B, P+T) and
-    the completion mask (B, T) (1 = a real completion token, the final eos included)."""
-    P, T = max(map(len, prompts)), max(1, max(map(len, completions)))
+def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int, min_width: int = 1):
+    """Left-pad prompts to P and right-pad completions to T >= min_width; returns input_ids (B, P+T), attention_mask
+    (B, P+T) and the completion mask (B, T) (1 = a real completion token, the final eos included)."""
+    P, T = max(map(len, prompts)), max(min_width, max(map(len, completions)))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p + c + [pad_id] * (T - len(c))
                         for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T), one tensor built
     attn = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
@@ -1055,7 +1055,7 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
     (B, T), the rollout's log-probs]."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
-    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id)
+    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: see _predicting_outputs
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "loss_mask": mask.clone(),
              "reward": torch.tensor([r for g in groups for r in g["reward"]]),
              "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
@@ -1136,7 +1136,7 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
     results are unchanged since padding is masked, and the loss weights are global). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
-        T = int(mb["mask"].sum(-1).max().clamp(min=1))  # longest completion in this micro-batch
+        T = int(mb["mask"].sum(-1).max().clamp(min=2))  # longest completion, at least 2 (see _predicting_outputs)
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
         first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left padding shared by all rows
         for k in ("input_ids", "attention_mask"):
@@ -1189,17 +1189,19 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
     predict the last T tokens of each row: (B, T, .). position_ids follow the attention mask, so left padding does not
     shift positions, and only those positions go through the output layer (`logits_to_keep`).
 
-    Shared prompts: when `groups` (B,) says that rows share a prompt (a group's G completions do) and no activation
-    checkpointing is on, each prompt is run once, and its KV cache is indexed out to its rows (an autograd op, so the
-    gradient of every row flows back into the one prompt forward) before the completions run on top of it: the same
-    values and gradients as the rows run whole (tested), with the prompt's compute spent once per group instead of G
-    times. (Checkpointed layers drop a KV cache in training mode, so they take the plain path.)"""
+    Shared prompts: when `groups` (B,) is given, each group's prompt is run once and its KV cache indexed out to its
+    rows (an autograd op, so the gradient of every row flows back into the one prompt forward) before the completions
+    run on top of it: the same values and gradients as the rows run whole (tested), with the prompt's compute spent
+    once per group instead of G times. Checkpointed layers drop a KV cache in training mode, so a checkpointed model
+    runs its rows whole.
+    Lockstep: which path runs decides how many forwards of the (sharded) model a micro-batch makes, so it depends only
+    on the model and the config (groups given, checkpointing on), never on the data; micro-batches are at least 2
+    completion columns wide (make_batch, micro_batches) so that the completion forward always has a token to run."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    shared = groups is not None and T > 1 and len(torch.unique(groups)) < len(groups) \
-        and not (model.training and getattr(model, "is_gradient_checkpointing", False))
-    if not shared:
+    if groups is None or (model.training and getattr(model, "is_gradient_checkpointing", False)):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      logits_to_keep=T + 1).logits[:, :-1]
+    assert T >= 2, "shared-prompt forwards need T >= 2 completion columns (make_batch pads to 2)"
     P = input_ids.shape[1] - T
     unique, inverse = torch.unique(groups, return_inverse=True)
     first = torch.zeros(len(unique), dtype=torch.long, device=groups.device).scatter_(
