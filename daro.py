@@ -1,7 +1,7 @@
 """
 DARO: the GRPO/DAPO loss split by difficulty bin, each bin weighted by a learnable weight.
 Paper: "DARO: Difficulty-Aware Reweighting Policy Optimization", arXiv:2510.09001.
-Formulas and pitfalls: ../shared/ALGORITHMS.md (section 7, pitfalls 11-12); DAPO is arXiv:2503.14476.
+DAPO (the base loss): arXiv:2503.14476.
 
 One RL step: as in da3po.py (rollout, verifier, dynamic sampling, GRPO advantages), then each completion goes to the
 bin mu = #correct / K of its group, and several mini-batch updates of the model and the weights minimise
@@ -10,7 +10,7 @@ bin mu = #correct / K of its group, and several mini-batch updates of the model 
   w_mu = exp(-s_mu), s = 0 at start; Adam (--weight_lr), no weight decay, no gradient clip   Eq. (3)
 The optimum in w is w_mu = 1 / L_mu: every bin then carries the same loss scale (the paper's "loss scale issue").
 Bins mu = 0, 1 (zero advantage) are left out; a bin absent from an update gets no weight step. Adam moves s by about
-weight_lr per update: at the paper's 1e-3 a slow, bounded reweighting (ALGORITHMS.md 7.2).
+weight_lr per update: at the paper's 1e-3 a slow, bounded reweighting (e^0.6 at most in 600 updates).
 
 The default reading [dev 1]. At ratio 1, L_mu is minus the token-weighted mean advantage of its bin: negative when the
 bin's correct completions are the longer ones, and later mini-batches push it down further. Eq. (1) then has no
@@ -23,7 +23,7 @@ L_mu itself: Eq. (1) as written (clamped too).
 --algo presets (every knob stays overridable): daro (default); static weights uniform (w = 1) and var
 (w = sqrt(mu(1 - mu))); dapo, grpo, dr_grpo (their own losses, no bins); see PRESETS. L_mu uses the z-scored GRPO
 advantage, so `var` gives a bin's correct-vs-incorrect contrast the total weight mu(1 - mu), the reward variance, as
-Dr. GRPO and LIPO do (ALGORITHMS.md 7.3, "relative to GRPO"); unnormalised (0.5 at mu = 1/2): Adam ignores a global
+Dr. GRPO and LIPO do (their weights relative to GRPO's); unnormalised (0.5 at mu = 1/2): Adam ignores a global
 loss scale. train/loss logs sum_mu w_mu L_mu. Paper settings (7.4): K = 8, model lr 1e-6, weight lr 1e-3,
 clip 0.2/0.28, 128 prompts per step, mini-batches of 64 prompts, 300 steps.
 
@@ -49,11 +49,12 @@ import torch
 from tqdm import tqdm
 
 from common import (Logger, Metrics, PromptStream, StepTimer, TRAIN_SUMS, UpdateGuard, all_reduce_sum, check_config,
-                    cleanup_dist, die, dynamic_sampling, evaluate_and_log, find_checkpoint, format_step,
-                    group_advantages, handle_stop_signals, load_checkpoint, load_datasets, load_model,
+                    check_logprob_paths, cleanup_dist, die, dynamic_sampling, evaluate_and_log, find_checkpoint,
+                    format_step, group_advantages, handle_stop_signals, load_checkpoint, load_datasets, load_model,
                     load_reference_model, loss_weights, make_batch, make_rollout, micro_batch_loss, micro_batches,
-                    model_path, old_logprobs, parse_config, plan_updates, print0, resolve_template, rollout_correction,
-                    save_checkpoint, setup_dist, shard_model, stop_requested, tokenize_datasets, train_metrics)
+                    model_path, old_logprobs, parse_config, plan_updates, print0, resolve_template, rng_state,
+                    rollout_correction, save_checkpoint, set_rng_state, setup_dist, shard_model, stop_requested,
+                    tokenize_datasets, train_metrics)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config
@@ -86,7 +87,10 @@ class Config:
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per generate call (memory knob)
     rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if installed and usable)
-    vllm_gpu_memory: float = 0.3  # vLLM on GPU: share of GPU memory for its weights + KV cache
+    vllm_gpu_memory: float = 0.0  # vLLM on GPU: share of GPU memory for its weights + KV cache; 0 = the most that
+    #                               leaves room for what the trainer keeps there during rollouts (bench/memory.py)
+    max_model_len: int = 0  # longest sequence (prompt + completion) vLLM reserves KV cache for; 0 = the longest
+    #                         prompt in the data + max_new_tokens
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
     rollout_is: str = "none"  # correct the rollout/trainer mismatch (vLLM rollouts): none | token | sequence, a
     #                           truncated importance weight pi_old / pi_rollout on each token's loss (verl, TRL)
@@ -152,7 +156,7 @@ _DAPO = {"weighting": "none", "dynamic_sampling": True, "std_norm": True, "loss_
 PRESETS = {
     "daro": {**_DAPO, "weighting": "learned"},  # DARO on top of the DAPO loss (paper: clip 0.2 / 0.28)
     "uniform": {**_DAPO, "weighting": "uniform"},  # the bins of DARO with frozen w = 1: what learning the weights adds
-    "var": {**_DAPO, "weighting": "var"},  # variance-based static weights (Dr. GRPO / LIPO), ALGORITHMS.md 7.3
+    "var": {**_DAPO, "weighting": "var"},  # variance-based static weights, as Dr. GRPO's and LIPO's
     "dapo": _DAPO,
     "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
@@ -168,7 +172,7 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
     """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token in bin mu weighs
     1 / (#tokens of bin mu in the WHOLE update), counted over every micro-batch and rank before the micro-batch loop
     (as common.loss_weights does for token-mean), so the split never matters; bins 0 and G (mu = 0, 1) weigh 0. A bin
-    of one prompt weighs as much as one of twenty: the method, and why a sparse bin is noisy (pitfall 12).
+    of one prompt weighs as much as one of twenty: the method, and why a sparse bin is noisy.
     bins: (B,) #correct of each completion's group. Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5.
     Returns (weights (B, T), tokens per bin (G+1,))."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
@@ -186,7 +190,7 @@ def bin_weights(neg_log_w: list[torch.Tensor], weighting: str) -> torch.Tensor:
     mu = torch.arange(1, G, device=device) / G  # (G-1,)
     if weighting == "learned":
         w = torch.exp(-torch.stack(neg_log_w).detach())  # Eq. (3)
-    else:  # uniform; var on top of the z-scored advantage gives a total weight mu(1-mu) (ALGORITHMS.md 7.3)
+    else:  # uniform; var on top of the z-scored advantage gives a total weight mu(1-mu), the reward variance
         w = torch.ones_like(mu) if weighting == "uniform" else (mu * (1 - mu)).sqrt()
     return torch.nn.functional.pad(w, (1, 1))
 
@@ -202,7 +206,7 @@ def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, pres
 
 def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor, present: torch.Tensor, cfg):
     """One Adam step of s = -ln w on Eq. (1), then clamp w to [w_min, w_max]. An absent bin keeps .grad None, so
-    Adam skips it: with a zero gradient instead, its momentum would still move the weight (ALGORITHMS.md pitfall 11)."""
+    Adam skips it: with a zero gradient instead, its momentum would still move the weight."""
     if not present[1:-1].any():
         return
     weight_opt.zero_grad(set_to_none=True)
@@ -224,10 +228,11 @@ def check_algorithm_config(cfg: Config):
 def init_weights(cfg: Config, device: torch.device, state: dict):
     """s_mu = -ln w_mu for mu = 1/G .. (G-1)/G, Eq. (3), at 0 (w = 1) or as saved in a checkpoint's `state`: one
     tensor per bin, so that Adam can skip a bin absent from an update, and an Adam of their own (--weight_lr), which
-    keeps them out of the model's weight decay and gradient clipping (ALGORITHMS.md pitfall 11)."""
+    keeps them out of the model's weight decay (which would pull w to 0) and gradient clipping (their gradients
+    L - 1/w would dominate the norm and shrink the model's update)."""
     neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(1, cfg.group_size)]
     weight_opt = torch.optim.Adam(neg_log_w, lr=cfg.weight_lr)
-    if state:
+    if "daro_neg_log_w" in state:  # a resumed run
         with torch.no_grad():
             for s, saved in zip(neg_log_w, state["daro_neg_log_w"]):
                 s.copy_(saved)
@@ -269,20 +274,23 @@ def main(cfg: Config):
            f"({cfg.prompts_per_step * G // dist_info.world_size} per rank), up to {cfg.updates_per_step} optimizer "
            f"updates per step")
 
-    # data first (a bad file fails in a second), then the model, the rollout engine, the optimizer, and a resume
+    # data first (a bad file fails in a second), then the model (on the CPU), the rollout engine (before the model
+    # takes any GPU memory), the sharded model, the optimizer, and a resume
     train_problems, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     ckpt, base = find_checkpoint(cfg), model_path(cfg.model)  # --resume: the latest checkpoint; 'demo' is shipped
-    model, tok = load_model(ckpt or base, device)  # float32 master weights; --dtype sets the compute dtype
+    model, tok = load_model(ckpt or base)  # float32 master weights; --dtype sets the compute dtype
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train_problems, eval_sets = tokenize_datasets(train_problems, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, ckpt or base)  # HF sampler or vLLM, behind one interface
+    check_logprob_paths(model, cfg)  # chunked log-probs exact for this model; can a group's rows share a KV cache
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    engine.calibrate(model)  # vLLM: the weight-sync probe's start-up gap, against the sharded model
     ref_model = load_reference_model(base, cfg, dist_info)  # the KL anchor; None when --kl_coef is 0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_problems, cfg.seed)
-    start_step, state = load_checkpoint(ckpt, opt, sched, stream, cfg.seed, dist_info)  # fresh: seeds the sampling
+    start_step, state = load_checkpoint(ckpt, model, opt, sched, stream, cfg.seed, dist_info)  # fresh: seeds
     neg_log_w, weight_opt = init_weights(cfg, device, state)  # s_mu = -ln w_mu and their own Adam, Eq. (3)
     logger = Logger(cfg, dist_info, resume_step=start_step if cfg.resume else -1)
     if cfg.eval_only:
@@ -291,32 +299,57 @@ def main(cfg: Config):
 
     handle_stop_signals()
     first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, 0) if start_step == 0 else None
+    if state.get("eval_due"):  # a stop came where an evaluation was due
+        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     guard = UpdateGuard(cfg.max_bad_updates)  # skips a non-finite update; stops the run after several in a row
+    pending = state["pending"]  # a step that a stop interrupted between two updates: it continues where it stopped
+    save = lambda step, pending=None, eval_due=False: save_checkpoint(  # noqa: E731
+        cfg.out_dir, step, model, tok, opt, sched, stream,
+        {**weights_state(neg_log_w, weight_opt), "eval_due": eval_due}, cfg.keep_last, pending)
     for step in tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", leave=False,
                      disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
-        timer, sums, groups, updates = StepTimer(), Metrics(*TRAIN_SUMS), [], []
-        bin_sum, bin_seen, bin_count = torch.zeros(G + 1), torch.zeros(G + 1), torch.zeros(G + 1)  # per bin mu
-        # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
-        with timer("rollout"):
-            kept, generated, m = dynamic_sampling(engine, tok, stream, cfg, dist_info)
-        if kept:  # an all-filtered step (nothing kept) is logged and skipped
+        timer, sums, groups, updates, batch, first = StepTimer(), Metrics(*TRAIN_SUMS), [], [], {}, 0
+        bins = torch.zeros(3, G + 1)  # per bin mu: the sum of L_mu over updates, the updates it was in, its groups
+        if pending:
+            m, groups, updates, batch, first, sums.sums, bins, pending = *pending["work"], None
+        else:
+            # 1) roll out G completions per prompt, verify and reward them, keep the mixed groups (dynamic sampling)
+            start = (stream.position, rng_state())
+            with timer("rollout"):
+                rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
+            if rollout is None:  # a stop between generation batches: the step is redone on resume, from its start
+                stream.position, _ = start[0], set_rng_state(start[1])
+                save(step - 1)
+                print0(f"stopped in step {step}'s rollout; continue with --resume")
+                return cleanup_dist(engine)
+            kept, generated, m = rollout
+            if kept:  # an all-filtered step (nothing kept) is logged and skipped
+                with timer("update"):
+                    # 2) this rank's groups of each update (ranks balanced by tokens with --micro_batch_tokens),
+                    #    brought to it, and their advantages
+                    groups, updates = plan_updates(kept, cfg.updates_per_step, dist_info, cfg.micro_batch_tokens > 0)
+                    batch = make_batch(groups, tok.pad_token_id, device)
+                    advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
+                    # 3) the algorithm: the difficulty bin of every completion, #correct of its group (mu = bin / G)
+                    batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
+                    bins[2] = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
+                    batch["advantage"] = advantage.flatten()  # (B,)
+                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed), and with
+                    #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
+                    batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
+                    m.update(rollout_correction(batch, cfg))
+        if updates:
             engine.sleep()  # vLLM on a GPU: hand its weights' and KV cache's memory to the update
             with timer("update"):
-                # 2) this rank's groups of each update (ranks balanced by tokens with --micro_batch_tokens), advantages
-                groups, updates = plan_updates(kept, cfg.updates_per_step, dist_info, cfg.micro_batch_tokens > 0)
-                batch = make_batch(groups, tok.pad_token_id, device)
-                advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
-                # 3) the algorithm: the difficulty bin of every completion, #correct of its group (mu = bin / G)
-                batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
-                bin_count = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
-                batch["advantage"] = advantage.flatten()  # (B,)
-                # 4) old log-probs from the trainer before any update (HF in float32: the rollout's own; the first
-                #    update: its current ones), and with --rollout_is the weights pi_old / pi_rollout of vLLM's samples
-                batch["old_logp"], batch["old_known"] = old_logprobs(model, batch, updates, cfg, device)
-                m.update(rollout_correction(batch, cfg))
                 # 5) optimizer updates of the model and the weights, with global per-bin token weights, Eq. (1)-(3)
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-                for u, rows in enumerate(updates):
+                for u in range(first, len(updates)):
+                    if u > first and stop_requested():  # a stop between updates: checkpoint the step's rest of work
+                        save(step - 1, pending={"step": step,
+                                                "work": (m, groups[:1], updates, batch, u, sums.sums, bins)})
+                        print0(f"stopped in step {step} before update {u}; continue with --resume")
+                        return cleanup_dist(engine)
+                    rows = updates[u]
                     batch["weight"][rows], bin_tokens = bin_token_weights(batch["loss_mask"][rows], batch["bin"][rows],
                                                                           G)
                     if cfg.weighting == "none":  # the baselines' own aggregation over the whole update, no bins
@@ -326,7 +359,6 @@ def main(cfg: Config):
                     # loss is linear in this leaf, so autograd sums each bin's weighted token losses into .grad: L_mu
                     coef = bin_weights(neg_log_w, cfg.weighting).requires_grad_()  # (G+1,)
                     coef.grad = torch.zeros_like(coef)
-                    opt.zero_grad(set_to_none=True)
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
                         mb["weight"] = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)  # (B, T): w_mu / #tokens of mu
@@ -337,28 +369,27 @@ def main(cfg: Config):
                         bin_loss = all_reduce_sum(coef.grad)  # (G+1,) L_mu over all ranks: one weight step everywhere
                         if cfg.weighting == "learned":  # skipped, like the model's step, after a non-finite update
                             update_weights(neg_log_w, weight_opt, bin_loss, bin_tokens > 0, cfg)
-                        bin_sum += torch.where(bin_tokens > 0, bin_loss, 0.0).cpu()
-                        bin_seen += (bin_tokens > 0).float().cpu()
+                        bins[0] += torch.where(bin_tokens > 0, bin_loss, 0.0).cpu()
+                        bins[1] += (bin_tokens > 0).float().cpu()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
                 m.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
         # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
-        m.update(train_metrics(sums.reduce(), len(updates), sched.get_last_lr()[0], engine.sampling_logprobs))
+        m.update(train_metrics(sums.reduce(), len(updates), sched.get_last_lr()[0], not engine.exact_logprobs))
         m.update({"step": step, **timer.metrics()})
-        m.update(bin_metrics(neg_log_w, bin_sum, bin_seen, bin_count, cfg))
+        m.update(bin_metrics(neg_log_w, bins[0], bins[1], bins[2], cfg))
         logger.log(m)
         w = [m[f"daro/w_{i / G:.3f}"] for i in range(1, G)]
         logger.line(format_step(step, cfg.steps, m) + f" | w {min(w):.2f}-{max(w):.2f}")
         if cfg.sample_every and step % cfg.sample_every == 0 and groups:
             logger.samples(step, groups[0])
-        # 8) evaluation and checkpoints (also on SIGTERM/SIGINT, then a clean exit)
-        stop = stop_requested()
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and not stop:
+        # 8) evaluation and checkpoints (on SIGTERM/SIGINT: the checkpoint first, the due evaluation on resume)
+        stop, eval_due = stop_requested(), cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+        if eval_due and not stop:
             evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
-            save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, weights_state(neg_log_w, weight_opt),
-                            cfg.keep_last)
+            save(step, eval_due=stop and eval_due)
         if stop:
             print0(f"stopped at step {step}; continue with --resume")
             return cleanup_dist(engine)

@@ -26,3 +26,25 @@ def run_script(args, cwd=ROOT, timeout=300):
     import subprocess
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def float64_norms():
+    """Make the demo model's (Qwen3's) RMSNorm compute in its input's dtype. transformers casts its input to float32
+    (for bf16 stability), so a float64 model still rounds there to float32, at a point that depends on the batch's
+    shape: exactness tests (float64, tight tolerances) need the whole model in float64. Test-only; idempotent."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+    modeling_qwen3.Qwen3RMSNorm.forward = forward
+
+
+@pytest.fixture
+def float64_model(demo_dir, monkeypatch):
+    """The demo model in float64, all of it (float64_norms, undone after the test)."""
+    import common
+    from transformers.models.qwen3 import modeling_qwen3
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", modeling_qwen3.Qwen3RMSNorm.forward)  # restored after
+    float64_norms()
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    return model.double(), tok

@@ -10,14 +10,18 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 
+from conftest import float64_norms  # noqa: E402
+
 torch.use_deterministic_algorithms(True)
 model_dir, out = sys.argv[1], sys.argv[2]
 chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # token_logprobs' chunk_tokens (0: the whole logits at once)
 d = common.setup_dist("cpu")
 torch.manual_seed(0)
+float64_norms()  # the whole model in float64: the tolerances then measure the method, not float32's rounding
 model, tok = common.load_model(model_dir, d.device)
-engine = common.HFRollout(model, tok, d)  # under FSDP a full copy that sync_weights refreshes
-model = common.shard_model(model, d)
+model.double()
+engine = common.HFRollout(model, tok, d, "float64")  # under FSDP a full copy that sync_weights refreshes
+model = common.shard_model(model, d, "float64")
 # SGD with lr 1 makes the update equal the gradient, so comparing parameters compares gradients. (Adam's first step is
 # lr * g / |g|: for the few weights whose gradient is ~1e-9, float noise in the reduction flips it, which says nothing.)
 opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -30,11 +34,11 @@ groups = [{"prompt_ids": rand_ids(int(torch.randint(2, 9, (1,), generator=g))),
            "reward": torch.randn(4, generator=g).tolist(), "correct": [True, False, True, False]} for _ in range(8)]
 groups = groups[d.rank::d.world_size]  # each rank its stride, as dynamic_sampling hands them out
 batch = common.make_batch(groups, tok.pad_token_id)
-batch["advantage"] = common.group_advantages(batch["reward"].view(-1, 4)).flatten()
+batch["advantage"] = common.group_advantages(batch["reward"].view(-1, 4).double()).flatten()
 with torch.no_grad():
     batch["old_logp"] = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                                               batch["mask"].shape[1])[0] - 0.05
-batch["weight"] = common.loss_weights(batch["mask"], "token-mean", 12)
+batch["weight"] = common.loss_weights(batch["mask"].double(), "token-mean", 12)
 
 total = 0.0
 for _, mb in common.micro_batches(batch, torch.arange(len(batch["mask"])), 3):  # uneven: 16 rows -> 3+3+3+3+3+1
@@ -46,7 +50,7 @@ for _, mb in common.micro_batches(batch, torch.arange(len(batch["mask"])), 3):  
 grad_norm = common.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)).item()
 opt.step()
 engine.sync_weights(model)
-loss_sum = common.all_reduce_sum(torch.tensor(total)).item()
+loss_sum = common.all_reduce_sum(torch.tensor(total, dtype=torch.float64)).item()
 params = common.full_state_dict(model)
 if d.is_main:
     rollout = {k: v.clone() for k, v in engine.model.state_dict().items()}

@@ -72,7 +72,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path)
     model, _ = common.load_model(ckpt, torch.device("cpu"))
     original, _ = common.load_model(demo_dir, torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
-    assert torch.load(os.path.join(ckpt, "trainer_rank0.pt"))["step"] == 1
+    assert torch.load(os.path.join(ckpt, "trainer.pt"))["step"] == 1
 
 
 def write(path, text):
@@ -97,6 +97,10 @@ BAD_INPUTS = [  # (flags, message that must appear); files are created in tmp_pa
     (["--lam", "-1"], "--lam must be > 0"),
     (["--loss_agg", "sum"], "--loss_agg 'sum': choose one of"),
     (["--overlong_buffer", "12"], "--overlong_buffer 12 must be below --max_new_tokens 12"),
+    (["--cpu_offload"], "--cpu_offload needs FSDP2, which runs under torchrun"),  # a plain run would ignore it
+    (["--dtype", "float16"], "--dtype float16 trains without loss scaling"),
+    (["--max_new_tokens", "600"], "--max_model_len 609 (the longest prompt + --max_new_tokens 600, unless set) "
+                                  "exceeds the 512 positions of --model demo"),
 ]
 
 

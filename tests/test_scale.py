@@ -3,12 +3,15 @@ experiment tracking. Run: python -m pytest -q tests/test_scale.py"""
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import common
 import da3po
+from conftest import ROOT
 
 
 def random_batch(tok, n, seed=0, skew=False):
@@ -61,7 +64,7 @@ def correction_batch():
     old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, 0.0]], dtype=torch.float64)
     log_r = torch.tensor([[0.1, -0.9, 0.3], [1.0, 0.2, 0.0]], dtype=torch.float64)  # token ratios e^.1 e^-.9 ...
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    return {"mask": mask, "loss_mask": mask.clone(), "old_logp": old, "sampling_logp": old - log_r}
+    return {"mask": mask, "loss_mask": mask.clone(), "old_logp": old, "rollout_logp": old - log_r}
 
 
 def cfg_for(level, cap=2.0, mask=False):
@@ -118,9 +121,11 @@ def test_rollout_is_mask_leaves_the_denominator():
 class MismatchedRollout(common.HFRollout):
     """A deliberately mismatched engine: it samples at 2 x the temperature it is asked for and reports the log-probs
     of what it really sampled from, as an engine with other kernels or precision would differ from the trainer."""
-    sampling_logprobs, trainer_logprobs = True, False
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.exact_logprobs = False
 
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, n=1):
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, n=1, seed=None):
         return common.hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature * 2.0, top_p,
                                   self.batch_size, n)
 
@@ -138,6 +143,61 @@ def test_rollout_is_with_a_mismatched_engine(tmp_path, monkeypatch, level):
         assert r["rollout/kl_k3"] > 1e-3 and r["rollout/logprob_diff"] > 1e-2  # the mismatch is there
         assert r["rollout_is/truncated_frac"] > 0 and r["rollout_is/weight_max"] <= 1.05 + 1e-6
         assert 0 < r["rollout_is/weight_mean"] <= 1.05 and math.isfinite(r["train/loss"])
+
+
+def test_importance_weights_of_our_sampler_are_1_under_top_p(demo_dir):
+    """Our sampler at top_p 0.7 returns the log-probs of the nucleus it sampled from, as vLLM does; the trainer's pi_old
+    is then compared renormalised over its own nucleus: weights of 1 (float32, the same weights), token and sequence.
+    Against the full softmax they would be below 1 on every token whose nucleus left mass out."""
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    cfg = common.parse_config(da3po.Config, ["--top_p", "0.7", "--rollout_is", "sequence"], da3po.PRESETS)
+    engine = common.HFRollout(model, tok, common.DistInfo(), "float32", 512, cfg.top_p)
+    assert not engine.exact_logprobs  # at top_p < 1 they are not pi_old: the trainer recomputes it
+    problems = [{"prompt": p, "answer": "1", "prompt_ids": tok(p, add_special_tokens=False)["input_ids"]}
+                for p in ("12+7", "305+96", "4+4", "77+15")]
+    torch.manual_seed(0)
+    groups = common.roll_groups(engine, tok, problems, cfg, 4, 1.0, cfg.top_p)[0]
+    batch = common.make_batch(groups, tok.pad_token_id)
+    batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
+    m = common.rollout_correction(batch, cfg)
+    assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
+    token_full = torch.exp((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"])
+    assert token_full.min() < 0.9  # what comparing with the full softmax would have weighed
+
+
+def test_bf16_sampler_log_probs_are_measured_not_assumed(tmp_path):
+    """In bf16 our sampler runs under the trainer's autocast, so it samples from the bf16 policy the trainer trains,
+    but its log-probs come from other kernels (a KV cache, row by row): they are not taken as pi_old. The trainer
+    recomputes pi_old and logs the gap; no note says that there is no mismatch."""
+    r = subprocess.run([sys.executable, "da3po.py", "--steps", "2", "--out_dir", str(tmp_path), "--dtype", "bfloat16",
+                        "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2", "--rollout_is", "token"],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "changes nothing here" not in r.stdout
+    train = [x for x in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in x]
+    for x in train:
+        assert 0 < x["rollout/logprob_diff"] < 0.05, x  # measured; small: both sides compute in bf16
+        assert abs(x["rollout_is/weight_mean"] - 1) < 0.05
+
+
+def test_clip_fractions_count_only_the_tokens_the_loss_counts(demo_dir):
+    """Half the tokens rejected (weight 0), every other token's ratio far above 1 + clip_high with A > 0: the clipped
+    share is 1.0 (the rejected tokens are not in its denominator), not 0.5."""
+    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    batch = random_batch(tok, 6, seed=3)
+    T = batch["mask"].shape[1]
+    with torch.no_grad():
+        logp = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
+    batch["old_logp"] = logp - 5.0  # ratio e^5
+    batch["advantage"] = torch.ones(6)
+    batch["weight"] = common.loss_weights(batch["mask"] * (torch.arange(6) % 2 == 0)[:, None], "token-mean", 40)
+    cfg = common.parse_config(da3po.Config, ["--logprob_chunk", "0"], da3po.PRESETS)
+    sums = common.Metrics(*common.TRAIN_SUMS)
+    for _, mb in common.micro_batches(batch, torch.arange(6), 6):
+        common.micro_batch_loss(model, None, mb, cfg, torch.device("cpu"), sums)
+    m = common.train_metrics(sums.reduce(), 1, 1e-4, False)
+    assert m["train/clipfrac_high"] == 1.0 and m["train/clipfrac_low"] == 0.0
+    assert sums.sums["tokens"] > sums.sums["loss_tokens"] > 0
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -181,7 +241,8 @@ def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir
 
 
 def test_plan_updates_balances_tokens_over_ranks():
-    groups = [{"prompt_ids": [1] * 3, "completions": [[2] * n] * 2} for n in (40, 1, 1, 30, 2, 2, 25, 3, 1, 1, 1, 1)]
+    groups = [{"prompt_len": 3, "lengths": [n] * 2, "correct": [True, False]}
+              for n in (40, 1, 1, 30, 2, 2, 25, 3, 1, 1, 1, 1)]  # kept summaries (dynamic_sampling)
     plans = [common.plan_updates(groups, 2, common.DistInfo(rank=r, world_size=2), balance=True) for r in (0, 1)]
     for u in range(2):  # each update: the 6 groups shared 3 and 3, heavy ones on different ranks
         shares = [[id(g) for g in plan[0][u * 3:(u + 1) * 3]] for plan in plans]

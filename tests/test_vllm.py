@@ -12,14 +12,21 @@ import common
 from conftest import run_script
 
 
-def test_auto_falls_back_to_hf_without_vllm(monkeypatch):
+def test_auto_falls_back_to_hf_without_vllm(monkeypatch, capsys):
     import sys
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)
     assert common.resolve_rollout("auto", torch.device("cpu")) == "hf"
     assert common.resolve_rollout("hf", torch.device("cpu")) == "hf"
-    with pytest.raises(SystemExit, match="--rollout vllm"):
+    with pytest.raises(SystemExit) as stop:
         common.resolve_rollout("vllm", torch.device("cpu"))
+    assert stop.value.code == 2 and "error: --rollout vllm: cannot import vllm" in capsys.readouterr().err
+
+
+def test_vllm_must_run_in_the_training_process(monkeypatch):
+    """The weights are handed to the engine in memory: a multiprocess engine cannot take them, so it is refused."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in common.vllm_usable(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +61,25 @@ def sgd_steps(model, tok, prompts, steps=3, lr=0.5):
 
 def test_engine_starts_in_sync(setup):
     model, _, engine, _ = setup
-    assert engine.check_sync(model) < 1e-5  # float32: the same weights give the same log-probs to ~1e-6
+    assert engine.calibrate(model) < 1e-5  # float32: the same weights give the same log-probs to ~1e-6
+    assert 1e-3 <= engine.sync_tol < 1.1e-3  # 4 x that baseline + the float32 floor
+    assert engine.check_sync(model) < 1e-5
 
 
-def test_greedy_completions_equal_the_trainers_after_sync(setup):
+def failed_sync(capsys, call):
+    """The one line a failed sync check ends the run with (exit 2, the same on every rank)."""
+    with pytest.raises(SystemExit) as stop:
+        call()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vLLM weight sync check failed" in err[0], err
+
+
+def test_greedy_completions_equal_the_trainers_after_sync(setup, capsys):
     model, tok, engine, prompts = setup
     before, _, _ = engine.generate(prompts, 12, temperature=0.0)
     sgd_steps(model, tok, prompts)
-    with pytest.raises(RuntimeError, match="sync check failed"):  # the engine still runs the old weights
-        engine.check_sync(model)
+    failed_sync(capsys, lambda: engine.check_sync(model))  # the engine still runs the old weights
     # float32 agreement is relative: after these large SGD steps the probe's log-probs are ~-20, so ~1e-5 absolute
     assert engine.sync_weights(model)["rollout/sync_diff"] < 1e-4
     completions, truncated, _ = engine.generate(prompts, 12, temperature=0.0)
@@ -71,25 +88,23 @@ def test_greedy_completions_equal_the_trainers_after_sync(setup):
     assert completions == hf_completions and truncated == hf_truncated
 
 
-def test_sync_check_catches_a_corrupted_weight(setup):
+def test_sync_check_catches_a_corrupted_weight(setup, capsys):
     model, _, engine, _ = setup
     engine.sync_weights(model)
     name = "model.layers.1.mlp.down_proj.weight"  # a layer of one tensor: reloading it alone leaves the rest intact
     weight = dict(model.named_parameters())[name].detach()
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, weight + 0.05)]})
-    with pytest.raises(RuntimeError, match="sync check failed"):
-        engine.check_sync(model)
+    failed_sync(capsys, lambda: engine.check_sync(model))
     engine.sync_weights(model)  # a real sync repairs it
 
 
-def test_sync_check_catches_a_silent_no_op_sync(setup, monkeypatch):
+def test_sync_check_catches_a_silent_no_op_sync(setup, monkeypatch, capsys):
     model, tok, engine, prompts = setup
     engine.sync_weights(model)
     real_rpc = engine.llm.collective_rpc
     monkeypatch.setattr(engine.llm, "collective_rpc", lambda *args, **kwargs: None)  # a sync that loads nothing
     sgd_steps(model, tok, prompts, steps=1)
-    with pytest.raises(RuntimeError, match="sync check failed"):
-        engine.sync_weights(model)
+    failed_sync(capsys, lambda: engine.sync_weights(model))
     monkeypatch.setattr(engine.llm, "collective_rpc", real_rpc)
     engine.sync_weights(model)
 
@@ -118,10 +133,40 @@ def test_sampling_logprobs_match_the_trainers(setup):
     with torch.no_grad():
         trainer, _ = common.token_logprobs(model, ids, attn, mask.shape[1], temperature)  # (B, T)
     engine_logp = common.make_batch([{"prompt_ids": p, "completions": [c], "reward": [0.0], "correct": [False],
-                                      "sampling_logp": [lp]} for p, c, lp in zip(group_prompts, completions, logps)],
-                                    tok.pad_token_id)["sampling_logp"]  # (B, T)
+                                      "rollout_logp": [lp]} for p, c, lp in zip(group_prompts, completions, logps)],
+                                    tok.pad_token_id)["rollout_logp"][:, :mask.shape[1]]  # (B, T)
     diff = (trainer - engine_logp).abs() * mask
     assert diff.sum() / mask.sum() < 1e-5 and diff.max() < 1e-4, (diff.sum() / mask.sum(), diff.max())
+
+
+def test_importance_weights_of_a_perfect_engine_are_1_under_top_p(setup):
+    """vLLM in float32 is a perfect engine here; at top_p 0.7 its log-probs are of the nucleus it sampled from, so
+    they are compared with pi_old renormalised over its own nucleus: weights of 1, also per sequence. Against the full
+    softmax (the mistake) they would fall below 1 with every token."""
+    import da3po
+    model, tok, engine, prompts = setup
+    engine.sync_weights(model)
+    cfg = da3po.Config(top_p=0.7, temperature=1.0, rollout_is="sequence", logprob_chunk=0)
+    groups = common.roll_groups(engine, tok, [{"prompt": "", "answer": "1", "prompt_ids": p} for p in prompts], cfg,
+                                4, cfg.temperature, cfg.top_p)[0]
+    batch = common.make_batch(groups, tok.pad_token_id)
+    batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
+    m = common.rollout_correction(batch, cfg)
+    assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
+    full = torch.exp(((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"]).sum(-1))
+    assert full.min() < 0.5, "against the full softmax the sequence weights would be far below 1"
+
+
+def test_evaluation_samples_do_not_depend_on_what_ran_before(setup):
+    """An evaluation seeds each request: the same weights give the same samples whatever was sampled before (vLLM's
+    GPU runner would draw the seeds from numpy's global RNG otherwise), and no log-probs are asked for."""
+    model, _, engine, prompts = setup
+    engine.sync_weights(model)
+    first = engine.generate(prompts, 8, temperature=1.0, n=2, seed=123)
+    engine.generate(prompts, 8, temperature=1.0, n=2)  # a training rollout in between moves every RNG
+    second = engine.generate(prompts, 8, temperature=1.0, n=2, seed=123)
+    assert first[0] == second[0] and first[2] is None
+    assert engine.generate(prompts, 8, temperature=1.0, n=2, seed=124)[0] != first[0]
 
 
 def test_ids_beyond_the_tokenizer_end_the_completion(setup, monkeypatch):

@@ -1,0 +1,134 @@
+"""da3po.py or daro.py under torchrun with a scripted rollout engine that skews the data across ranks on purpose, and
+a record of every collective each rank issues. Used by test_lockstep.py:
+  TORCH_FR_BUFFER_SIZE=100000 torchrun --nproc_per_node=2 tests/lockstep.py OUT SCRIPT SKEW [script flags ...]
+  python tests/lockstep.py OUT SCRIPT SKEW [script flags ...]            (one process: no collectives to record)
+
+The record is torch's Flight Recorder, which logs every collective of every process group (gloo too) as the process
+group runs it, whoever called it (FSDP2's all-gathers and reduce-scatters, DTensor's, ours). Each rank writes
+OUT/collectives_rank<r>.json ([process group, collective, sizes, dtypes] in order) and
+OUT/data_rank<r>.json (what its data looked like: micro-batches, tokens trained, ...), so that the test can check that
+the ranks really saw different data and still issued the same collectives.
+
+The scripted engine stands in for the sampler only, to control the data; the model, FSDP2, losses, optimizer, eval and
+checkpoints are the real ones. It answers each sum prompt ("12+34") with G completions, the first k of them correct
+(mixed groups), and SKEW decides their lengths:
+  lengths    the groups at even positions in each rank's generation batch get long completions, the others short; the
+             kept groups are dealt to the ranks in stride, so rank 0 trains the long ones and rank 1 the short ones
+  onetoken   as lengths, and every completion of the short groups is one token (eos): T = 1 on rank 1
+  cap        only 2 groups of rank 0's generation batch and 1 of rank 1's are mixed, the rest all wrong: dynamic
+             sampling stops at its cap (one batch) with 3 groups, and 2 are trained (a multiple of the 2 ranks)
+  nan        rank 1's loss is NaN in the step's second update: both ranks must skip it together
+  content    lengths and correct counts follow each prompt's own sum, wherever it is generated: the same data on
+             any number of ranks (for checkpoints resumed on another number of ranks)
+  real       no script: the engine --rollout asks for (e.g. vLLM, to record its own collectives too)
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import common  # noqa: E402
+
+out_dir, script_name, skew = sys.argv[1], sys.argv[2], sys.argv[3]
+script = __import__(script_name.removesuffix(".py"))
+local = {"micro_batches": 0, "rows": 0, "tokens": 0, "widths": [], "generate_calls": 0, "root_unsharded_at_sync": 0}
+
+
+class ScriptedRollout:
+    """The engine interface of common.HFRollout / VLLMRollout, with completions written by a script."""
+
+    exact_logprobs = False  # its log-probs are its own (made up): the trainer recomputes pi_old
+
+    def __init__(self, tok, cfg, rank: int):
+        self.tok, self.cfg, self.rank, self.calls = tok, cfg, rank, 0
+
+    def calibrate(self, model):
+        return 0.0
+
+    def completion(self, answer: int, correct: bool, long: bool) -> list[int]:
+        if skew == "onetoken" and not long:
+            return [self.tok.eos_token_id]
+        text = ("1234567" if long else "") + f"\\boxed{{{answer if correct else answer + 1}}}"
+        ids = self.tok(text, add_special_tokens=False)["input_ids"][:self.cfg.max_new_tokens - 1]
+        return ids + [self.tok.eos_token_id]
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, n=1, seed=None):
+        self.calls += 1
+        local["generate_calls"] += 1
+        training = n == self.cfg.group_size
+        completions = []
+        for i, ids in enumerate(prompts):
+            a, b = self.tok.decode(ids, skip_special_tokens=True).split("+")
+            answer = int(a) + int(b)
+            all_wrong = skew == "cap" and training and i >= 2 - self.rank  # 2 + 1 mixed groups in a batch
+            key = answer if skew == "content" else i  # the prompt itself, or its place in this rank's batch
+            k = 0 if all_wrong else 1 + key % (n - 1)  # 1 .. n-1 correct: every group mixed
+            completions += [self.completion(answer, j < k, key % 2 == 0) for j in range(n)]
+        truncated = [c[-1] != self.tok.eos_token_id for c in completions]
+        logps = [[-0.5 - 0.01 * t for t in range(len(c))] for c in completions] if seed is None else None
+        return completions, truncated, logps
+
+    def sleep(self):
+        pass
+
+    def sync_weights(self, model):
+        # after the updates and the no-grad passes, no rank may still hold the root's gathered parameters
+        local["root_unsharded_at_sync"] += not hasattr(model.get_input_embeddings().weight, "full_tensor")
+        for p in model.parameters():  # the same all-gathers a real engine's sync makes
+            common.full_tensor(p)
+        return {}
+
+    def close(self):
+        pass
+
+
+def make_rollout(cfg, model, tok, dist_info, path):
+    return ScriptedRollout(tok, cfg, dist_info.rank)
+
+
+def micro_batches(batch, index, size, max_tokens=0):
+    for rows, mb in common.micro_batches(batch, index, size, max_tokens):
+        local["micro_batches"] += 1
+        local["rows"] += len(rows)
+        local["tokens"] += int(mb["mask"].sum())
+        local["widths"].append(mb["mask"].shape[1])
+        yield rows, mb
+
+
+updates_seen = [0]
+
+
+def micro_batch_loss(model, ref_model, mb, cfg, device, metrics):
+    loss = common.micro_batch_loss(model, ref_model, mb, cfg, device, metrics)
+    if skew == "nan" and common.is_dist() and common.dist.get_rank() == 1 and updates_seen[0] == 1:
+        loss = loss * float("nan")
+    return loss
+
+
+class CountingGuard(common.UpdateGuard):
+    def step(self, *args, **kwargs):
+        updates_seen[0] += 1
+        return super().step(*args, **kwargs)
+
+
+def cleanup_dist(engine=None):
+    """Dump this rank's Flight Recorder record before the process group goes."""
+    import pickle
+    rank = common.dist.get_rank() if common.is_dist() else 0
+    entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"] if common.is_dist() else []
+    # a scatter's inputs exist on its source rank only: compare what every rank receives
+    record = [[e["process_group"][1], e["profiling_name"], *((e["output_sizes"], e["output_dtypes"])
+               if "scatter" in e["profiling_name"] else (e["input_sizes"], e["input_dtypes"]))] for e in entries]
+    json.dump(record, open(os.path.join(out_dir, f"collectives_rank{rank}.json"), "w"))
+    json.dump(local, open(os.path.join(out_dir, f"data_rank{rank}.json"), "w"))
+    common.cleanup_dist(engine)
+
+
+if skew != "real":
+    script.make_rollout = make_rollout
+script.micro_batches, script.micro_batch_loss = micro_batches, micro_batch_loss
+script.UpdateGuard, script.cleanup_dist = CountingGuard, cleanup_dist
+cfg = common.parse_config(script.Config, ["--out_dir", out_dir, *sys.argv[4:]], script.PRESETS)
+script.main(cfg)
