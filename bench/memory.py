@@ -1,0 +1,265 @@
+"""Per-GPU memory arithmetic behind the README's GPU recipes: why a recipe fits, or which flag to change.
+Usage: python bench/memory.py [--model all|Qwen3-4B-Base|Qwen3-8B-Base|Qwen2.5-Math-7B] [--gpus 8 --gpu_gb 79.6]
+       [--markdown]   (writes bench/results/memory.md)
+
+No GPU, no torch: plain arithmetic on the models' public config.json numbers and on what the trainer holds (common.py
+sections 2, 6, 8). Exact: parameter counts, sharded state, KV bytes per token. ESTIMATES (stated margins, not
+measurements): activations, vLLM's activation/workspace and CUDA-graph memory, CUDA context. The functions above
+main() are plain and documented so that one (vllm_share) can move into common.py to size --vllm_gpu_memory."""
+import argparse
+import os
+import sys
+
+GiB = 2**30
+# config.json of each model on the hub: hidden, layers, heads, KV heads, head_dim, intermediate, vocab, tied, max pos
+MODELS = {
+    "Qwen3-4B-Base": dict(H=2560, L=36, heads=32, kv=8, hd=128, I=9728, V=151936, tied=True, max_pos=32768,
+                          qkv_bias=False, qk_norm=True),
+    "Qwen3-8B-Base": dict(H=4096, L=36, heads=32, kv=8, hd=128, I=12288, V=151936, tied=False, max_pos=32768,
+                          qkv_bias=False, qk_norm=True),
+    "Qwen2.5-Math-7B": dict(H=3584, L=28, heads=28, kv=4, hd=128, I=18944, V=152064, tied=False, max_pos=4096,
+                            qkv_bias=True, qk_norm=False)}
+# The README's recipes. The DARO command sets no --max_prompt_length, so daro.py's default 1024 applies.
+DAPO = dict(name="DA3PO/DAPO/GRPO", prompt=2048, completion=20480, prompts_per_gpu=64, updates=16)
+DARO = dict(name="DARO", prompt=1024, completion=3000, prompts_per_gpu=16, updates=2)
+RECIPE = {"Qwen3-4B-Base": DAPO, "Qwen3-8B-Base": DAPO, "Qwen2.5-Math-7B": DARO}
+G, MICRO_BATCH_TOKENS, LOGPROB_CHUNK = 8, 24576, 1024  # --group_size, --micro_batch_tokens, --logprob_chunk
+# GPU totals as torch.cuda.mem_get_info reports them: an "80 GB" H100/A100 has 81,559 MiB, a 141 GB H200 143,771 MiB
+MACHINES = [(8, 81559 / 1024, "8 x 80 GB"), (1, 81559 / 1024, "1 x 80 GB"), (1, 143771 / 1024, "1 x 141 GB (H200)")]
+MARGIN = 0.05             # of the GPU's total, kept free in every budget below
+CONTEXT = 1.5 * GiB       # estimate: the trainer's CUDA context, NCCL buffers, cuBLAS workspace (not torch tensors)
+ACT_MARGIN = 1.25         # estimate: activations x 1.25 for allocator fragmentation and what the formula leaves out
+TIGHT = 2 * GiB           # a plan with less than this beyond the margin is called tight (and tried last)
+VLLM_TOKENS, VLLM_SEQS = 16384, 256  # vLLM's profile run: max_num_batched_tokens (LLM class, >= 70 GiB non-A100 GPU,
+#                                      arg_utils.get_batch_defaults; 8192 on an A100) and VLLMRollout's max_num_seqs
+VLLM_NON_TORCH = 0.5 * GiB  # estimate: attention-backend and cuBLAS workspaces vLLM adds at start-up
+VLLM_GRAPHS = 1.0 * GiB     # estimate: CUDA graphs (vLLM measures and logs it; sleep does not free them)
+
+
+def layer_params(m: dict) -> int:
+    """Parameters of one decoder layer: q, k, v, o projections (+ q/k/v bias on Qwen2, q/k RMSNorm on Qwen3), the
+    SwiGLU MLP (gate, up, down) and the two RMSNorms."""
+    q, kv = m["heads"] * m["hd"], m["kv"] * m["hd"]
+    attn = m["H"] * (q + 2 * kv) + q * m["H"]  # q, k, v, o
+    attn += (q + 2 * kv if m["qkv_bias"] else 0) + (2 * m["hd"] if m["qk_norm"] else 0)
+    return attn + 3 * m["H"] * m["I"] + 2 * m["H"]
+
+
+def root_params(m: dict) -> int:
+    """Parameters of FSDP2's root unit (shard_model: fully_shard(model) after the layers): the embedding, the
+    lm_head if untied, the final norm."""
+    return m["V"] * m["H"] * (1 if m["tied"] else 2) + m["H"]
+
+
+def param_count(m: dict) -> int:
+    """N: every decoder layer plus the root unit (a tied embedding counted once)."""
+    return m["L"] * layer_params(m) + root_params(m)
+
+
+def kv_bytes_per_token(m: dict, dtype_bytes: int = 2) -> int:
+    """K and V of every layer: 2 x layers x KV heads x head_dim x bytes (bf16 = 2)."""
+    return 2 * m["L"] * m["kv"] * m["hd"] * dtype_bytes
+
+
+def activation_bytes(m: dict, micro_batch_tokens: int, max_len: int, chunk: int) -> dict:
+    """ESTIMATE of one micro-batch's forward + backward with per-layer checkpointing (non-reentrant), bf16 compute
+    under FSDP2 (the residual stream is bf16), SDPA attention, chunked log-probs. A row longer than the budget gets a
+    micro-batch of its own (common._packed_rows), so T = max(budget, longest row)."""
+    H, I, L, V = m["H"], m["I"], m["L"], m["V"]
+    q, kv, T = m["heads"] * m["hd"], m["kv"] * m["hd"], max(micro_batch_tokens, max_len)
+    inputs = L * T * H * 2  # the input hidden state of every checkpointed layer, kept until its backward
+    S = min(max_len, T // 2)  # padded micro-batches have >= 2 rows, each <= T/2: SDPA gets a (B, 1, S, S) bool mask
+    inputs += T * S  # ... held for the whole forward + backward (B x S^2 = T x S bytes)
+    root = T * H * (2 + 2 + 4)  # final hidden state and its grad (bf16), the final norm's float32 input
+    per_token = (2 * (q + 2 * kv) + 2 * (q + kv) + 2 * q  # q, k, v; q, k after RoPE; attention output (bf16)
+                 + (6 * (q + kv) if m["qk_norm"] else 0)  # Qwen3's q/k norms: float32 input + bf16 output
+                 + 2 * (4 * H + 2 * H)  # the layer's two RMSNorms: float32 input + bf16 output
+                 + 4 * 2 * I  # MLP: gate, up, silu(gate), their product (bf16)
+                 + 3 * 2 * I + 2 * 2 * H)  # its backward: grads of the MLP intermediates and of the hidden state
+    mask = 2 * T * S  # and SDPA's bf16 additive copy of it inside each layer
+    logits = 5 * chunk * V * 4  # ~5 (chunk, V) float32 tensors, measured in bench/results/logprob_memory.md
+    layer = T * per_token + mask  # one layer's recompute + backward; the log-prob chunks run at another moment
+    return dict(tokens=T, inputs=inputs, root=root, layer=layer, logits=logits,
+                total=ACT_MARGIN * (inputs + root + max(layer, logits)))
+
+
+def trainer_update_peak(m: dict, gpus: int, offload: bool, act: float) -> dict:
+    """Per-GPU bytes during the optimizer updates (vLLM asleep: only its CUDA graphs stay). FSDP2 with
+    MixedPrecisionPolicy(bf16, reduce float32): float32 master weights 4N/W, gradients 4N/W, AdamW moments 8N/W
+    (all on the host with --cpu_offload), plus the gathered bf16 units: the root unit's params and grads (4R, kept
+    unsharded through the backward) and two decoder layers (current + prefetch) with one layer's bf16 grads and
+    float32 reduce-scatter input (10 P_layer)."""
+    N, shard = param_count(m), 0 if offload else param_count(m) / gpus
+    parts = dict(weights=4 * shard, grads=4 * shard, adam=8 * shard,
+                 gathered=4 * root_params(m) + 10 * layer_params(m), activations=act, other=CONTEXT + VLLM_GRAPHS)
+    return dict(parts, peak=sum(parts.values()), host=0 if not offload else 16 * N)
+
+
+def trainer_rollout_resident(m: dict, gpus: int, offload: bool) -> float:
+    """Per-GPU bytes the trainer keeps beside the awake engine: master weights + AdamW, sharded (gradients are freed
+    after every update: UpdateGuard), none with --cpu_offload. After its no-grad forwards (pi_old, the sync probe)
+    the trainer reshards FSDP2's root unit (common.reshard), so no gathered copy stays."""
+    shard = 0 if offload else param_count(m) / gpus
+    return 12 * shard
+
+
+def vllm_fixed(m: dict) -> dict:
+    """vLLM's non-KV share. vLLM 0.32 gpu_worker.determine_available_memory: KV = u x total - (the drop in free
+    memory since its start-up snapshot: bf16 weights, non-torch buffers) - (the torch peak of a profile run of
+    max_num_batched_tokens above what stays allocated) - its CUDA-graph estimate (on by default since 0.21)."""
+    q, kv, H, I = m["heads"] * m["hd"], m["kv"] * m["hd"], m["H"], m["I"]
+    act = VLLM_TOKENS * 2 * (2 * H + 2 * q + 2 * kv + 3 * I) + 5 * VLLM_SEQS * m["V"] * 4  # layer peak + sampler
+    return dict(weights=2 * param_count(m), activations=act + VLLM_NON_TORCH, graphs=VLLM_GRAPHS)
+
+
+def vllm_share(total: float, free_at_start: float, rollout_resident: float, context: float = CONTEXT,
+               margin: float = MARGIN) -> float:
+    """The largest safe --vllm_gpu_memory u, floored to 0.01. vLLM 0.32 refuses to start unless the free memory at
+    start-up is >= u x total (v1/worker/utils.request_memory); during rollouts its u x total sits beside what the
+    trainer keeps resident. Both bounds keep `margin` x total free. A trainer can call it with
+    torch.cuda.mem_get_info() and trainer_rollout_resident (free_at_start already excludes the CUDA context)."""
+    u = min(free_at_start, total - context - rollout_resident) / total - margin
+    return max(0.0, int(u * 100) / 100)
+
+
+def plan(m: dict, recipe: dict, gpus: int, total: float, offload: bool, micro_batch_tokens: int) -> dict:
+    """Every number of one (model, machine, flags) case, and whether it fits."""
+    N, max_len, kvb = param_count(m), recipe["prompt"] + recipe["completion"], kv_bytes_per_token(m)
+    act = activation_bytes(m, micro_batch_tokens, max_len, LOGPROB_CHUNK)
+    upd = trainer_update_peak(m, gpus, offload, act["total"])
+    resident = trainer_rollout_resident(m, gpus, offload)
+    free_at_start = total - CONTEXT  # the engine is created while the trainer's model is still on the host
+    u = vllm_share(total, free_at_start, resident)
+    fixed = vllm_fixed(m)
+    kv = u * total - sum(fixed.values())
+    engine_len = min(max_len, m["max_pos"])  # --max_model_len: the longest prompt + --max_new_tokens
+    start_ok = kv >= (engine_len + 16) * kvb  # one max_model_len sequence + the null block (16 tokens)
+    fits = upd["peak"] <= (1 - MARGIN) * total and u > 0 and start_ok
+    return dict(N=N, max_len=max_len, kvb=kvb, act=act, upd=upd, resident=resident, free_at_start=free_at_start,
+                u=u, fixed=fixed, kv=kv, kv_tokens=max(0, int(kv // kvb)), engine_len=engine_len, start_ok=start_ok,
+                fits=fits, offload=offload, mbt=micro_batch_tokens)
+
+
+def best_plan(m: dict, recipe: dict, gpus: int, total: float) -> dict:
+    """The recipe as written if it fits; else a smaller --micro_batch_tokens (not below the longest row), then
+    --cpu_offload, then both; first with TIGHT to spare beyond the margin, then without. If nothing fits: the most
+    relaxed of them, to show how far off it is."""
+    max_len = recipe["prompt"] + recipe["completion"]
+    for spare in (TIGHT, 0):
+        for offload in (False, True):
+            for mbt in range(MICRO_BATCH_TOKENS, max_len - 1024, -1024):
+                p = plan(m, recipe, gpus, total, offload, mbt)
+                if p["fits"] and p["upd"]["peak"] + spare <= (1 - MARGIN) * total:
+                    return p
+    return p
+
+
+def report(name: str, gpus: int, total: float, label: str) -> tuple[list[str], list[str]]:
+    """The block of lines for one (model, machine), and its row of the summary table."""
+    m, recipe = MODELS[name], RECIPE[name]
+    p, g = best_plan(m, recipe, gpus, total), lambda x: f"{x / GiB:6.1f} GiB"
+    act, upd, max_len, N, f = p["act"], p["upd"], p["max_len"], p["N"], p["fixed"]
+    off, usable = " (--cpu_offload: on the host)" if p["offload"] else "", (1 - MARGIN) * total
+    ok_len = max_len <= m["max_pos"]
+    lines = [f"{name} on {label} ({total / GiB:.1f} GiB each), {recipe['name']}: G = {G}, "
+             f"{recipe['prompts_per_gpu']} prompts = {recipe['prompts_per_gpu'] * G} sequences per GPU per step, "
+             f"{recipe['updates']} updates",
+             f"  length: prompt {recipe['prompt']} + completion {recipe['completion']} = {max_len} tokens "
+             f"{'<=' if ok_len else '>'} max_position_embeddings {m['max_pos']}: " + (
+                 f"ok (prompts up to {m['max_pos'] - recipe['completion']} tokens fit)" if ok_len else
+                 "EXCEEDS it: vLLM stops each completion at the model's limit"),
+             f"  parameters N = {N / 1e9:.2f}B (decoder layer P = {layer_params(m) / 1e6:.1f}M x {m['L']}, root unit "
+             f"R = {root_params(m) / 1e9:.2f}B: embedding{'' if m['tied'] else ' + lm_head'} + final norm); KV cache "
+             f"{p['kvb']:,} B/token (2 x {m['L']} layers x {m['kv']} KV heads x {m['hd']} x 2 B)",
+             f"  update, per GPU (vLLM asleep), --micro_batch_tokens {p['mbt']}:",
+             f"    master weights fp32 4N/W   {g(upd['weights'])}{off}",
+             f"    gradients fp32 4N/W        {g(upd['grads'])}{off}",
+             f"    AdamW moments fp32 8N/W    {g(upd['adam'])}{off}",
+             f"    gathered bf16 4R + 10P     {g(upd['gathered'])}  (root params + grads; 2 layers + 1 layer's grads "
+             f"and reduce-scatter input)",
+             f"    activations (ESTIMATE)     {g(act['total'])}  (x{ACT_MARGIN} of: {act['tokens']} tokens, layer "
+             f"inputs {act['inputs'] / GiB:.1f} + root {act['root'] / GiB:.1f} + max(one layer's recompute "
+             f"{act['layer'] / GiB:.1f}, log-prob chunks {act['logits'] / GiB:.1f}))",
+             f"    CUDA context + vLLM graphs {g(upd['other'])}  (estimate)",
+             f"    trainer peak               {g(upd['peak'])}  of {usable / GiB:.1f} usable ({MARGIN:.0%} margin)"]
+    if p["offload"]:
+        lines.append(f"    host RAM for the offloaded state: 16N = {upd['host'] / GiB:.0f} GiB per node "
+                     f"(+4N = {4 * N / GiB:.0f} GiB on rank 0 while a checkpoint is written)")
+    kept = "none with --cpu_offload" if p["offload"] else f"+{4 * N / gpus / GiB:.1f} GiB if gradients were kept"
+    need = (p["engine_len"] + 16) * p["kvb"]
+    lines += [f"  rollout, per GPU: trainer resident {g(p['resident'])}  (weights + AdamW sharded, gradients freed: "
+              f"{kept})",
+              f"    engine start: before the trainer's model is on the GPU, {p['free_at_start'] / GiB:.1f} GiB free "
+              f"(vLLM 0.32's request_memory needs u x total free then); during rollouts u x total sits beside the "
+              f"trainer's resident state: u = min(free, total - context - resident) / total - margin",
+              f"    vLLM share u = {p['u']:.2f} ({MARGIN:.0%} margin) = {p['u'] * total / GiB:.1f} GiB: weights bf16 "
+              f"2N {f['weights'] / GiB:.1f} + activations/workspace {f['activations'] / GiB:.1f} (estimate) + CUDA "
+              f"graphs {f['graphs'] / GiB:.1f} (estimate) + KV {max(0, p['kv']) / GiB:.1f}",
+              f"    KV {p['kv_tokens']:,} tokens = {p['kv_tokens'] // max_len} sequences of {max_len} tokens at once "
+              f"(max_num_seqs {VLLM_SEQS}); start-up check, one {p['engine_len']}-token sequence (--max_model_len) "
+              f"= {need / GiB:.1f} GiB: {'ok' if p['start_ok'] else 'FAILS'}"]
+    hf_row = max_len * p["kvb"] * (1 + 1 / m["L"])  # DynamicCache grows by torch.cat: one layer's copy on top
+    hf_free = max(0, usable - CONTEXT - p["resident"] - 2 * N)  # beside HFRollout's full bf16 copy (under FSDP)
+    lines.append(f"  HF sampler (--rollout hf): 512 rows x {max_len} tokens of KV = {512 * hf_row / GiB:,.0f} GiB "
+                 f"(+ its bf16 model copy {2 * N / GiB:.1f}) against {hf_free / GiB:.1f} GiB free: "
+                 f"--rollout_batch_size {int(hf_free // hf_row)} would fit")
+    launch = "torchrun --standalone --nproc_per_node=1 " if gpus == 1 else ""
+    if gpus == 1:  # shard_model returns the plain module unless launched by torchrun
+        lines.append("  one GPU: the numbers are FSDP2's (torchrun, 1 rank); a plain `python` run refuses "
+                     "--cpu_offload, and without it computes under autocast from float32 weights")
+    flags = [f"--vllm_gpu_memory {p['u']:.2f}"] + (["--cpu_offload"] if p["offload"] else []) + \
+        ([f"--micro_batch_tokens {p['mbt']}"] if p["mbt"] != MICRO_BATCH_TOKENS else [])
+    if p["fits"]:
+        slack = usable - upd["peak"]
+        verdict = f"fits with {launch}{' '.join(flags)}"
+        lines.append(f"  verdict: {verdict}" + (f" (tight: {slack / GiB:.1f} GiB above the margin)"
+                                                  if slack < TIGHT else ""))
+        alt = plan(m, recipe, gpus, total, True, MICRO_BATCH_TOKENS)
+        if not p["offload"] and p["mbt"] != MICRO_BATCH_TOKENS and alt["fits"]:
+            lines.append(f"  or, keeping --micro_batch_tokens {MICRO_BATCH_TOKENS}: {launch}--vllm_gpu_memory "
+                         f"{alt['u']:.2f} --cpu_offload (peak {alt['upd']['peak'] / GiB:.1f} GiB)")
+    else:
+        why = ([f"the update needs {upd['peak'] / GiB:.1f} GiB"] if upd["peak"] > usable else []) + \
+            ([f"vLLM's KV {max(0, p['kv']) / GiB:.1f} GiB < {need / GiB:.1f}"] if not p["start_ok"] else [])
+        verdict = f"DOES NOT FIT even with {' '.join(flags[1:])}: {'; '.join(why)}"
+        lines.append(f"  verdict: {verdict}")
+    row = [name, label, f"{upd['peak'] / GiB:.1f}", f"{p['resident'] / GiB:.1f}", f"{p['u']:.2f}",
+           f"{max(0, p['kv']) / GiB:.1f}", f"{p['kv_tokens']:,}", str(p["kv_tokens"] // max_len), verdict]
+    return lines, row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="all", choices=["all", *MODELS], help="one model, or all")
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs (FSDP ranks); with --gpu_gb: one machine (default 8)")
+    ap.add_argument("--gpu_gb", type=float, default=0.0,
+                    help="GiB per GPU as torch.cuda.mem_get_info reports it (default: 8x80, 1x80, 1x141 GB)")
+    ap.add_argument("--markdown", action="store_true", help="also write bench/results/memory.md")
+    args = ap.parse_args()
+    if args.gpus < 0 or args.gpu_gb < 0:
+        ap.error("--gpus and --gpu_gb must be positive")
+    machines = MACHINES
+    if args.gpus or args.gpu_gb:
+        gpus, gb = args.gpus or 8, args.gpu_gb or 81559 / 1024
+        machines = [(gpus, gb, f"{gpus} x {gb:g} GiB")]
+    out = [report(name, gpus, gb * GiB, label) for name in (MODELS if args.model == "all" else [args.model])
+           for gpus, gb, label in machines]
+    text, rows = "\n\n".join("\n".join(lines) for lines, _ in out), [row for _, row in out]
+    print(text)
+    if args.markdown:
+        head = ["model", "machine", "update peak GiB", "rollout resident GiB", "u", "KV GiB", "KV tokens",
+                "full-length seqs", "verdict"]
+        table = ["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows]]
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory.md")
+        with open(path, "w") as fh:
+            fh.write(f"Per-GPU memory of the README's GPU recipes (`python bench/memory.py {' '.join(sys.argv[1:])}`): "
+                     f"arithmetic, "
+                     f"not a measurement; activations, vLLM's workspace, CUDA graphs and context are estimates with "
+                     f"the margins stated in the script. G = {G}, --logprob_chunk {LOGPROB_CHUNK}, bf16 compute, "
+                     f"gradient checkpointing, FSDP2, vLLM colocated with sleep level 2.\n\n"
+                     + "\n".join(table) + "\n\n```\n" + text + "\n```\n")
+        print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""python -m pytest -q tests/test_memory.py
+bench/memory.py's arithmetic checked by hand: parameter counts from the config.json shapes, KV bytes per token, the
+vLLM share, the figures it prints, and its bad-flag exits. No GPU, no torch in the script: a few seconds."""
+import importlib.util
+import os
+
+from conftest import ROOT, run_script
+
+spec = importlib.util.spec_from_file_location("memory", os.path.join(ROOT, "bench", "memory.py"))
+memory = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(memory)
+
+
+def test_parameter_counts_match_the_published_totals():
+    # Qwen3-4B: layer = q 2560*4096 + k, v 2*2560*1024 + o 4096*2560 + q/k norms 2*128 + MLP 3*2560*9728 + norms 2*2560
+    layer = 2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 2 * 128 + 3 * 2560 * 9728 + 2 * 2560
+    assert layer == 100_930_816
+    n = 36 * layer + 151_936 * 2560 + 2560  # tied embedding once, final norm
+    assert memory.param_count(memory.MODELS["Qwen3-4B-Base"]) == n == 4_022_468_096  # the hub's 4.02B
+    # Qwen2.5-Math-7B: q/k/v biases, no q/k norms, untied lm_head
+    layer = 3584 * 3584 + 3584 + 2 * (3584 * 512 + 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
+    n = 28 * layer + 2 * 152_064 * 3584 + 3584
+    assert memory.param_count(memory.MODELS["Qwen2.5-Math-7B"]) == n == 7_615_616_512  # 7.62B
+    assert round(memory.param_count(memory.MODELS["Qwen3-8B-Base"]) / 1e9, 2) == 8.19
+
+
+def test_kv_bytes_per_token_and_vllm_share_by_hand():
+    assert memory.kv_bytes_per_token(memory.MODELS["Qwen3-4B-Base"]) == 2 * 36 * 8 * 128 * 2 == 147_456
+    assert memory.kv_bytes_per_token(memory.MODELS["Qwen2.5-Math-7B"]) == 2 * 28 * 4 * 128 * 2 == 57_344
+    GiB = 2**30
+    # start-up bound min(50, 80 - 1.5 - 10) / 80 = 0.625, minus the 5% margin = 0.575 -> floored 0.57
+    assert memory.vllm_share(80 * GiB, 50 * GiB, 10 * GiB, context=1.5 * GiB, margin=0.05) == 0.57
+    # rollout bound: (80 - 1.5 - 60) / 80 - 0.05 = 0.18125 -> 0.18
+    assert memory.vllm_share(80 * GiB, 70 * GiB, 60 * GiB, context=1.5 * GiB, margin=0.05) == 0.18
+
+
+def test_script_prints_the_hand_worked_figures():
+    r = run_script(["bench/memory.py", "--model", "Qwen3-4B-Base", "--gpus", "8", "--gpu_gb", "80"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "N = 4.02B" in r.stdout and "147,456 B/token" in r.stdout
+    # the sharded optimizer state: 8 * 4,022,468,096 / 8 bytes = 3.7 GiB; resident during rollouts 12N/8 = 5.6 GiB
+    assert "AdamW moments fp32 8N/W       3.7 GiB" in r.stdout and "trainer resident    5.6 GiB" in r.stdout
+    assert "verdict: fits with --vllm_gpu_memory" in r.stdout
+    r = run_script(["bench/memory.py", "--model", "Qwen2.5-Math-7B"], timeout=60)  # all three machines
+    assert r.returncode == 0 and r.stdout.count("verdict:") == 3
+    # 1024 + 3000 = 4024 <= 4096, and 4096 - 3000 = 1096 tokens of prompt would fit
+    assert "4024 tokens <= max_position_embeddings 4096: ok (prompts up to 1096 tokens fit)" in r.stdout
+
+
+def test_bad_flags_exit_2():
+    for args in (["--model", "Llama-3-8B"], ["--gpus", "-1"], ["--gpu_gb", "lots"]):
+        r = run_script(["bench/memory.py", *args], timeout=60)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
