@@ -13,10 +13,8 @@ import verifier as vmod  # noqa: E402
 
 
 def cases_dir() -> Path:
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "cases").is_dir():
-            return parent / "shared" / "cases"
-    return Path("/work/shared/cases")
+    """The peer test cases shipped with the tests (tests/data)."""
+    return Path(__file__).resolve().parents[1] / "tests" / "data"
 
 
 def timed(fn, n_items: int, rounds: int, clear_cache: bool = True) -> tuple[float, dict | None]:

@@ -1,6 +1,6 @@
 """Run: python -m pytest -q tests/test_verifier.py
 The math answer verifier (verifier.py: extract_answer / math_equal / verify_batch) on the peer projects' cases in
-../shared/cases, our own normalisation and near-miss cases, and adversarial inputs with a time bound.
+tests/data (see its README), our own normalisation and near-miss cases, and adversarial inputs with a time bound.
 Needs no torch and no conftest fixtures: test_verifier_cli.py also runs this file with torch made unimportable."""
 import json
 import os
@@ -23,16 +23,9 @@ from verifier import close_verifier_pool, extract_answer, math_equal, verify_bat
 SLACK = 10.0
 
 
-def _cases_dir() -> Path:
-    """Find shared/cases walking up from this file (vwip/ or main/tests/), else the absolute default."""
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "cases").is_dir():
-            return parent / "shared" / "cases"
-    return Path("/work/shared/cases")
-
-
 def _load(name: str) -> list[dict]:
-    path = _cases_dir() / name
+    """Peer test cases shipped in tests/data (each row names its source repository, commit and line)."""
+    path = Path(__file__).resolve().parent / "data" / name
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
