@@ -134,7 +134,7 @@ def main():
             for name, seconds in [*phases.items(), ("other", other)]:
                 lines.append(f"| {name} | {seconds:.4f} | {100 * seconds / step_s:.1f}% |")
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+            pstats.Stats(prof, stream=s).strip_dirs().sort_stats("tottime").print_stats(args.top)
             top = [ln for ln in s.getvalue().splitlines() if ln.strip()][-args.top - 1:]
             lines += ["", f"Top {args.top} functions by own time over the counted steps (cProfile):", "", "```",
                       *top, "```", ""]

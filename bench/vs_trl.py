@@ -197,7 +197,7 @@ def profile_block(args, path: str):
     prof.disable()
     for key in ("cumulative", "tottime"):
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(30)
+        pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(30)
         print(s.getvalue())
 
 # -----------------------------------------------------------------------------------------------------------------
