@@ -1,16 +1,17 @@
 """
-Shared library of da3po.py and daro.py: everything the two RL scripts need that no paper equation of DA3PO or DARO
-points at. The answer verifier is a file of its own (verifier.py). Sections, in the order of one RL step; each uses
-only the ones before it:
+What da3po.py and daro.py share: everything no equation of DA3PO or DARO points at. The answer verifier is a file of
+its own (verifier.py), the rollout engines too (engine.py). Sections follow one run: the config, then one RL step in
+the order the loop takes it, then evaluation, logging and checkpoints; each section uses only earlier ones.
 
-   1. config -> CLI                  5. reward                          9. loss: advantages, aggregation, clip
-   2. distributed (FSDP2)            6. rollout engines (HF, vLLM)     10. evaluation (avg@k, pass@k)
-   3. model and tokenizer (+ demo)   7. groups and dynamic sampling    11. logging and step metrics
-   4. data (arith task, files)       8. log-probs and micro-batches    12. checkpoints
+   1. distributed (FSDP2), stop requests                      7. the step's batch (its contract), advantages
+   2. config: the shared knobs, the baseline presets, flags   8. log-probs (pi, pi_old), chunked, for any model
+   3. model and tokenizer (+ the demo model)                  9. micro-batches, the token losses, the update
+   4. data and prompts                                       10. evaluation (avg@k, pass@k)
+   5. the step's record (sums over micro-batches and ranks)  11. logging
+   6. rollout: groups, rewards, dynamic sampling, the plan   12. checkpoints
 
-Shape legend used in comments:
-  B = sequences (completions) on this rank, G = group size (completions per prompt), N = groups (B = N * G),
-  P = prompt tokens (left padded), T = completion tokens (right padded), V = vocabulary size.
+Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens (left
+padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
 """
 import argparse
 import atexit
@@ -44,11 +45,263 @@ hf_logging.disable_progress_bar()  # transformers' load/save bars would interlea
 # torch.distributed.checkpoint warns on every save and load of a plain run that it works in one process: it should
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
+
 # -----------------------------------------------------------------------------------------------------------------
-# 1. Config -> CLI. Flags are generated from a script's Config dataclass; every user error (bad flag, file, data)
-#    ends in die(): one line naming the flag, file or line, exit status 2, no traceback.
+# 1. Distributed. A plain `python` run is world size 1 and none of this does anything; under torchrun the process
+#    group comes from the environment (NCCL on GPUs, gloo on CPU) and the model is sharded with FSDP2. Lockstep rule:
+#    every rank issues the same collectives in the same order, so a choice that changes them is made from the config
+#    or agreed by an all-reduce (tests/test_lockstep.py records each rank's collectives to check it).
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    is_main: bool = True
 
 
+_launched = False  # set by setup_dist under torchrun (vLLM may open a 1-rank group of its own in a plain run)
+
+
+def setup_dist(device: str = "") -> DistInfo:
+    """Initialise torch.distributed when launched by torchrun; pick the device ("" = cuda if available, else cpu)."""
+    global _launched
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo(device=torch.device(device))
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    # on GPUs NCCL for CUDA tensors and gloo for the CPU tensors of metrics and flags (NCCL rejects CPU tensors)
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    _launched = True
+    return DistInfo(rank, local_rank, world, dev, rank == 0)
+
+
+def cleanup_dist(engine=None):
+    """Barrier, close the rollout engine (vLLM destroys the process groups itself), destroy the group. Without the
+    barrier gloo runs sometimes abort at exit."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if engine is not None:
+        engine.close()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_dist() -> bool:
+    """True under torchrun (any world size, so one GPU still takes the FSDP2 path)."""
+    return _launched and dist.is_available() and dist.is_initialized()
+
+
+def print0(*args, **kwargs):
+    if not is_dist() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; identity in a single process)."""
+    x = x.detach().clone()
+    if is_dist():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks (a copy; identity in a single process)."""
+    x = x.detach().clone().float()
+    if is_dist():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def all_gather_list(items: list) -> list:
+    """Concatenate a picklable list from every rank, in rank order (identity in a single process)."""
+    if not is_dist():
+        return list(items)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+_stop_signal = None  # set by the handler of SIGTERM / SIGINT
+
+
+def handle_stop_signals():
+    """SIGTERM (preemption; torchrun forwards it to every worker and kills them 30 s later) or Ctrl-C: the loop checks
+    between generation batches, between updates and after each step, checkpoints at once and exits. A second Ctrl-C
+    aborts."""
+    global _stop_signal
+    _stop_signal = None
+
+    def handler(signum, frame):
+        global _stop_signal
+        if _stop_signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _stop_signal = signum
+        print(f"\nsignal {signal.Signals(signum).name}: checkpointing and stopping", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def stop_requested() -> bool:
+    """True on every rank once any rank got a stop signal (ranks leave the loop together)."""
+    return all_reduce_sum(torch.tensor(float(_stop_signal is not None))).item() > 0
+
+
+def shard_model(model, dist_info: DistInfo, dtype: str = "float32", grad_checkpointing: bool = False,
+                cpu_offload: bool = False):
+    """The model as the trainer uses it, on the device, in training mode (checkpointing only recomputes there;
+    dropout is 0), with gradient checkpointing if asked; under torchrun sharded with FSDP2 (`fully_shard` per decoder
+    layer and at the root). Weights stay float32 (the optimizer's master copy); with dtype bfloat16 FSDP gathers
+    them as bf16 and reduces gradients in float32. Gradients are SUMMED over ranks: the loss weights already divide
+    by the global token and sequence counts."""
+    model.train()
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not is_dist():
+        return model.to(dist_info.device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
+    param_dtype = getattr(torch, dtype)  # gradients are reduced in float32, or in float64 for a float64 model
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.promote_types(param_dtype, torch.float32))
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    units = list(model.model.layers) + [model]  # one all-gather per layer keeps peak memory at about one layer
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no pre-multiplied sum
+    return model
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a DTensor; every rank must call this), or the tensor itself."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def reshard(model):
+    """Free the gathered copy of an FSDP2 root's parameters, which FSDP2 keeps after a forward for the backward that
+    usually follows; after a no-grad forward none does. Local (no collective); a no-op without FSDP."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+
+
+def autocast(dtype: str, device: torch.device):
+    """The compute-dtype context of the trainer's forward passes (a no-op in float32 and float64)."""
+    return torch.autocast(device.type, getattr(torch, dtype), enabled=dtype in ("bfloat16", "float16"))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 2a. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run the CPU
+#     demo; the papers' scale is in docs/gpu.md.
+@dataclass
+class TrainConfig:
+    # run
+    algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
+    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
+    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
+    eval_data: str = "arith"  # same choices, comma-separated for several sets; 'arith': 200 held-out sums
+    out_dir: str = ""  # config.json, metrics.jsonl, samples.jsonl, checkpoints
+    seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
+    steps: int = 60  # RL steps (one rollout batch each)
+    device: str = ""  # '' = cuda if available, else cpu
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (weights and optimizer state stay float32)
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
+    cpu_offload: bool = False  # FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU
+    # rollout
+    prompts_per_step: int = 32  # groups trained on per step, across all ranks (train batch size in DAPO)
+    group_size: int = 8  # G (K in DARO): completions per prompt
+    dynamic_sampling: bool = True  # DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts
+    oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
+    max_gen_batches: int = 4  # cap on generation batches per step; at the cap, warn and train on what was kept
+    max_new_tokens: int = 12  # L_max: hard limit on completion length
+    max_prompt_length: int = 1024  # prompts longer than this (tokens, template included) are dropped at load
+    temperature: float = 1.0  # rollout sampling temperature
+    top_p: float = 1.0  # rollout nucleus sampling
+    rollout_batch_size: int = 512  # sequences per forward of our sampler (memory knob)
+    rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)
+    vllm_gpu_memory: float = 0.0  # vLLM's share of GPU memory; 0 = the most the trainer leaves (bench/memory.py)
+    max_model_len: int = 0  # longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens
+    vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
+    rollout_is: str = "none"  # correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)
+    rollout_is_cap: float = 2.0  # C: the weight pi_old / pi_rollout is truncated at C
+    rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C] instead
+    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, else chat if any)
+    answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
+    prompt_key: str = ""  # data field holding the problem ('' = try problem, question, prompt; dots for nested)
+    answer_key: str = ""  # data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)
+    # reward (DAPO)
+    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off
+    overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
+    # advantages and loss
+    std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm
+    seq_ratio: bool = False  # GSPO: length-normalised sequence-level importance ratio
+    clip_low: float = 0.2  # epsilon_low: ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28  # epsilon_high: ratio clipped above at 1 + clip_high (clip-higher)
+    clip_ratio_c: float = 0.0  # dual clip for negative advantages (verl uses 3.0); 0 = off
+    kl_coef: float = 0.0  # beta: k3 KL penalty to the initial model; 0 = none, as in DAPO
+    # optimisation
+    lr: float = 1e-4  # AdamW learning rate (the papers: 1e-6)
+    weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl
+    grad_clip: float = 1.0  # max global gradient norm
+    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step; the step's groups are split evenly
+    micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
+    micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
+    logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
+    # evaluation, logging, checkpoints
+    eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
+    eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k)
+    eval_size: int = 0  # eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all
+    eval_temperature: float = 1.0  # eval sampling temperature
+    eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
+    eval_batch_size: int = 128  # eval problems per generate call
+    sample_every: int = 10  # write a few completions to samples.jsonl every N steps
+    save_every: int = 0  # checkpoint every N steps (and at the end, and on a stop request); 0 = only at the end
+    keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row (each is skipped)
+    eval_only: bool = False  # evaluate --model on --eval_data and exit
+    report_to: str = "none"  # also log to: none | tensorboard | wandb (requirements-tracking.txt)
+    wandb_project: str = ""  # wandb project of --report_to wandb
+
+
+# The baselines both papers compare against, each its paper's recipe written out for every knob that defines the
+# algorithm; the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on) comes from the flags.
+_DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False, "clip_low": 0.2,
+         "clip_high": 0.28}  # clip-higher, token-mean, dynamic sampling (and overlong shaping: the default buffer)
+
+
+BASELINES = {
+    "dapo": _DAPO,
+    # GRPO as verl runs it: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic
+    # sampling, no KL (DeepSeekMath's beta 0.04: --kl_coef 0.04)
+    "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
+             "overlong_buffer": 0},
+    # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
+    "dr_grpo": {**_DAPO, "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
+                "clip_high": 0.2, "overlong_buffer": 0},
+    # GSPO: the sequence ratio, its tiny clip range, and the rollout batch split into 4 mini-batches
+    "gspo": {**_DAPO, "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
+             "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "updates_per_step": 4},
+}
+
+
+def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
+    """A script's --algo presets: its own, then the baselines with its own algorithm switched off (`off`)."""
+    return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 2b. Flags from the Config; every user error (bad flag, file, data) ends in die(): one line naming the flag, file
+#     or line, exit status 2, no traceback.
 def die(message: str):
     """A user error: one line on stderr and exit status 2, no traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -56,27 +309,28 @@ def die(message: str):
 
 
 def _field_comments(cls) -> dict[str, str]:
-    """Map each dataclass field to the trailing comment on its line (plus comment lines right below it written as
-    '#   more text', i.e. indented after the '#'), so `--help` shows the same text as the code."""
-    comments, last = {}, None
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s*(\w+)\s*:\s*[\w\[\], |]+\s*=\s*.*?#\s*(.*)$", line)
-        if m:
-            last = m.group(1)
-            comments[last] = m.group(2).strip()
-        elif last and re.match(r"\s*#\s{2,}\S", line):  # '#   more text' right below continues the comment
-            comments[last] += " " + line.strip().lstrip("#").strip()
-        else:
-            last = None
+    """Each Config field's trailing comment (and '#   more text' lines right below it), over the class and its bases,
+    so that --help shows the text the code shows."""
+    comments = {}
+    for klass in reversed([c for c in cls.__mro__ if hasattr(c, "__dataclass_fields__")]):
+        last = None
+        for line in inspect.getsource(klass).splitlines():
+            m = re.match(r"\s*(\w+)\s*:\s*[\w\[\], |]+\s*=\s*.*?#\s*(.*)$", line)
+            if m:
+                last = m.group(1)
+                comments[last] = m.group(2).strip()
+            elif last and re.match(r"\s*#\s{2,}\S", line):
+                comments[last] += " " + line.strip().lstrip("#").strip()
+            else:
+                last = None
     return comments
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
     """Flags generated from a Config dataclass. Precedence: dataclass defaults < preset of --algo < explicit flags.
 
-    Example: `--lr 1e-5`, `--lr=1e-5`, `--grad_checkpointing/--no-grad_checkpointing`; an unknown flag exits with
-    status 2 and names the flag (argparse). Prefix abbreviations are off, so a typo never silently hits another flag.
-    An explicit flag that changes a value its preset defines prints a one-line note (a recipe changed on purpose)."""
+    Example: `--lr 1e-5`, `--lr=1e-5`, `--grad_checkpointing/--no-grad_checkpointing`; an unknown flag (or a prefix of
+    one) exits with status 2 naming it. An explicit flag that changes a value its preset defines prints a note."""
     comments = _field_comments(cls)
     parser = argparse.ArgumentParser(
         prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False)
@@ -114,13 +368,11 @@ def config_dict(cfg, world_size: int = 1) -> dict:
             "_transformers": transformers.__version__, "_git_commit": commit}
 
 
-PROMPT_TEMPLATES = ("auto", "chat", "plain", "dapo", "none")
-
-
 def check_config(cfg, world_size: int):
     """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded."""
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-               "dtype": ("float32", "bfloat16", "float16"), "prompt_template": PROMPT_TEMPLATES,
+               "dtype": ("float32", "bfloat16", "float16"),
+               "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
                "answer_format": ("boxed", "answer_line", "auto"), "rollout": ("hf", "vllm", "auto"),
                "rollout_is": ("none", "token", "sequence"), "report_to": ("none", "tensorboard", "wandb")}
     for name, allowed in choices.items():
@@ -159,170 +411,26 @@ def check_config(cfg, world_size: int):
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
         die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
 
-# -----------------------------------------------------------------------------------------------------------------
-# 2. Distributed. A plain `python` run is world size 1 and none of this does anything; under torchrun the process
-#    group is initialised from the environment (NCCL on GPUs, gloo on CPU) and the model is sharded with FSDP2.
-
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    is_main: bool = True
-
-
-_LAUNCHED = [False]  # set by setup_dist under torchrun
-
-
-def setup_dist(device: str = "") -> DistInfo:
-    """Initialise torch.distributed when launched by torchrun; pick the device ("" = cuda if available, else cpu)."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return DistInfo(device=torch.device(device))
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
-    # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that carry metrics and flags (NCCL alone rejects
-    # a CPU tensor, so every all_reduce of a logged number would fail there)
-    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    _LAUNCHED[0] = True
-    return DistInfo(rank, local_rank, world, dev, rank == 0)
-
-
-def cleanup_dist(engine=None):
-    """Barrier, then destroy the group: without the barrier, gloo runs sometimes abort at exit (2 of 6 runs did).
-    The rollout engine is closed in between: a vLLM engine destroys the process groups itself."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    if engine is not None:
-        engine.close()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def is_dist() -> bool:
-    """True under torchrun (any world size, so one GPU still takes the FSDP2 path); False in a plain run, even when
-    vLLM has opened a 1-rank process group of its own there (section 6)."""
-    return _LAUNCHED[0] and dist.is_available() and dist.is_initialized()
-
-
-def print0(*args, **kwargs):
-    if not is_dist() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (a copy; identity in a single process)."""
-    x = x.detach().clone()
-    if is_dist():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    """Maximum over ranks (a copy; identity in a single process)."""
-    x = x.detach().clone().float()
-    if is_dist():
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
-
-
-def all_gather_list(items: list) -> list:
-    """Concatenate a picklable list from every rank, in rank order (identity in a single process)."""
-    if not is_dist():
-        return list(items)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, items)
-    return [x for part in out for x in part]
-
-
-_STOP = {"signal": None}
-
-
-def handle_stop_signals():
-    """SIGTERM (preemption; under torchrun forwarded to every worker, which it kills 30 s later) or Ctrl-C: the
-    loop checks between generation batches, between updates and after each step, checkpoints at once and exits
-    cleanly. A second Ctrl-C aborts."""
-    _STOP["signal"] = None
-
-    def handler(signum, frame):
-        if _STOP["signal"] == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        _STOP["signal"] = signum
-        print(f"\nsignal {signal.Signals(signum).name}: checkpointing and stopping", flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
-
-
-def stop_requested() -> bool:
-    """True on every rank once any rank got a stop signal (ranks must leave the loop together)."""
-    return all_reduce_sum(torch.tensor(float(_STOP["signal"] is not None))).item() > 0
-
-
-def shard_model(model, dist_info: DistInfo, dtype: str = "float32", grad_checkpointing: bool = False,
-                cpu_offload: bool = False):
-    """The model as the trainer uses it, on the device: in training mode, with gradient checkpointing if asked, and
-    under torchrun sharded with FSDP2 (`fully_shard` per decoder layer and at the root, which moves each rank's
-    shards to the device, or with cpu_offload keeps them on the host); a plain run keeps one plain module.
-
-    Weights stay float32 (the optimizer's master copy); with dtype=bfloat16 FSDP gathers them as bf16 for compute
-    and reduces gradients in float32. Gradients are SUMMED over ranks (divide factor 1), because our loss weights
-    already divide by the global token / sequence counts (loss_weights), so no rank-count rescaling is needed."""
-    model.train()  # from_pretrained returns eval mode; checkpointing only recomputes in training mode (dropout is 0)
-    if grad_checkpointing:  # recompute activations in backward: memory for ~30% more compute
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not is_dist():
-        return model.to(dist_info.device)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
-    param_dtype = getattr(torch, dtype)  # gradients are reduced in float32, or in float64 for a float64 model
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.promote_types(param_dtype, torch.float32))
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()  # (pinning
-    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)  # needs a GPU; a CPU-only run tests the path unpinned)
-    units = list(model.model.layers) + [model]  # one all-gather per layer keeps peak memory at about one layer
-    for unit in units:
-        fully_shard(unit, **kw)
-    for unit in units:
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no pre-multiplied sum
-    return model
-
-
-def full_tensor(x: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard (a DTensor; every rank must call this), or the tensor itself."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
-def reshard(model):
-    """Free the gathered copy of an FSDP2 root module's parameters (embeddings, final norm, output layer). FSDP2 keeps
-    the root unsharded after its forward, for the backward that usually follows; after a no-grad forward none does,
-    and the copy would sit through the rollout. A local operation (no collective); a no-op without FSDP."""
-    if hasattr(model, "reshard"):
-        model.reshard()
-
-
-def autocast(dtype: str, device: torch.device):
-    """The compute-dtype context of the trainer's forward passes (a no-op in float32 and float64)."""
-    return torch.autocast(device.type, getattr(torch, dtype), enabled=dtype in ("bfloat16", "float16"))
 
 # -----------------------------------------------------------------------------------------------------------------
-# 3. Model and tokenizer. `--model demo` is a tiny Qwen3-style model with a character-level tokenizer, built in code
-#    (build_demo_tokenizer, build_demo_model), warm-started on the arith task and saved with save_pretrained by
-#    demo/build.py; it is loaded through exactly the path a hub model takes (load_model), so the demo exercises the
-#    real code. Its weights are shipped: demo/build.py explains why.
-
+# 3. Model and tokenizer. `--model demo` is a tiny Qwen3-style model with a character-level tokenizer, built in code,
+#    warm-started on the arith task by demo/build.py (which says why its weights are shipped) and loaded through the
+#    path a hub model takes, so the demo exercises the real code.
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+
+
 DEMO_MODEL = os.path.join(DEMO_DIR, "model")  # the warm-started demo model, shipped (demo/build.py makes it)
+
+
 DEMO_EVAL = os.path.join(DEMO_DIR, "arith_eval.jsonl")  # 200 held-out sums in 5 calibrated difficulty levels
+
+
 DEMO_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
+
+
 DEMO_CHARS = "0123456789+-*/=()[]., ?:;!'{}\\$^_|<>abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
+
+
 DEMO_CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>{% endif %}{% endfor %}"
@@ -330,7 +438,8 @@ DEMO_CHAT_TEMPLATE = (
 
 
 def build_demo_tokenizer():
-    """Character-level tokenizer (one token per character) plus `\\boxed{` as one token, wrapped as a fast tokenizer."""
+    """One token per character, plus `\\boxed{` as one token (completions stay ~6 tokens while the model writes the
+    final-answer format a real one does, so the demo goes through the real verifier); a fast tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {t: i for i, t in enumerate(DEMO_SPECIALS)}
@@ -340,8 +449,6 @@ def build_demo_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # isolate every character
     tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces inserted
     tok.add_special_tokens(DEMO_SPECIALS)
-    # `\boxed{` as a single token keeps demo completions ~6 tokens long (cheap rollouts) while the model still writes
-    # the same final-answer format a real model does, so the demo goes through the real verifier.
     tok.add_tokens([AddedToken("\\boxed{", normalized=False)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                  unk_token="<unk>", padding_side="left")
@@ -364,8 +471,7 @@ def build_demo_model(tok, hidden: int = 128, layers: int = 2, seed: int = 0):
 
 
 def model_path(name: str) -> str:
-    """--model as a path or hub id: 'demo' is the shipped demo model (demo/model/, built by demo/build.py, which says
-    why it is shipped rather than built on each machine)."""
+    """--model as a path or hub id; 'demo' is the shipped demo model (demo/model/)."""
     if name != "demo":
         return name
     if not os.path.isfile(os.path.join(DEMO_MODEL, "model.safetensors")):
@@ -374,13 +480,9 @@ def model_path(name: str) -> str:
 
 
 def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str = "float32"):
-    """Load a causal LM and its tokenizer from a local Hugging Face folder or a hub id (left padding for generation),
-    with every dropout probability set to 0.
-
-    Why no dropout: the trainer runs in training mode (gradient checkpointing only recomputes there), and a dropout
-    mask would make the trainer's log-probs a random draw of a different distribution than the one the rollout sampled
-    from (generate and vLLM never drop): the ratio pi / pi_old of the first mini-batch would no longer be 1, and the
-    old log-probs would carry noise of their own. Qwen, Llama and most RL checkpoints ship with dropout 0 anyway."""
+    """A causal LM and its tokenizer (left padding) from a local Hugging Face folder or a hub id, with every dropout
+    probability set to 0: the trainer runs in training mode, and a dropout mask would make its log-probs a random
+    draw of another distribution than the one the rollout sampled from."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(name)
@@ -404,19 +506,15 @@ def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str
 # -----------------------------------------------------------------------------------------------------------------
 # 4a. Data files. A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty),
 #     from the built-in arith task or from a .jsonl / .json / .parquet file in any of the schemas below.
-
 ARITH_LEVELS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 3)}  # level -> digits of the two operands of a sum
 
 
 def arith_problems(seed: int, eval_per_level: int = 50, train_per_level: int = 4000) -> tuple[list[dict], list[dict]]:
-    """The training rows of the built-in task: sums whose operands have 1+1, 2+1, 2+2 and 3+3 digits (`level` 1-4
-    here), fixed by `seed`, and held-out sums disjoint from them (the pool demo/build.py calibrates the eval set from).
-
-    Example: level 2 -> {"prompt": "47+3", "answer": "50", "level": 2}. Each level contributes `train_per_level`
-    training rows (levels 1 and 2 have only 100 and 900 distinct sums, so their rows repeat) and up to
-    `eval_per_level` held-out problems. The eval set (`--eval_data arith`, demo/arith_eval.jsonl) has levels of its
-    own: the demo model's pass-rate bands at the start, from about 97% (level 1) down to 1% (level 5).
-    """
+    """The built-in task's training rows: sums whose operands have 1+1, 2+1, 2+2 and 3+3 digits (`level` 1-4 here),
+    fixed by `seed`, and held-out sums disjoint from them (the pool demo/build.py calibrates the eval set from).
+    Example: level 2 -> {"prompt": "47+3", "answer": "50", "level": 2}. Each level gives `train_per_level` rows
+    (levels 1 and 2 have only 100 and 900 distinct sums, so theirs repeat). The eval set (demo/arith_eval.jsonl) has
+    levels of its own: the demo model's pass-rate bands at the start, from about 97% (level 1) down to 1% (level 5)."""
     rng = random.Random(seed)
     train, evals = [], []
     for level, (da, db) in ARITH_LEVELS.items():
@@ -449,10 +547,9 @@ def _field(row: dict, key: str):
 
 
 def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = "") -> dict:
-    """One problem record from a row of any supported schema (keys tried in order unless given by flag):
+    """One problem from a row of any supported schema (keys tried in order unless given by flag):
       plain / MATH-500 / AIME / OpenR1-Math-220k   problem | question, answer | final_answer
-      DAPO-Math-17k                                prompt (chat list; the instruction is already in it),
-                                                   reward_model.ground_truth
+      DAPO-Math-17k                                prompt (chat list, instruction included), reward_model.ground_truth
       GSM8K                                        question, answer ending in '#### <number>'
     `where` (file:line) goes into every error message."""
     if not isinstance(row, dict):
@@ -546,11 +643,13 @@ def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "")
         die(f"data {spec!r}: cannot load it from the hub ({str(e).splitlines()[0]})")
     return [problem_from_row(r, f"{spec}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
 
+
 # -----------------------------------------------------------------------------------------------------------------
 # 4b. Prompts: the template that turns a problem into the text the model sees, tokenized once at load; eval sets
 #     with unique names; the seeded stream of training prompts.
-
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
 DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the form "
                  "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
                  "Remember to put your answer on its own line after \"Answer:\".")  # DAPO-Math-17k's own wording
@@ -559,10 +658,9 @@ DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line o
 def format_prompt(tok, problem: str, template: str = "chat") -> str:
     """The text the model sees, by --prompt_template:
       chat   the problem + "put your final answer within \\boxed{}", in the tokenizer's chat template (if it has one)
-      plain  'Question: ... <boxed request> Answer:' without any chat markup (base models without a chat template)
+      plain  'Question: ... <boxed request> Answer:' without chat markup (base models without a chat template)
       dapo   DAPO-Math-17k's wording (final line 'Answer: ...'), in the chat template if there is one
-      none   the problem text alone, in the chat template if there is one (the demo model; pre-templated rows)
-    ('auto' is resolved by resolve_template before this is called.)"""
+      none   the problem text alone, in the chat template if there is one (the demo model; pre-templated rows)"""
     text = {"chat": f"{problem}\n{BOXED_INSTRUCTION}", "plain": f"Question: {problem}\n{BOXED_INSTRUCTION}\nAnswer:",
             "dapo": DAPO_TEMPLATE.format(problem=problem), "none": problem}[template]
     if template != "plain" and getattr(tok, "chat_template", None):
@@ -571,8 +669,8 @@ def format_prompt(tok, problem: str, template: str = "chat") -> str:
 
 
 def resolve_template(template: str, tok) -> str:
-    """'auto': none for the demo model and its checkpoints (trained on bare sums; recognised by its chat template),
-    chat when the tokenizer has a chat template, else plain."""
+    """--prompt_template auto: none for the demo model and its checkpoints (recognised by their chat template), chat
+    when the tokenizer has a chat template, else plain."""
     if template != "auto":
         return template
     chat = getattr(tok, "chat_template", None)
@@ -580,10 +678,9 @@ def resolve_template(template: str, tok) -> str:
 
 
 def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_length: int, name: str) -> list[dict]:
-    """Format and tokenize every prompt once, at load time (not at every rollout), and drop the problems whose prompt
-    is longer than max_prompt_length tokens, with a warning that counts them (verl filters overlong prompts the same
-    way). One 6,000-token problem would otherwise pad a whole generation batch to its length: rollout and update
-    memory stay bounded by max_prompt_length + max_new_tokens. Adds "prompt_ids" to each kept problem."""
+    """Format and tokenize every prompt once, at load, adding "prompt_ids"; drop the problems whose prompt is longer
+    than max_prompt_length tokens, with a warning (as verl does): one 6,000-token problem would pad a whole generation
+    batch to its length."""
     kept = []
     for p in problems:
         text = format_prompt(tok, p["prompt"], "none" if p.get("templated") else template)
@@ -612,8 +709,8 @@ def eval_set_names(specs: list[str]) -> list[str]:
 
 
 def spread(problems: list[dict], n: int) -> list[dict]:
-    """n problems spread evenly over the list (every len/n-th), so that a smaller eval set keeps the whole set's mix
-    of levels (files such as demo/arith_eval.jsonl are sorted by level); all of them when n is 0 or too large."""
+    """n problems spread evenly over the list, so that a smaller eval set keeps the whole set's mix of levels (files
+    such as demo/arith_eval.jsonl are sorted by level); all of them when n is 0 or too large."""
     if not n or n >= len(problems):
         return problems
     return [problems[i * len(problems) // n] for i in range(n)]
@@ -630,8 +727,9 @@ def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
 
 
 def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg):
-    """tokenize_problems on the training set and on every eval set, with the resolved --prompt_template; resolves
-    --max_model_len 0 to the longest prompt in them + --max_new_tokens."""
+    """tokenize_problems on the training set and every eval set with --prompt_template (auto resolved for `tok`);
+    resolves --max_model_len 0 to the longest prompt + --max_new_tokens."""
+    cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train = tokenize_problems(train, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
     specs = cfg.eval_data.split(",")
     evals = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
@@ -660,28 +758,51 @@ class PromptStream:
             self.position += 1
         return out
 
-# -----------------------------------------------------------------------------------------------------------------
-# 5. Reward: the verifier's verdict (verifier.py: extraction, normalisation, a parser that never executes model
-#    text, symbolic comparison in time-bounded worker processes) turned into DAPO's shaped reward.
-
-
-def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buffer: int,
-                  overlong_penalty: float = 1.0) -> float:
-    """DAPO reward: +1 correct, -1 otherwise, plus the soft overlong punishment, which falls linearly from 0 at
-    `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens` (DAPO, Sec. 3.4)."""
-    reward = 1.0 if correct else -1.0
-    expected = max_new_tokens - overlong_buffer
-    if overlong_buffer > 0 and length > expected:
-        reward += max(-(length - expected) / overlong_buffer, -1.0) * overlong_penalty
-    return reward
 
 # -----------------------------------------------------------------------------------------------------------------
-# 6a. Rollout engines, one interface: generate(prompts, max_new_tokens, temperature, top_p, n) -> (n completions of
-#     each prompt up to and including eos, truncated flags, the engine's sampling log-probs or None); sleep() before
-#     the update; sync_weights(model) -> metrics dict, after it; close(). The scripts never branch on the engine.
-#     HFRollout: the transformers model's own forward with a KV cache, batched, left-padded prompts.
+# 5. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
+#    all-reduce (Sums), and the seconds of each phase (StepTimer). The loop turns them into one metrics.jsonl record.
+class Sums:
+    """Named sums of per-micro-batch and per-update numbers on this rank; reduce() sums each over all ranks in one
+    all-reduce (every rank holds the same names: the fixed list given at creation)."""
+
+    def __init__(self, *names: str):
+        self.sums = dict.fromkeys(names, 0.0)
+
+    def add(self, **values: float):
+        for name, value in values.items():
+            self.sums[name] += float(value)
+
+    def reduce(self) -> dict:
+        totals = all_reduce_sum(torch.tensor(list(self.sums.values())))  # float32, like every logged sum
+        return dict(zip(self.sums, totals.tolist()))
 
 
+TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff", "kl_k1",
+              "kl_k3", "forward_tokens", "real_tokens")
+
+
+class StepTimer:
+    """Seconds spent in each phase of a step: `with timer("rollout"): ...`; metrics() gives time/<phase>_s and
+    time/step_s (the whole step so far)."""
+
+    def __init__(self):
+        self.start, self.seconds = time.time(), {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.time()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - t0
+
+    def metrics(self) -> dict:
+        return {**{f"time/{k}_s": v for k, v in self.seconds.items()}, "time/step_s": time.time() - self.start}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 6. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded (DAPO's
+#    shaped reward); DAPO's dynamic sampling keeps the groups whose correctness is mixed and refills from fresh
+#    prompts, up to a cap; plan_updates splits the kept groups into the step's updates and brings each rank its own.
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int, min_width: int = 1):
     """Left-pad prompts to P and right-pad completions to T >= min_width; returns input_ids (B, P+T), attention_mask
     (B, P+T) and the completion mask (B, T) (1 = a real completion token, the final eos included)."""
@@ -693,430 +814,23 @@ def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]]
     return ids, attn, attn[:, P:].clone()
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float):
-    """One token per row from logits (B, V): softmax(logits / temperature) restricted to the nucleus top_p (the
-    smallest set of most likely tokens whose probability reaches top_p, as transformers' TopPLogitsWarper and vLLM
-    keep it), or the argmax when temperature is 0. Returns (tokens (B,), their log-probs (B,) under the distribution
-    sampled from: softmax(logits / temperature), renormalised over the nucleus when top_p < 1, as vLLM returns them;
-    0 when greedy). With top_p = 1 these are the trainer's token_logprobs."""
-    if temperature <= 0:
-        return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
-    logp = (logits.float() / temperature).log_softmax(-1)  # (B, V)
-    if top_p < 1:
-        logp = nucleus(logp, top_p).log_softmax(-1)
-    token = torch.multinomial(logp.exp(), 1)[:, 0]
-    return token, logp.gather(-1, token[:, None])[:, 0]
-
-
-def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Log-probs (..., V) with the tokens outside the top_p nucleus set to -inf (not renormalised): the tokens whose
-    cumulative probability from the least likely up stays <= 1 - top_p are dropped, the most likely always kept."""
-    sorted_logp, order = logp.sort(-1)  # ascending
-    drop = sorted_logp.exp().cumsum(-1) <= 1 - top_p
-    drop[..., -1] = False
-    return logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
-
-
-def _rows_that_fit(model, tokens: int) -> int:
-    """On a GPU, the sequences whose KV cache of `tokens` positions fits in half of the free memory (the sampler's
-    batch is cut to it: 512 rows of 20k tokens of a 4B model would need 1.6 TB); unbounded on a CPU."""
-    if next(model.parameters()).device.type != "cuda":
-        return 1 << 30
-    c = model.config.get_text_config()
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_row = 2 * c.num_hidden_layers * kv_heads * head_dim * tokens * 2  # K and V, 2 bytes (bf16 under autocast)
-    return max(1, torch.cuda.mem_get_info()[0] // 2 // per_row)
-
-
-@torch.no_grad()
-def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                top_p: float = 1.0, batch_size: int = 256, n: int = 1):
-    """n sampled completions of each prompt (all of the first prompt's, then the second's, ...), with the model's own
-    forward and KV cache rather than generate(): each prompt's prefill runs once and its cache is repeated n times
-    (a group's G completions share their prompt), finished rows leave the batch (no compute spent on padding after
-    eos), and nothing is read from the checkpoint's generation_config.json but its eos ids (many instruct models set
-    repetition_penalty 1.05 or top_k 20 there, which would make rollouts silently off-policy for the trainer's
-    softmax(logits / T)). batch_size counts sequences (prompts x n) per forward (on a GPU, at most what the free
-    memory holds of their KV cache).
-    Returns (the completion token ids, up to and including the first eos; whether each was truncated, with no eos
-    within max_new_tokens; the log-prob of each sampled token under the distribution sampled from (sample_token), or
-    None when greedy)."""
-    device = next(model.parameters()).device
-    eos = model.generation_config.eos_token_id
-    eos = torch.tensor(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-                              | {tok.eos_token_id}), device=device)
-    completions, truncated, logprobs = [], [], []
-    was_training = model.training
-    model.eval()  # gradient checkpointing is off in eval mode, so the KV cache is kept
-    per_call = max(1, min(batch_size, _rows_that_fit(model, max(map(len, prompts)) + max_new_tokens)) // n)
-    try:
-        for s in range(0, len(prompts), per_call):
-            chunk = prompts[s:s + per_call]
-            ids, attn, _ = pad_prompt_completion(chunk, [[]] * len(chunk), tok.pad_token_id)
-            ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # (N, P): the empty completion column dropped
-            out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                        use_cache=True, logits_to_keep=1)
-            cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)  # (B, V), B = N * n
-            cache.batch_repeat_interleave(n)
-            attn = attn.repeat_interleave(n, 0)  # (B, P + t)
-            rows = torch.arange(len(chunk) * n, device=device)  # the output row of each row still generating
-            tokens, logps, ended = [[] for _ in range(len(chunk) * n)], [[] for _ in range(len(chunk) * n)], \
-                [False] * (len(chunk) * n)
-            for t in range(max_new_tokens):
-                new, logp = sample_token(logits, temperature, top_p)  # (b,), (b,)
-                for r, token, lp in zip(rows.tolist(), new.tolist(), logp.tolist()):
-                    tokens[r].append(token)
-                    logps[r].append(lp)
-                done = torch.isin(new, eos)
-                for r in rows[done].tolist():
-                    ended[r] = True
-                if done.all() or t == max_new_tokens - 1:
-                    break
-                if done.any():  # finished rows leave the batch and the cache
-                    keep = (~done).nonzero()[:, 0]
-                    cache.batch_select_indices(keep)
-                    rows, new, attn = rows[keep], new[keep], attn[keep]
-                position = attn.sum(-1, keepdim=True)  # (b, 1): the new token's position
-                attn = torch.cat([attn, torch.ones_like(position)], 1)
-                logits = model(input_ids=new[:, None], attention_mask=attn, position_ids=position,
-                               past_key_values=cache, use_cache=True).logits[:, -1]
-            completions += tokens
-            truncated += [not e for e in ended]
-            logprobs += logps
-    finally:
-        model.train(was_training)
-    return completions, truncated, logprobs if temperature > 0 else None
-
-
-class HFRollout:
-    """Rollout engine on hf_generate, our sampler on the transformers model, computing in the trainer's --dtype
-    (autocast). In a plain run it generates with the trained model itself. Under FSDP every rank keeps a full,
-    unsharded copy in the compute dtype (refreshed by sync_weights after each step) and generates with no
-    collectives: generating on the sharded module deadlocks when ranks stop at different lengths. Create it before
-    shard_model.
-
-    exact_logprobs: in float32 the log-probs of what it samples at top_p = 1 are the trainer's pi_old (the same
-    weights, the same float32 arithmetic, up to ~1e-6 from the KV cache), so the trainer needs no old-log-prob pass.
-    In bf16 they differ by the kernels' rounding (KV cache vs whole sequence, FSDP's bf16 weights vs autocast), so
-    the trainer recomputes pi_old and treats these like any engine's (rollout/* metrics, --rollout_is)."""
-
-    def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32", batch_size: int = 512,
-                 top_p: float = 1.0):
-        import copy
-        self.tok, self.batch_size, self.dtype, self.device = tok, batch_size, dtype, dist_info.device
-        self.exact_logprobs = dtype == "float32" and top_p == 1  # top_p: the training rollouts' (see sample_token)
-        self.model = model if not is_dist() else copy.deepcopy(model).to(
-            dist_info.device, getattr(torch, dtype)).eval().requires_grad_(False)
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 n: int = 1, seed: int | None = None):
-        """As hf_generate (its log-probs: the distribution sampled from). It draws from torch's global RNG, which
-        evaluate forks and seeds; `seed` is for engines that seed each request (VLLMRollout)."""
-        with autocast(self.dtype, self.device):
-            return hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p, self.batch_size, n)
-
-    def calibrate(self, model) -> float:
-        """Nothing to calibrate: the weights are the trainer's own (plain run) or copied from them."""
-        return 0.0
-
-    def sleep(self):
-        """Nothing to free: the weights are the trainer's own (plain run) or a copy that the next rollout needs."""
-
-    @torch.no_grad()
-    def sync_weights(self, model) -> dict:
-        """Copy the trainer's new weights into the copy (gathered one tensor at a time); a no-op in a plain run."""
-        if self.model is not model:
-            target = self.model.state_dict()
-            for name, value in model.state_dict().items():  # gathered on the device, in the compute dtype
-                target[name].copy_(full_tensor(value.detach().to(target[name].device, target[name].dtype)))
-        return {}
-
-    def close(self):
-        pass
-
-# -----------------------------------------------------------------------------------------------------------------
-# 6b. VLLMRollout (optional, `--rollout vllm|auto`): one engine per rank, inside the training process, fed with the
-#     trainer's weights after every optimizer step and checked by a log-prob probe. Its sampling log-probs are logged
-#     (rollout/*) and, with --rollout_is, weigh each token's loss (section 9); pi_old is always recomputed. Runs on
-#     GPUs with `vllm` and on CPUs with `vllm-cpu` (requirements-vllm-gpu.txt / requirements-vllm-cpu.txt).
-#
-#     Weight sync, the same code on both devices: `collective_rpc("reload_weights", weights_iterator=...)` runs in our
-#     own process (no serialisation), and vLLM's layer-wise reload re-runs the post-load processing of every layer.
-#     That matters on CPU, where vLLM repacks each linear weight after loading (the visible Parameter is left with
-#     shape (0,) and no weight_loader), so `model.load_weights`, the path TRL and verl use on GPUs, fails there; on
-#     GPUs both work, and reload_weights also keeps fp8/quantised layers right.
-
-VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the answer is \\boxed{357}."
-
-
-class VLLMRollout:
-    """A vLLM engine for one rank. Create it before the trainer's model is on the GPU (vLLM sizes its share of the
-    memory at start-up, from what is free then) and before seeding the sampling RNG: vLLM reseeds torch's global RNG,
-    and on a plain run it also initialises a 1-rank torch.distributed group in this process (hence is_dist's
-    _LAUNCHED test). Its log-probs are its own (exact_logprobs False): the trainer recomputes pi_old.
-
-    Example: engine = VLLMRollout(path, tok, dist_info, "float32", seed=0); engine.calibrate(sharded_model);
-    completions, truncated, logps = engine.generate(prompts, 16); ... optimizer.step(); engine.sync_weights(model)
-    """
-
-    exact_logprobs = False
-
-    def __init__(self, model_path: str, tok, dist_info: DistInfo, dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 0, gpu_memory_utilization: float = 0.3, cpu_kv_cache_gb: float = 0.5,
-                 max_num_seqs: int = 256, probe_text: str = VLLM_PROBE_TEXT):
-        from vllm import LLM
-        on_gpu = dist_info.device.type == "cuda"
-        kw = dict(
-            dtype=dtype,  # always explicit: "auto" silently turns a float32 checkpoint into bf16 on CPU
-            seed=seed + dist_info.rank,  # per-rank sampling, like the HF path's seed + rank
-            max_model_len=max_model_len or None,  # prompt + completion; None: the model's own limit (32k for Qwen3)
-            max_num_seqs=max_num_seqs,  # sequences decoded at once (memory / speed knob)
-            enable_prefix_caching=True,  # the G copies of a prompt share its prefill
-            logprobs_mode="processed_logprobs",  # after temperature and top_p: the distribution it sampled from
-            tensor_parallel_size=1)
-        if dist_info.world_size > 1:  # torchrun: every rank runs its own engine on the process group torchrun set up
-            kw["distributed_executor_backend"] = "external_launcher"
-        if on_gpu:  # share of GPU memory (weights + KV cache); sleep mode frees it during the update
-            kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
-        else:  # CPU: a fixed KV cache (no memory probing, no warm-up); eager skips torch.compile's start-up cost
-            kw.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * 2**30), enforce_eager=True)
-        self.llm = LLM(model=model_path, **kw)
-        self.device, self.on_gpu, self.asleep, self.dtype, self.freed = dist_info.device, on_gpu, False, dtype, 0
-        # Qwen pads its output layer past the tokenizer (151936 rows for 151669 tokens); see generate for the guard
-        self.vocab_size = len(tok)
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        self.tied = getattr(hf_config, "tie_word_embeddings", False)
-        eos = hf_config.eos_token_id  # as hf_generate; vLLM adds generation_config.json's eos ids itself
-        self.eos = sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tok.eos_token_id})
-        # The probe: a fixed completion whose log-probs the engine must reproduce after every sync (check_sync)
-        probe = tok(probe_text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        self.probe = probe[:max_model_len - 1] if max_model_len else probe  # (+ 1 generated token: within the limit)
-        assert len(self.probe) > 1 and max(self.probe) < self.vocab_size, "the sync probe must be in the vocabulary"
-        self.sync_tol = None  # set by calibrate
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 n: int = 1, seed: int | None = None):
-        """n samples of each prompt (all of the first prompt's, then the second's, ...; vLLM shares their prefill).
-        Every sampler knob is set here, so the model folder's generation_config.json never applies. With `seed`
-        (evaluation), request i is seeded with seed + i and no log-probs are asked for: what it samples then depends
-        on no RNG state (vLLM's GPU runner draws each request's seed from numpy's global RNG otherwise), and its fused
-        top-p sampler stays on. Returns (completions up to and including eos, truncated (no eos within
-        max_new_tokens, from vLLM's finish reason), the log-prob of each completion token under the distribution
-        sampled from (after temperature; renormalised over the nucleus when top_p < 1), or None with `seed`)."""
-        from vllm import SamplingParams
-        assert not self.asleep, "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update"
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
-                                 stop_token_ids=self.eos, logprobs=None if seed is not None else 0, detokenize=False,
-                                 seed=None if seed is None else seed + i) for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        completions, truncated, logps = [], [], []
-        for c in (c for out in outputs for c in out.outputs):
-            assert c.finish_reason in ("stop", "length"), f"vLLM finished a rollout with {c.finish_reason!r}"
-            ids = list(c.token_ids)
-            lp = [step[t].logprob for step, t in zip(c.logprobs, ids)] if seed is None else []  # sampled: in its dict
-            cut = next((j for j, t in enumerate(ids) if t >= self.vocab_size), None)
-            if cut is not None:
-                # An id the tokenizer does not know (a padding row of the output layer; never trained, so rare): end the
-                # completion before it and call it truncated. Masking those logits instead would make vLLM sample
-                # from a different distribution than the one the trainer's log-probs describe.
-                ids, lp = ids[:cut], lp[:cut]
-            completions.append(ids)
-            truncated.append(cut is not None or c.finish_reason == "length")
-            logps.append(lp)
-        return completions, truncated, logps if seed is None else None
-
-    def sleep(self):
-        """GPU: free the weights and the KV cache for the update (level 2: the weights are reloaded anyway), noting
-        how much memory that freed (wake_up needs it back). CPU: vLLM has no sleep mode there (and refuses
-        enable_sleep_mode), so this is a no-op."""
-        if self.on_gpu and not self.asleep:
-            free = torch.cuda.mem_get_info()[0]
-            self.llm.sleep(level=2)
-            self.freed = torch.cuda.mem_get_info()[0] - free
-        self.asleep = True
-
-    def wake_up(self, tags: list[str] | None = None):
-        """Wake the given parts ('weights', 'kv_cache'; None = all). A no-op on CPU. Before the first part wakes, every
-        rank checks that what sleep freed is free again (the trainer may have grown meanwhile: its optimizer state
-        appears at the first update): if not on some rank, all ranks stop with one line instead of a CUDA OOM."""
-        if self.on_gpu and self.asleep and tags != ["kv_cache"]:
-            free = torch.cuda.mem_get_info()[0]
-            short = all_reduce_max(torch.tensor(float(self.freed - free))).item()
-            if short > 0:
-                die(f"vLLM cannot wake up: it needs {self.freed / 2**30:.1f} GiB back and a rank is "
-                    f"{short / 2**30:.1f} GiB short (the trainer holds the rest); lower --vllm_gpu_memory or use "
-                    f"--cpu_offload (bench/memory.py prints the arithmetic)")
-        if self.on_gpu and self.asleep:
-            self.llm.wake_up(tags=tags)
-        if tags is None or "kv_cache" in tags:
-            self.asleep = False
-
-    def close(self):
-        """Shut the engine down. vLLM then destroys the process groups itself, the default one included, so this goes
-        between cleanup_dist's barrier and its destroy (cleanup_dist(engine)); left to vLLM's exit hook it would fail on
-        groups we destroyed already."""
-        self.llm.llm_engine.engine_core.shutdown()
-
-    @torch.no_grad()
-    def sync_weights(self, model) -> dict:
-        """Stream the trainer's weights into the engine, one full tensor at a time, then check them (check_sync).
-        Under FSDP2 every rank must call this (each parameter is all-gathered with .full_tensor(), on the device and
-        in the engine's dtype: with --cpu_offload the shards live on the host, and gathering them there would go
-        over gloo in float32). Returns {"rollout/sync_diff": the probe's mean |log-prob difference|}."""
-        # Weights first, KV cache second: waking both before the load would hold the KV cache while the new weights
-        # are materialised layer by layer, the known out-of-memory at wake-up.
-        self.wake_up(["weights"])
-        dtype = self.llm.llm_engine.model_config.dtype
-        # named_parameters: tied weights appear once; vLLM ties them again itself
-        weights = ((name, full_tensor(p.detach().to(self.device, dtype))) for name, p in model.named_parameters())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        for _ in weights:  # should vLLM stop early, the other ranks still wait in full_tensor's all-gather
-            pass
-        if not self.on_gpu and self.tied:
-            # vllm-cpu 0.32: a tied lm_head receives no tensor of its own on a reload, so it keeps the packed copy of
-            # the OLD embedding it made at load time (logits go stale while the input embedding is new). Repack it.
-            self.llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
-        self.wake_up(["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return {"rollout/sync_diff": self.check_sync(model)}
-
-    @torch.no_grad()
-    def probe_gap(self, model) -> float:
-        """The largest, over ranks, mean |log-prob difference| between the engine and the trainer on the probe text:
-        the engine's prompt log-probs (raw, temperature 1) against token_logprobs of the trainer's model as it trains
-        (sharded, under autocast of --dtype). Every rank calls it (a forward of the sharded model and an all-reduce)."""
-        from vllm import SamplingParams
-        assert not self.asleep, "VLLMRollout.probe_gap while asleep"
-        # the one generated token is greedy, so no random number is drawn
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": self.probe}], params, use_tqdm=False)[0]
-        engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.probe[1:])])
-        ids = torch.tensor([self.probe], device=self.device)  # (1, L)
-        was_training = model.training
-        model.eval()
-        with autocast(self.dtype, self.device):
-            trainer = token_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - 1)[0][0].float().cpu()  # (L-1,)
-        reshard(model)
-        model.train(was_training)
-        gap = (engine - trainer).abs().mean()
-        return all_reduce_max(torch.nan_to_num(gap, nan=float("inf"))).item()
-
-    def calibrate(self, model) -> float:
-        """The start-up baseline, measured once the trainer's model is sharded: the probe's gap between two copies of
-        the same weights, which is kernel rounding only (float32: ~1e-6; bf16: ~1e-3 to 1e-2, more for peaky
-        weights). Later syncs must stay within 4 x the baseline + a floor (1e-3 float32, 1e-2 bf16): a failed sync
-        (a skipped or misnamed tensor, a no-op reload) moves the probe by far more."""
-        base = self.probe_gap(model)
-        if not base < (0.05 if self.dtype == "float32" else 0.5):
-            die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by {base:.3g} on average "
-                f"before any update (the engine loaded other weights than the trainer's, or another dtype)")
-        self.sync_tol = 4 * base + (1e-3 if self.dtype == "float32" else 1e-2)
-        print0(f"rollout: vLLM, probe log-prob gap at start {base:.1e}, sync tolerance {self.sync_tol:.1e}")
-        return base
-
-    def check_sync(self, model) -> float:
-        """probe_gap after a sync, against calibrate's tolerance. A silent no-op sync, a renamed or skipped tensor, a
-        wrong dtype show up here instead of as a slow drift of the rollouts away from the policy being trained. All
-        ranks see the same (all-reduced) gap, so all of them stop together, with the same one line."""
-        if self.sync_tol is None:
-            self.calibrate(model)
-        gap = self.probe_gap(model)
-        if not gap <= self.sync_tol:  # `not <=` so that NaN fails too
-            die(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ from the trainer's by "
-                f"{gap:.3g} on average on some rank (tolerance {self.sync_tol:.3g}, 4 x the start-up gap + a floor): "
-                f"the engine is not running the trainer's weights")
-        return gap
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# 6c. Choosing the engine: --rollout hf | vllm | auto.
-
-
-def vllm_usable(device: torch.device) -> str:
-    """'' when vLLM imports and its build targets this device (vllm -> cuda, vllm-cpu -> cpu), else the reason not."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process (see VLLMRollout)
-    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        return ("VLLM_ENABLE_V1_MULTIPROCESSING is set to 1, but the engine must run in the training process (the "
-                "weights are handed to it in memory after every step): unset it")
-    if device.type == "cuda":  # vllm 0.32's GPU wheels are CUDA 13 builds: driver R580 or newer
-        version = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()  # e.g. 12080 for CUDA 12.8
-        if 0 < version < 13000:
-            return (f"vllm 0.32's GPU wheels need CUDA 13 (NVIDIA driver R580 or newer); this driver supports CUDA "
-                    f"{version // 1000}.{version % 1000 // 10}")
-    try:
-        from vllm.platforms import current_platform
-    except (ImportError, OSError, RuntimeError) as e:  # not installed, or e.g. CUDA torchvision on a CPU torch
-        return f"cannot import vllm ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    if current_platform.device_type != device.type:
-        return f"this vllm build targets {current_platform.device_type or 'no device'!r}, the trainer {device.type!r}"
-    return ""
-
-
-def resolve_rollout(kind: str, device: torch.device) -> str:
-    """--rollout hf|vllm|auto -> 'hf' or 'vllm'. auto picks vLLM when it is installed and can run here."""
-    assert kind in ("hf", "vllm", "auto"), f"--rollout must be hf, vllm or auto, not {kind!r}"
-    if kind == "hf":
-        return "hf"
-    why_not = vllm_usable(device)
-    if kind == "vllm" and why_not:
-        die(f"--rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, or use --rollout hf)")
-    if why_not:
-        print0(f"rollout: hf, our sampler on the Hugging Face model ({why_not})")
-    return "hf" if why_not else "vllm"
-
-
-def vllm_memory_share(model, dist_info: DistInfo, cpu_offload: bool) -> float:
-    """--vllm_gpu_memory 0: the share of this GPU's memory for vLLM (weights + KV cache), decided before the trainer
-    puts anything on it. vLLM refuses to start unless u x total is free then, and during rollouts its u x total sits
-    beside what the trainer keeps there: its float32 weights and AdamW's two moments, sharded (12 bytes a parameter
-    / ranks; gradients are freed after each update; nothing with --cpu_offload), plus ~1.5 GiB of CUDA context and
-    buffers, plus 5% of the GPU kept free: u = min(free, total - context - resident) / total - 0.05 (bench/memory.py's
-    vllm_share, which prints this arithmetic for the README's recipes)."""
-    free, total = torch.cuda.mem_get_info(dist_info.device)
-    resident = 0 if cpu_offload else 12 * sum(p.numel() for p in model.parameters()) / dist_info.world_size
-    share = math.floor(100 * (min(free, total - 1.5 * 2**30 - resident) / total - 0.05)) / 100
-    if share < 0.1:
-        die(f"--vllm_gpu_memory: the trainer keeps {resident / 2**30:.0f} GiB on each GPU during rollouts, which "
-            f"leaves vLLM {max(share, 0):.2f} of the {total / 2**30:.0f} GiB: use --cpu_offload or more GPUs "
-            f"(bench/memory.py prints the arithmetic)")
-    return share
-
-
-def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
-    """The rollout engine --rollout asks for (vLLM from the model folder `path`, or hf_generate on `model`). Call it
-    while the trainer's model is still on the CPU (vLLM sizes its GPU share from what is free at start-up; HF copies
-    the unsharded model under FSDP) and before the sampling seed (vLLM reseeds). Sequences are at most
-    --max_model_len tokens (prompt + completion; tokenize_datasets resolves 0), which must fit the model."""
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if limit and cfg.max_model_len > limit:
-        die(f"--max_model_len {cfg.max_model_len} (the longest prompt + --max_new_tokens {cfg.max_new_tokens}, unless "
-            f"set) exceeds the {limit} positions of --model {cfg.model}: lower --max_new_tokens or --max_prompt_length")
-    if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
-        engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p)
-        if engine.exact_logprobs and cfg.rollout_is != "none":
-            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in float32 samples with "
-                   f"the trainer's own weights and arithmetic, so its log-probs are pi_old (weights of 1)")
-        return engine
-    share = cfg.vllm_gpu_memory or (vllm_memory_share(model, dist_info, cfg.cpu_offload)
-                                    if dist_info.device.type == "cuda" else 0.0)
-    if dist_info.device.type == "cuda":
-        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to {cfg.max_model_len} tokens")
-    return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share, cfg.vllm_cpu_kv_gb)
-
-# -----------------------------------------------------------------------------------------------------------------
-# 7. Groups and dynamic sampling: G completions per prompt, verified and rewarded; DAPO keeps the groups whose
-#    correctness is mixed and refills from fresh prompts, up to a cap.
+def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buffer: int,
+                  overlong_penalty: float = 1.0) -> float:
+    """DAPO's reward: +1 correct, -1 otherwise, plus the soft overlong punishment, which falls linearly from 0 at
+    `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens` (DAPO, Sec. 3.4)."""
+    reward = 1.0 if correct else -1.0
+    expected = max_new_tokens - overlong_buffer
+    if overlong_buffer > 0 and length > expected:
+        reward += max(-(length - expected) / overlong_buffer, -1.0) * overlong_penalty
+    return reward
 
 
 def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float,
                 seed: int | None = None):
-    """G completions for each problem, verified and rewarded. One group = one prompt:
-    {"prompt_ids", "completions" (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats),
-     "answer", "level", "prompt", "rollout_logp" (G lists: the engine's log-probs of its samples, or None)}.
-    `seed`: evaluation (see the engines' generate). Returns (groups, the verifier's info: timeouts, symbolic
-    comparisons, cache hits, and its seconds)."""
+    """G completions for each problem, verified and rewarded. One group = one prompt: {"prompt_ids", "completions" (G
+    lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats), "answer", "level", "prompt",
+    "rollout_logp" (G lists: the engine's log-probs of its samples, or None)}. `seed`: evaluation (the engine seeds
+    each request). Returns (groups, the verifier's info: timeouts, symbolic comparisons, cache hits, its seconds)."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
     completions, truncated, logps = engine.generate(prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
     texts = tok.batch_decode(completions, skip_special_tokens=True)
@@ -1149,14 +863,12 @@ def _summary(group: dict, rank: int, index: int) -> dict:
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank its stride),
-    keep the groups whose correctness is mixed, and repeat until prompts_per_step groups are kept across all ranks or
-    max_gen_batches batches were generated. Then truncate to exactly prompts_per_step. At the cap it warns and returns
-    what was kept (a multiple of the world size, possibly none): it never raises and never loops forever. With
-    --no-dynamic_sampling: one batch of prompts_per_step prompts, all kept. Each group stays on the rank that
-    generated it; every rank gets every group's _summary, and plan_updates then brings each rank its own share.
-    Between generation batches a stop request (SIGTERM, Ctrl-C) ends the rollout: then it returns None.
-
+    """DAPO's dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank its stride),
+    keep the groups whose correctness is mixed, until prompts_per_step are kept across all ranks or max_gen_batches
+    batches were generated; then keep exactly prompts_per_step (at the cap: what was kept, a multiple of the world size,
+    possibly none, with a warning; it never raises and never loops forever). --no-dynamic_sampling: one batch, all kept.
+    Each group stays on the rank that generated it; every rank gets every group's _summary. A stop request between
+    batches ends the rollout: it then returns None.
     Returns (the kept groups' summaries, every generated group's summary, the step's rollout metrics); the kept
     summaries of this rank's groups carry the group itself under "group"."""
     rank, world = dist_info.rank, dist_info.world_size
@@ -1196,29 +908,6 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
              "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
     return kept, generated, stats
 
-# -----------------------------------------------------------------------------------------------------------------
-# 8a. Batches and micro-batches: groups -> padded tensors, the step's split into optimizer updates and of each update
-#     into micro-batches (by count, or packed by tokens).
-
-
-def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
-    """Flatten groups into padded tensors on `device`: input_ids/attention_mask (B, P+T), mask (B, T) (1 = a
-    completion token), loss_mask (B, T) (the tokens the loss counts: the mask, less what rollout_correction rejects),
-    reward/correct (B,), group index (B,) (which prompt each completion belongs to)[, rollout_logp (B, T): the
-    engine's log-probs of its samples]. The step adds advantage (B,), old_logp (B, T) [and old_logp_nucleus (B, T)]
-    (old_logprobs), is_weight (B, T) (rollout_correction) and weight (B, T) (the loss's per-token weights)."""
-    prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
-    completions = [c for g in groups for c in g["completions"]]
-    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: see _predicting_outputs
-    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "loss_mask": mask.clone(),
-             "reward": torch.tensor([r for g in groups for r in g["reward"]]),
-             "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
-             "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
-    if groups[0].get("rollout_logp") is not None:  # padded to T
-        batch["rollout_logp"] = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for g in groups
-                                              for lp in g["rollout_logp"]])
-    return {k: v.to(device) for k, v in batch.items()}
-
 
 def group_tokens(group: dict) -> int:
     """Tokens a group (or its _summary) puts through the trainer: its G prompt + completion rows."""
@@ -1229,15 +918,12 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
     """Which groups this rank trains in each optimizer update of the step, brought to it. The kept groups (the same
     summaries on every rank, a multiple of the world size) are cut into min(num_updates, groups / world) contiguous
     updates whose sizes are multiples of the world size and differ by at most one group per rank: every group is
-    trained exactly once and no update is empty, also when dynamic sampling stopped at its cap with fewer groups than
-    usual. Inside an update every rank takes the same number of groups: every world-th one, or with `balance` the
-    heaviest first, each to the rank with the fewest tokens so far, so that no rank waits on another's long
-    completions. Every rank computes the whole plan (from the summaries alone), then each rank sends every other one
-    the groups it generated that the other trains (one scatter per rank: nothing else crosses ranks).
-
+    trained once and no update is empty, also at the sampling cap. Inside an update every rank takes as many groups:
+    every world-th one, or with `balance` the heaviest first, each to the rank with the fewest tokens so far. Every
+    rank computes the whole plan from the summaries; each rank then sends the others the groups it generated that
+    they train (one scatter per rank).
     Returns (this rank's groups in update order, the row indices of each update into make_batch of those groups).
-    Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6); 1 group, 16 updates ->
-    one update of rows 0-7."""
+    Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
     world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
     blocks = len(kept) // world  # groups per rank
     n = min(num_updates, blocks)
@@ -1270,12 +956,51 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
     return mine, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# 7. The step's batch: this rank's groups as padded tensors, the one dict the update reads; its advantages; its
+#    micro-batches. Its contract, every key with its shape (B rows: this rank's groups x G) and who writes it:
+#      input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
+#      mask                       (B, T)    make_batch          1 = a completion token the loss counts; zeroed for
+#                                                               tokens rollout_correction rejects, and in daro.py for
+#                                                               the groups of bins 0 and G
+#      reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
+#      group                      (B,)      make_batch          which of this rank's groups (prompts) a row belongs to
+#      rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
+#      advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
+#      old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
+#      is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
+#      weight                     (B, T)    the script          each token's share of its update's loss
+#      bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
+def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
+    """Flatten groups into the padded tensors of the batch's contract (above) on `device`."""
+    prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
+    completions = [c for g in groups for c in g["completions"]]
+    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: see _predicting_outputs
+    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
+             "reward": torch.tensor([r for g in groups for r in g["reward"]]),
+             "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
+             "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
+    if groups[0].get("rollout_logp") is not None:  # padded to T
+        batch["rollout_logp"] = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for g in groups
+                                              for lp in g["rollout_logp"]])
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's advantage of each completion from its group's rewards (N, G): (r - mean) / (std + eps), the unbiased
+    std as verl computes it; Dr. GRPO drops the std (std_norm=False). Example: [1, -1, -1, 1] -> [0.866, -0.866,
+    -0.866, 0.866]."""
+    assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
+    centered = rewards - rewards.mean(-1, keepdim=True)
+    return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
+
+
 def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
     """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
-    length: the rows sorted by their own prompt + completion tokens, longest first, each micro-batch filled while its
-    padded size (rows x (longest prompt + longest completion)) stays within max_tokens and it has at most `size`
-    rows (a longer row gets one of its own). Every rank then splits its largest micro-batches until all ranks make
-    the same number, since FSDP's collectives must match; the rows per rank are equal, so that is always possible."""
+    length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt + longest
+    completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its largest
+    micro-batches until all make as many as the busiest one (FSDP's collectives must match; the ranks' row counts are
+    equal, so it is always possible)."""
     if max_tokens <= 0:
         return [index[s:s + size] for s in range(0, len(index), size)]
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
@@ -1299,9 +1024,8 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
 
 
 def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int = 0):
-    """The rows `index` of `batch` in micro-batches (_packed_rows: `size` rows each, or packed by length within a
-    budget of max_tokens tokens), each with the padding columns that are empty in it trimmed away (less compute;
-    results are unchanged since padding is masked, and the loss weights are global). Yields (rows, micro-batch)."""
+    """The rows `index` of `batch` in micro-batches (_packed_rows), each with the padding columns empty in it trimmed
+    away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
         T = int(mb["mask"].sum(-1).max().clamp(min=2))  # longest completion, at least 2 (see _predicting_outputs)
@@ -1314,9 +1038,17 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
                 mb[k] = v[:, :T]
         yield rows, mb
 
+
 # -----------------------------------------------------------------------------------------------------------------
-# 8b. Log-probs of completion tokens under a model (the trainer's, and the old ones): a shared prompt runs once per
-#     group, and the output layer runs in chunks so that the logits of a long completion never exist all at once.
+# 8a. Any model's output layer: what a family's forward does to the result of its output layer, so that log-probs
+#     computed a chunk of positions at a time (token_logprobs) are that forward's own.
+def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Log-probs (..., V) with the tokens outside the top_p nucleus set to -inf (not renormalised): the tokens whose
+    cumulative probability from the least likely up stays <= 1 - top_p are dropped, the most likely always kept."""
+    sorted_logp, order = logp.sort(-1)  # ascending
+    drop = sorted_logp.exp().cumsum(-1) <= 1 - top_p
+    drop[..., -1] = False
+    return logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
 
 
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool, top_p: float = 1.0):
@@ -1341,7 +1073,7 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
 
 
 def _softcap(logits, cap):
-    """Gemma's final logit soft-capping, written as its forwards write it (cap None: none)."""
+    """Gemma's final logit soft-capping, as its forwards write it (cap None: none)."""
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
@@ -1350,15 +1082,12 @@ def _vocab_cut(logits, size):
     return logits if size is None or size >= logits.shape[-1] else logits[..., :size]
 
 
-# What a family's forward does to the result of its output layer before returning it as its logits, by
-# config.model_type: a survey of every ...ForCausalLM (and every class AutoModelForCausalLM maps to) in transformers
-# 5.19. Keyed by family, not by config attribute, because the attributes do not mean one thing: Granite divides its
-# logits by `logits_scaling`, HyperCLOVAX multiplies them by it, and MiniCPM3 divides the hidden state before its
-# output layer by it; Gemma3ForConditionalGeneration ignores a `final_logit_softcapping` that Gemma3ForCausalLM
-# applies. What a forward does to the hidden state before its output layer (MiniCPM3's `/ logits_scaling`, Inkling's
-# `/ logits_mup_width_multiplier`, HY-V4's cast) needs no entry: _head_inputs_as_logits records the output layer's
-# input as the forward feeds it. A family not listed returns its output layer's result as is; check_chunked_logprobs
-# refuses, at start-up, a model whose forward does something else. Tested family by family in tests/test_heads.py.
+# What a family's forward does to its output layer's result before returning it as logits, by config.model_type: a
+# survey of every ...ForCausalLM in transformers 5.19 (tests/test_heads.py checks each family). By family, not by
+# config attribute: Granite divides its logits by `logits_scaling`, HyperCLOVAX multiplies them by it, MiniCPM3
+# divides the hidden state before its output layer by it. What a forward does before its output layer needs no
+# entry (_head_inputs_as_logits records the layer's input); a family that does something else after it is refused
+# at start-up (check_chunked_logprobs).
 _LOGIT_TRANSFORMS = {
     **dict.fromkeys(["gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma",
                      "nanochat"], lambda model, x: _softcap(x, model.config.final_logit_softcapping)),
@@ -1377,16 +1106,15 @@ _LOGIT_TRANSFORMS = {
 
 
 def head_logits(model, head, hidden):
-    """The logits `model`'s forward returns for `hidden` (B, t, H), the input of its output layer `head` as the
-    forward feeds it: the output layer itself (the module, so a wrapped or LoRA'd head works too), then what the
-    family's forward does to its result (_LOGIT_TRANSFORMS: soft-cap, scale, cast, vocabulary cut)."""
+    """The logits `model`'s forward returns for `hidden` (B, t, H), the input of its output layer `head`: the layer
+    itself (the module, so a wrapped or LoRA'd head works too), then what the family's forward does to its result."""
     transform = _LOGIT_TRANSFORMS.get(getattr(model.config, "model_type", None))
     logits = head(hidden)
     return logits if transform is None else transform(model, logits)
 
 
 def _chunk_logprobs(model, head, hidden, targets, temperature: float, with_entropy: bool, top_p: float):
-    """head_logits and _logprobs_of_logits on a chunk of positions: hidden (B, t, H) -> (B, t) log-probs."""
+    """head_logits and _logprobs_of_logits on a chunk of positions: hidden (B, t, H) -> (B, t)."""
     return _logprobs_of_logits(head_logits(model, head, hidden), targets, temperature, with_entropy, top_p)
 
 
@@ -1397,8 +1125,8 @@ def _model_name(model) -> str:
 
 @contextlib.contextmanager
 def _head_forward(head, forward):
-    """Inside, head(x) runs forward(x) (an instance attribute shadows the class's forward; one already there, such
-    as a hook library's wrapper, is put back after)."""
+    """Inside, head(x) runs forward(x) (an instance attribute shadows the class's forward; one already there is put
+    back after)."""
     saved = head.__dict__.get("forward")
     head.forward = forward
     try:
@@ -1412,14 +1140,11 @@ def _head_forward(head, forward):
 
 @contextlib.contextmanager
 def _head_inputs_as_logits(model, head):
-    """Inside, the model's forward returns, where its logits would be, the input of its output layer `head`: the
-    hidden state (B, t, H) exactly as the forward feeds its head (any scaling before the head included), so that
-    token_logprobs can apply head_logits to it a chunk of positions at a time. The head records its input and
-    returns an empty (B, t, 0) placeholder, on which whatever the forward does after the head (soft-cap, scale, cast)
-    runs at no cost; a forward hook, run before FSDP2's own, then puts the recorded input in the output's `logits`
-    (so FSDP2 hooks its pre-backward on it, as on logits). Under FSDP2 the root module's parameters (the head's among
-    them) stay gathered after its forward, so the chunks can use the head after it. A forward that does not call its
-    head exactly once raises RuntimeError (check_chunked_logprobs refuses such a model at start-up)."""
+    """Inside, the model's forward returns, where its logits would be, the input of its output layer: the hidden state
+    (B, t, H) as the forward feeds its head, for token_logprobs to apply head_logits a chunk at a time. The head records
+    its input and returns an empty (B, t, 0) placeholder, which whatever the forward does after the head runs on at no
+    cost; a forward hook (run before FSDP2's own, which then hooks its pre-backward on it) puts the recorded input in
+    the output's `logits`. A forward that does not call its head exactly once raises RuntimeError."""
     inputs = []
 
     def record(hidden):
@@ -1443,20 +1168,20 @@ def _head_inputs_as_logits(model, head):
         handle.remove()
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# 8b. Log-probs of completion tokens under a model, pi (trained) and pi_old: a group's prompt runs once, and the
+#     output layer runs in chunks of positions, so the logits of a long completion never exist all at once.
 def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
-    """The model's outputs (logits, or hidden states while the output layer is bypassed) at the T positions that
-    predict the last T tokens of each row: (B, T, .). position_ids follow the attention mask, so left padding does not
-    shift positions, and only those positions go through the output layer (`logits_to_keep`).
-
-    Shared prompts: when `groups` (B,) is given, each group's prompt is run once and its KV cache indexed out to its
-    rows (an autograd op, so the gradient of every row flows back into the one prompt forward) before the completions
-    run on top of it: the same values and gradients as the rows run whole (tested), with the prompt's compute spent
-    once per group instead of G times. Checkpointed layers drop a KV cache in training mode, so a checkpointed model
-    runs its rows whole, and so does a model whose cache cannot be indexed out (check_logprob_paths sets
-    model.shares_prompts).
-    Lockstep: which path runs decides how many forwards of the (sharded) model a micro-batch makes, so it depends only
-    on the model and the config (groups given, checkpointing on), never on the data; micro-batches are at least 2
-    completion columns wide (make_batch, micro_batches) so that the completion forward always has a token to run."""
+    """The model's outputs (logits, or hidden states while the output layer is captured) at the T positions that
+    predict the last T tokens of each row: (B, T, .), position_ids following the attention mask (left padding does not
+    shift positions). With `groups` (B,) each group's prompt runs once and its KV cache is indexed out to its rows (an
+    autograd op: every row's gradient flows back into the one prompt forward), then the completions run on top of it:
+    the same values and gradients as the rows run whole, the prompt's compute spent once per group. A checkpointed model
+    runs rows whole (its layers drop the cache in training mode), and so does one whose cache cannot be indexed out
+    (model.shares_prompts, set by check_logprob_paths).
+    Lockstep: the path decides how many forwards of the sharded model a micro-batch makes, so it depends only on the
+    model and the config, never on the data; micro-batches are at least 2 completion columns wide (make_batch,
+    micro_batches), so the completion forward always has a token to run."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if groups is None or not getattr(model, "shares_prompts", True) or (
             model.training and getattr(model, "is_gradient_checkpointing", False)):
@@ -1478,19 +1203,14 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                    with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0):
-    """log pi(token) (B, T) for the last T tokens of each row, and a second (B, T) output (no grad): the token
-    entropy with with_entropy, else with top_p < 1 the log-probs renormalised over the nucleus, else None
-    (_logprobs_of_logits); `groups` (B,) lets rows that share a prompt run it once (_predicting_outputs).
-
-    Memory at a real vocabulary: the logits of the whole micro-batch are (B, T, V) floats, about 50 GB for B = 4,
-    T = 20,480, V = 151,936, and the log-softmax and the entropy make more of that size. With chunk_tokens > 0 and
-    B * T above it, the model returns the input of its output layer (B, T, H) instead (_head_inputs_as_logits), and
-    the output layer with whatever the family's forward does to its result (head_logits: Gemma's soft-cap, Cohere's
-    and Granite's scales, ...), the log-softmax and the entropy run on chunks of positions of at most chunk_tokens
-    tokens (B x positions); in the backward each chunk's logits are recomputed (activation checkpointing) rather than
-    kept. Peak memory then grows with chunk_tokens x V, not B x T x V; the values and gradients are the same up to
-    float rounding (tests/test_heads.py: every family, to 1e-10 in float64; bench/logprob_memory.py measures both).
-    A family whose forward does something head_logits does not know: check_chunked_logprobs refuses it at start-up."""
+    """log pi(token) (B, T) for the last T tokens of each row, and a second (B, T) output (no grad): the entropy with
+    with_entropy, else with top_p < 1 the log-probs renormalised over the nucleus, else None; `groups` (B,) lets rows
+    that share a prompt run it once (_predicting_outputs).
+    Memory: the logits of a micro-batch are (B, T, V) floats, 25 GB in float32 for B x T = 2 x 20,480 at V = 151,936,
+    and the log-softmax, entropy and backward make several. With chunk_tokens > 0 (and B x T above it) the model returns
+    its output layer's input instead, and head_logits, the log-softmax and the entropy run on chunks of chunk_tokens
+    tokens, each recomputed in the backward: peak memory grows with chunk_tokens x V, values and gradients are the same
+    (tests/test_heads.py, every family, to 1e-10 in float64; bench/logprob_memory.py measures the memory)."""
     T = num_completion_tokens
     targets = input_ids[:, -T:]  # (B, T)
     if chunk_tokens <= 0 or input_ids.shape[0] * T <= chunk_tokens:  # small enough: the whole logits at once
@@ -1512,19 +1232,49 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     return torch.cat(logps, 1), torch.cat(entropies, 1) if with_entropy or top_p < 1 else None
 
 
+def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
+    """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of --logprob_chunk
+    tokens, each group's prompt run once: (logp (B, T), the entropy with with_entropy, or the log-probs renormalised
+    over the --top_p nucleus with with_nucleus, or None)."""
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
+                          with_entropy, cfg.logprob_chunk, mb.get("group"), cfg.top_p if with_nucleus else 1.0)
+
+
+@torch.no_grad()
+def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
+    """pi_old of the clipped ratio, by one rule: the engine's log-probs when they are exactly the trainer's (`exact`:
+    our sampler in float32 at top_p = 1, the trainer's own weights and arithmetic), else recomputed by the trainer for
+    every row before the step's first update (no grad). Returns the batch's new entries: old_logp (B, T) [and
+    old_logp_nucleus (B, T) with top_p < 1: pi_old renormalised over its own nucleus, what the engine's log-probs of
+    its nucleus samples compare with]; an exact engine's rollout_logp becomes old_logp, an inexact one's stays."""
+    if exact:
+        return {"old_logp": batch.pop("rollout_logp")}
+    out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
+    if cfg.top_p < 1:
+        out["old_logp_nucleus"] = torch.zeros_like(out["old_logp"])
+    for rows, mb in micro_batches(batch, torch.arange(len(batch["mask"])), cfg.micro_batch_size,
+                                  cfg.micro_batch_tokens):
+        with autocast(cfg.dtype, device):
+            logp, nucleus_logp = batch_logprobs(model, mb, cfg, with_nucleus=cfg.top_p < 1)
+        out["old_logp"][rows, :logp.shape[1]] = logp.float()
+        if cfg.top_p < 1:
+            out["old_logp_nucleus"][rows, :logp.shape[1]] = nucleus_logp.float()
+    reshard(model)
+    return out
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 8c. The models as the trainer uses them: the start-up checks of token_logprobs' two shortcuts (chunks, a shared
+#     prompt) on the model still unsharded, then FSDP2, then the rollout engine's calibration; the KL anchor.
 @torch.no_grad()
 def check_chunked_logprobs(model, dtype: str = "float32"):
-    """Start-up check for --logprob_chunk > 0: exits through die() (one line naming the model's class and saying to
-    use --logprob_chunk 0) unless token_logprobs' chunks compute what the model's own forward computes, i.e. refuses
-    a family whose forward does around its output layer something head_logits does not know, or does not call its
-    output layer (exactly once). `dtype`: the trainer's --dtype (the probe runs under the same autocast).
-
-    A probe of one row of 8 tokens, without gradients, in two forwards: (1) the model's own forward, its output
-    layer spied on: head_logits of the layer's recorded input must give back the logits the forward returned (the
-    same operations on the same numbers: equal up to one rounding of the compute dtype, so a missing soft-cap or
-    scale shows in bfloat16 too); (2) token_logprobs in chunks of one position against the log-probs and entropies of
-    those logits (a few roundings). Under FSDP2 these are forwards of the sharded model: call it on every rank, at
-    the same point of start-up (the probe is the same on all ranks, so all of them pass or all exit)."""
+    """Exit 2 with one line (naming the model's class, saying to use --logprob_chunk 0) unless token_logprobs'
+    chunks compute what the model's own forward computes: a probe of one row of 8 tokens, no grad, under the trainer's
+    autocast. (1) The model's forward with its output layer spied on: head_logits of the layer's recorded input must
+    give back the forward's logits (the same elementwise operations on the same numbers: one rounding of the compute
+    dtype apart; a missing soft-cap or scale is far more). (2) token_logprobs in chunks of one position must run and
+    match those logits' log-probs (to 1e-3 of the logits' scale: a log-softmax over a large vocabulary rounds to a few
+    1e-4 in float32 depending on the batch's shape; a wrong chunking is off by far more). The same on every rank."""
     head = model.get_output_embeddings()
 
     def refuse(why: str):
@@ -1535,8 +1285,7 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
         refuse("it has no output layer")
     embeddings = model.get_input_embeddings()
     ids = 3 + torch.arange(8, device=embeddings.weight.device)[None] * 7 % (min(embeddings.num_embeddings, 64) - 3)
-    attn = torch.ones_like(ids)  # (1, 8): 4 prompt + 4 completion tokens
-    inputs, forward = [], head.forward
+    attn, inputs, forward = torch.ones_like(ids), [], head.forward  # ids (1, 8): 4 prompt + 4 completion tokens
 
     def spy(hidden):
         inputs.append(hidden)
@@ -1549,31 +1298,24 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
             refuse(f"its forward called its output layer {len(inputs)} times, not once")
         ours = head_logits(model, head, inputs[0])
         try:
-            logp, entropy = token_logprobs(model, ids, attn, 4, 1.0, True, chunk_tokens=1)  # chunks of 1 position
+            logp = token_logprobs(model, ids, attn, 4, 1.0, False, chunk_tokens=1)[0]  # chunks of 1 position
         except Exception as e:  # e.g. a forward that needs its output layer's result to be logits
             refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     eps = max(torch.finfo(t).eps for t in (logits.dtype, ours.dtype, head.weight.dtype, getattr(torch, dtype)))
     scale = 1.0 + logits.abs().max().item()
-    if ours.shape != logits.shape:
-        refuse(f"its forward turns the output layer's result into logits of shape {tuple(logits.shape)}, not "
-               f"{tuple(ours.shape)}, in a way common.head_logits does not know")
-    gap = (ours - logits).abs().max().item()
-    if not gap <= eps * scale:  # (NaN fails too)
-        refuse(f"its forward changes the output layer's result in a way common.head_logits does not know: logits "
-               f"off by {gap:.3g}")
-    logp0, entropy0 = _logprobs_of_logits(logits[:, 3:7], ids[:, 4:], 1.0, True)
-    gap = max((logp - logp0).abs().max().item(), (entropy - entropy0).abs().max().item())
-    if not gap <= 8 * eps * scale:
+    if ours.shape != logits.shape or not (ours - logits).abs().max().item() <= eps * scale:  # (NaN fails too)
+        refuse("its forward changes its output layer's result in a way common.head_logits does not know")
+    gap = (logp - _logprobs_of_logits(logits[:, 3:7], ids[:, 4:], 1.0, False)[0]).abs().max().item()
+    if not gap <= max(1e-3, 8 * eps) * scale:
         refuse(f"chunked log-probs off by {gap:.3g}")
 
 
 @torch.no_grad()
 def check_logprob_paths(model, cfg):
-    """Start-up checks of token_logprobs' two shortcuts on a model (before shard_model: on the CPU, unsharded, so a
-    failure costs no collective): with --logprob_chunk > 0, that its chunks compute the model's own log-probs
-    (check_chunked_logprobs, else exit 2); and whether its KV cache can be shared by a group's rows
-    (_predicting_outputs), recorded as model.shares_prompts: a probe of two rows with one prompt, whole and shared,
-    must agree (hybrid and recurrent caches of some families cannot be indexed out; they run rows whole)."""
+    """Start-up checks of token_logprobs' two shortcuts on a model still on the CPU and unsharded (a failure costs no
+    collective): with --logprob_chunk > 0, check_chunked_logprobs; and whether a group's rows can share its prompt's KV
+    cache, recorded as model.shares_prompts (two rows with one prompt, whole and shared, must agree; the hybrid and
+    recurrent caches of some families cannot be indexed out, and their rows run whole)."""
     if cfg.logprob_chunk > 0:
         check_chunked_logprobs(model, cfg.dtype)
     ids = 3 + torch.arange(12).view(2, 6) % 5  # (2, 6): a shared prompt of 3 tokens, then 3 different ones each
@@ -1593,69 +1335,32 @@ def check_logprob_paths(model, cfg):
         print0(f"note: {_model_name(model)}'s KV cache cannot be shared by a group's rows: each row runs its prompt")
 
 
-def load_reference_model(path: str, cfg, dist_info: DistInfo):
-    """The KL anchor: the initial model (also after a resume), frozen, checked and sharded like the trainer; None
-    without KL."""
-    if cfg.kl_coef <= 0:
-        return None
-    model = load_model(path)[0].requires_grad_(False)
+def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
+    """The trained model, checked (check_logprob_paths), sharded and on the device, with the rollout engine
+    calibrated against it (vLLM: the weight-sync probe's start-up gap); and the KL anchor (the initial model, also
+    after a resume, frozen, checked and sharded alike; None without --kl_coef). Returns (model, ref_model)."""
     check_logprob_paths(model, cfg)
-    return shard_model(model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
+    model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    engine.calibrate(model)
+    if cfg.kl_coef <= 0:
+        return model, None
+    ref_model = load_model(base_path)[0].requires_grad_(False)
+    check_logprob_paths(ref_model, cfg)
+    return model, shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
 
-
-def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
-    """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of
-    --logprob_chunk tokens, each group's prompt run once: (logp (B, T), and the entropy (B, T) with with_entropy,
-    or the log-probs renormalised over the --top_p nucleus with with_nucleus, or None)."""
-    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
-                          with_entropy, cfg.logprob_chunk, mb.get("group"), cfg.top_p if with_nucleus else 1.0)
-
-
-@torch.no_grad()
-def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
-    """pi_old of the clipped ratio, by one rule: the engine's log-probs when they are exactly the trainer's (`exact`:
-    HFRollout in float32 sampling at top_p = 1, with the trainer's own weights and arithmetic), else the trainer's,
-    recomputed for every row before the step's first update (no grad, in micro-batches). Returns the batch's new
-    entries: old_logp (B, T); with an inexact engine also old_logp_nucleus (B, T) when top_p < 1 (pi_old renormalised
-    over its top_p nucleus: what the engine's log-probs of its nucleus samples compare with, rollout_correction), and
-    the engine's log-probs stay in the batch as rollout_logp (to measure and correct the mismatch); with an exact
-    one, rollout_logp becomes old_logp."""
-    if exact:
-        return {"old_logp": batch.pop("rollout_logp")}
-    out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
-    if cfg.top_p < 1:
-        out["old_logp_nucleus"] = torch.zeros_like(out["old_logp"])
-    for rows, mb in micro_batches(batch, torch.arange(len(batch["mask"])), cfg.micro_batch_size,
-                                  cfg.micro_batch_tokens):
-        with autocast(cfg.dtype, device):
-            logp, nucleus_logp = batch_logprobs(model, mb, cfg, with_nucleus=cfg.top_p < 1)
-        out["old_logp"][rows, :logp.shape[1]] = logp.float()
-        if cfg.top_p < 1:
-            out["old_logp_nucleus"][rows, :logp.shape[1]] = nucleus_logp.float()
-    reshard(model)
-    return out
 
 # -----------------------------------------------------------------------------------------------------------------
-# 9. Loss: GRPO advantages, the per-token weights of each aggregation, the clipped surrogate (with GSPO's sequence
-#    ratio, dual clip and k3 KL as options), one micro-batch's forward + loss, and the guarded optimizer step.
-
-
-def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantage per completion from rewards (N, G): (r - mean) / (std + eps) with the unbiased std, as verl
-    computes it; Dr. GRPO drops the std (std_norm=False). Example: rewards [1, -1, -1, 1] -> [0.866, -0.866, ...]."""
-    assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
-    centered = rewards - rewards.mean(-1, keepdim=True)
-    return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
-
-
+# 9. The update: each token's clipped surrogate (the papers agree on it), which each script weighs and sums its own
+#    way (DAPO's token mean, GRPO's per-sequence mean, Dr. GRPO's constant: loss_weights; DARO's per-bin means times
+#    w_mu), one micro-batch's forward, and the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
-    """Per-token weights (B, T) that turn a sum of token losses into the chosen aggregation over the WHOLE optimizer
-    update. The denominators are summed over every micro-batch and every rank before the micro-batch loop, so the
-    loss and gradient do not depend on how the update is split (verl passes the global token count for this).
+    """Per-token weights (B, T) that turn the sum of an update's token losses into the chosen aggregation over the
+    WHOLE update: the denominators are summed over every micro-batch and rank before the micro-batch loop, so the loss
+    and gradient do not depend on how the update is split (verl passes the global token count for this).
       token-mean               1 / (#completion tokens)                     DAPO
       seq-mean-token-mean      1 / (#sequences * |o_i|)                     GRPO, GSPO
       seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)            Dr. GRPO (a constant, not batch lengths)
-    A floating-point mask keeps its dtype (float64 checks against a peer's numbers), an integer one becomes float32."""
+    A floating-point mask keeps its dtype (float64 tests), an integer one becomes float32."""
     mask = mask if mask.is_floating_point() else mask.float()
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
@@ -1668,20 +1373,17 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
     raise ValueError(f"unknown loss_agg {loss_agg!r}")
 
 
-def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high: float, clip_ratio_c: float = 0.0,
+def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *, clip_ratio_c: float = 0.0,
                 seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0, is_weight=None):
-    """Clipped surrogate, summed with `weights` (B, T) (which also carry the mask and the aggregation).
-
-    token loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            PPO/GRPO, DAPO's decoupled clip
-    dual clip (clip_ratio_c > 1): for A < 0 the loss is capped at -A * clip_ratio_c
-    seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)), so every token of a
-        completion shares the length-normalised sequence ratio and the whole sequence is clipped together
-    kl_coef > 0: + kl_coef * k3 estimate of KL(pi || pi_ref) per token
-    is_weight (B, T): the rollout correction's truncated pi_old / pi_rollout, multiplying the clipped surrogate of
-        each token (not the KL term), as verl and TRL apply it
-    Returns (loss, stats) with stats = weighted sums of clipped tokens (low / high) for logging. Everything is
-    computed in the dtype of the inputs (float64 in, float64 out)."""
-    mask = (weights > 0).to(weights.dtype)
+    """Each token's loss (B, T): the clipped surrogate, in the inputs' dtype; the caller weighs and sums it.
+      max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))          PPO/GRPO, DAPO's decoupled clip
+      clip_ratio_c > 1 (dual clip): for A < 0 the loss is capped at -A * clip_ratio_c
+      seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)): every token of a
+        completion shares the length-normalised sequence ratio, and the whole sequence is clipped together
+      is_weight (B, T): rollout_correction's pi_old / pi_rollout, on the surrogate only (as verl and TRL apply it)
+      kl_coef > 0: + kl_coef * the k3 estimate of KL(pi || pi_ref)
+    Returns (token losses (B, T), the counts of clipped tokens among `mask`'s, below and above, for logging)."""
+    mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # (B, T)
     if seq_ratio:
         seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
@@ -1696,60 +1398,16 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low: float, clip_high:
     if kl_coef > 0:
         delta = ref_logp - logp
         token_loss = token_loss + kl_coef * (torch.exp(delta) - delta - 1)  # k3 estimator, >= 0
-    loss = (token_loss * weights).sum()
     with torch.no_grad():
         stats = {"clip_low": (((ratio < 1 - clip_low) & (adv < 0)).float() * mask).sum(),
                  "clip_high": (((ratio > 1 + clip_high) & (adv > 0)).float() * mask).sum()}
-    return loss, stats
+    return token_loss, stats
 
 
-def rollout_correction(batch: dict, cfg) -> dict:
-    """Correct the mismatch between the rollout engine's sampling distribution and the trainer's pi_old (vLLM samples
-    with its own kernels, in bf16 on GPUs), with --rollout_is token | sequence: a truncated importance weight
-    w = pi_old / pi_rollout, detached, that multiplies each token's clipped surrogate (policy_loss's is_weight).
-      token      w_t = exp(log pi_old_t - log pi_rollout_t)
-      sequence   w_i = exp(sum_t (log pi_old_t - log pi_rollout_t)), the product over the completion, on every token
-    Truncation (default): w <- min(w, C), C = --rollout_is_cap (2 by default, as verl). With --rollout_is_mask the
-    tokens (or whole sequences) whose w lies outside [1/C, C] are rejected instead: they leave batch["loss_mask"],
-    so they leave the loss's denominator too (zeroing only their weight would still count them: the bug verl fixed
-    in v0.6.1 and TRL 1.16's *_mask modes still have); the others keep their untruncated w.
-    Where we differ from the peers: one cap C for both bounds (verl: an
-    upper cap for truncation, a ratio band such as [0.5, 2] for rejection; TRL: clamp(min, max), default max 3), no
-    'bypass' mode (pi_old is always the trainer's recomputed log-prob), no veto, and no geometric-mean level.
-    Like with like: with top_p < 1 the engine's log-probs are of the nucleus it sampled from, so pi_old is taken
-    renormalised over its own nucleus too (old_logp_nucleus); against the full softmax, even a perfect engine would
-    get weights below 1 that shrink with every token.
-    Needs batch["old_logp"] and batch["rollout_logp"] (an engine whose log-probs are not the trainer's); a no-op
-    ({}) without them. Returns the rollout_is/* metrics over all ranks: the mean and max weight applied, the share
-    of loss tokens whose raw weight was truncated (or rejected), all token-weighted."""
-    if cfg.rollout_is == "none" or "rollout_logp" not in batch:
-        return {}
-    mask = batch["mask"].to(batch["old_logp"].dtype)  # (B, T)
-    log_r = (batch.get("old_logp_nucleus", batch["old_logp"]) - batch["rollout_logp"]) * mask  # (B, T)
-    if cfg.rollout_is == "sequence":
-        log_r = log_r.sum(-1, keepdim=True).expand_as(mask)  # the sequence's log ratio on each of its tokens
-    raw = torch.exp(log_r.clamp(-20, 20))  # (B, T)
-    cap = cfg.rollout_is_cap
-    outside = ((raw > cap) | (raw < 1 / cap)) if cfg.rollout_is_mask else raw > cap
-    if cfg.rollout_is_mask:
-        batch["loss_mask"] = batch["loss_mask"] * ~outside
-        weight = raw
-    else:
-        weight = raw.clamp(max=cap)
-    batch["is_weight"] = (weight * mask).detach()
-    tokens = all_reduce_sum(mask.sum()).clamp(min=1)
-    kept = mask * batch["loss_mask"]
-    return {"rollout_is/weight_mean": (all_reduce_sum((weight * kept).sum()) / all_reduce_sum(kept.sum()).clamp(
-                min=1)).item(),
-            "rollout_is/weight_max": all_reduce_max((weight * kept).max()).item(),
-            ("rollout_is/masked_frac" if cfg.rollout_is_mask else "rollout_is/truncated_frac"):
-                (all_reduce_sum((outside * mask).sum()) / tokens).item()}
-
-
-def micro_batch_loss(model, ref_model, mb: dict, cfg, device: torch.device, metrics):
-    """Forward one micro-batch and return its share of the update's loss (policy_loss with mb["weight"] and, with
-    --rollout_is, mb["is_weight"]), adding its entropy, clipped-token counts, tokens, padding and (an engine whose
-    log-probs are not the trainer's) the rollout/trainer log-prob gap to `metrics`."""
+def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
+    """Forward one micro-batch: each token's loss (B, T) (policy_loss, with the KL anchor's log-probs and
+    --rollout_is's weights when asked), for the script to weigh and sum; its entropy, clipped-token counts, tokens,
+    padding and (an engine whose log-probs are not pi_old) the engine/trainer log-prob gap go to `sums`."""
     with autocast(cfg.dtype, device):
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
@@ -1759,28 +1417,28 @@ def micro_batch_loss(model, ref_model, mb: dict, cfg, device: torch.device, metr
             reshard(ref_model)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights: log r = log pi_old - log pi_rollout
         log_r = (mb.get("old_logp_nucleus", mb["old_logp"]) - mb["rollout_logp"]) * mb["mask"]
-        metrics.add(logprob_diff=log_r.abs().sum().item(), kl_k1=-log_r.sum().item(),
-                    kl_k3=((torch.exp(log_r) - 1 - log_r) * mb["mask"]).sum().item())
-    loss, stats = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], cfg.clip_low, cfg.clip_high,
-                              cfg.clip_ratio_c, cfg.seq_ratio, ref_logp, cfg.kl_coef, mb.get("is_weight"))
-    metrics.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=stats["clip_low"].item(),
-                clip_high=stats["clip_high"].item(), tokens=mb["mask"].sum().item(),
-                loss_tokens=(mb["weight"] > 0).sum().item(), forward_tokens=mb["attention_mask"].numel(),
-                real_tokens=mb["attention_mask"].sum().item())
-    return loss
+        sums.add(logprob_diff=log_r.abs().sum().item(), kl_k1=-log_r.sum().item(),
+                 kl_k3=((torch.exp(log_r) - 1 - log_r) * mb["mask"]).sum().item())
+    token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
+                                      clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
+                                      kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
+    sums.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=clipped["clip_low"].item(),
+             clip_high=clipped["clip_high"].item(), tokens=mb["mask"].sum().item(),
+             forward_tokens=mb["attention_mask"].numel(), real_tokens=mb["attention_mask"].sum().item())
+    return token_loss
 
 
 class UpdateGuard:
     """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or the
-    gradient is not finite on some rank; then the update is skipped and its gradients dropped, so one bad batch cannot
-    poison the weights. After max_bad_updates skipped updates in a row the run stops (exit 1) with a hint. Either
-    way the gradients are freed after the step (set to None), so none lives through the next rollout."""
+    gradient is not finite on some rank; then the update is skipped (every rank agrees), so one bad batch cannot poison
+    the weights. After max_bad_updates skipped in a row the run stops (exit 1) with a hint. Either way the gradients
+    are freed after the step, so none lives through the next rollout."""
 
     def __init__(self, max_bad_updates: int):
         self.max_bad, self.in_a_row = max_bad_updates, 0
 
-    def step(self, model, opt, grad_clip: float, loss_value: float, metrics, where: str) -> bool:
-        """Returns whether the update was applied; adds loss, grad_norm (or skipped) to `metrics`."""
+    def step(self, model, opt, grad_clip: float, loss_value: float, sums: Sums, where: str) -> bool:
+        """Returns whether the update was applied; adds loss, grad_norm (or skipped) to `sums`."""
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         grad_norm = full_tensor(norm)  # the same global norm on every rank
         world = dist.get_world_size() if is_dist() else 1
@@ -1790,10 +1448,10 @@ class UpdateGuard:
             opt.step()
         opt.zero_grad(set_to_none=True)  # freed at once: no gradient lives through the next rollout
         if applied:
-            metrics.add(loss=loss_value, grad_norm=grad_norm.item() / world)
+            sums.add(loss=loss_value, grad_norm=grad_norm.item() / world)
             self.in_a_row = 0
             return True
-        metrics.add(skipped=1.0 / world)
+        sums.add(skipped=1.0 / world)
         self.in_a_row += 1
         print0(f"warning: {where}: non-finite loss or gradient; update skipped")
         if self.in_a_row >= self.max_bad:
@@ -1802,13 +1460,11 @@ class UpdateGuard:
             raise SystemExit(1)
         return False
 
+
 # -----------------------------------------------------------------------------------------------------------------
 # 10. Evaluation: avg@k (mean accuracy over k samples per problem) and unbiased pass@k, per difficulty level too.
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a stable product (Chen et al.
-    2021)."""
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
     if n - c < k:
         return 1.0
     prod = 1.0
@@ -1819,9 +1475,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @torch.no_grad()
 def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1) -> dict:
-    """Sample cfg.eval_samples completions per problem under a private seeded RNG (the same weights always get the
-    same score, and the training RNG stream is untouched). Returns eval/acc (avg@k), eval/pass@k for k = 1, 2, 4, ...
-    up to eval_samples, and eval/acc_level<l> for every difficulty level present."""
+    """cfg.eval_samples completions per problem (each rank its stride) from a private seeded stream: the same weights
+    always get the same score, and the training stream is untouched (our sampler: torch's RNG, forked; vLLM: seeded
+    requests). Returns eval/acc (avg@k), eval/pass@k for k = 1, 2, 4, ... up to eval_samples, eval/acc_level<l>."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
     with torch.random.fork_rng(devices=devices):  # our sampler draws from torch's RNG; vLLM seeds each request
@@ -1845,83 +1501,41 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
 
 
 def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0, world_size: int = 1) -> dict:
-    """evaluate() on each named eval set: keys eval/<set>/acc, eval/<set>/pass@k, ... per set, and the unprefixed
-    eval/acc, eval/pass@k (the mean over sets) and eval/acc_level<l> (over all sets) for the run's headline."""
+    """evaluate() on each named eval set: keys eval/<set>/acc, eval/<set>/pass@k, ...; and eval/acc, eval/pass@k (the
+    mean over sets) and eval/acc_level<l> (over all sets), the run's headline."""
     out, per_set = {}, []
     for name, problems in eval_sets.items():
-        m = evaluate(engine, tok, problems, cfg, rank, world_size)
-        per_set.append(m)
-        out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in m.items()})
+        scores = evaluate(engine, tok, problems, cfg, rank, world_size)
+        per_set.append(scores)
+        out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in scores.items()})
     for key in per_set[0]:
-        values = [m[key] for m in per_set if key in m]
+        values = [s[key] for s in per_set if key in s]
         out[key] = sum(values) / len(values)
     return out
 
+
 # -----------------------------------------------------------------------------------------------------------------
-# 11. Logging: one fixed-format line per step (through tqdm.write, so the bar stays intact) and one JSON record per
-#     step and per evaluation in metrics.jsonl, the source of truth; samples.jsonl holds a few completions now and
-#     then, config.json the config used. Metrics sums micro-batch numbers and reduces them over ranks; StepTimer times
-#     the phases of a step.
-
-
-class Metrics:
-    """Sums of per-micro-batch and per-update numbers on this rank; reduce() sums each over all ranks in one
-    all_reduce (every rank must hold the same names, hence the fixed list given at creation)."""
-
-    def __init__(self, *names: str):
-        self.sums = dict.fromkeys(names, 0.0)
-
-    def add(self, **values: float):
-        for name, value in values.items():
-            self.sums[name] += float(value)
-
-    def reduce(self) -> dict:
-        totals = all_reduce_sum(torch.tensor(list(self.sums.values())))  # float32, like every logged sum
-        return dict(zip(self.sums, totals.tolist()))
-
-
-TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "loss_tokens", "skipped",
-              "logprob_diff", "kl_k1", "kl_k3", "forward_tokens", "real_tokens")
-
-
+# 11. Logging: one fixed-format line per step (through tqdm.write, so a bar stays intact) and one JSON record per step
+#     and per evaluation in metrics.jsonl, the source of truth; samples.jsonl holds a few completions now and then,
+#     config.json the config used; --report_to sends the same records to TensorBoard or wandb.
 def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> dict:
-    """The step's train/* record from the reduced TRAIN_SUMS: means per token or per applied update; the clip
-    fractions are of the tokens the loss counts (rejected ones left out); `mismatch`: rollout/* metrics too."""
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected ones left out)
+    or per applied update; `mismatch` (an engine whose log-probs are not pi_old): the rollout/* gap too."""
     tokens, applied = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
-    loss_tokens = max(totals["loss_tokens"], 1.0)
-    m = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
-         "train/clipfrac_low": totals["clip_low"] / loss_tokens,
-         "train/clipfrac_high": totals["clip_high"] / loss_tokens,
-         "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
-         "train/num_updates": num_updates, "train/lr": lr,
-         "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the update's forwards
+    record = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
+              "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
+              "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
+              "train/num_updates": num_updates, "train/lr": lr,
+              "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the forwards
     if mismatch:  # the rollout engine vs the trainer on the trained tokens: mean |log r|, KL(rollout || old)
-        m.update({"rollout/logprob_diff": totals["logprob_diff"] / tokens, "rollout/kl_k1": totals["kl_k1"] / tokens,
-                  "rollout/kl_k3": totals["kl_k3"] / tokens})
-    return m
-
-
-class StepTimer:
-    """Seconds spent in each phase of a step: `with timer("rollout"): ...`; metrics() gives time/<phase>_s and
-    time/step_s (the whole step so far)."""
-
-    def __init__(self):
-        self.start, self.seconds = time.time(), {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        t0 = time.time()
-        yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - t0
-
-    def metrics(self) -> dict:
-        return {**{f"time/{k}_s": v for k, v in self.seconds.items()}, "time/step_s": time.time() - self.start}
+        record.update({"rollout/logprob_diff": totals["logprob_diff"] / tokens,
+                       "rollout/kl_k1": totals["kl_k1"] / tokens, "rollout/kl_k3": totals["kl_k3"] / tokens})
+    return record
 
 
 class Logger:
-    """metrics.jsonl, samples.jsonl, config.json and the console lines of rank 0, and with --report_to a tracker
-    that gets the same records under the same names. On --resume the records written after the checkpoint are
-    dropped (the resumed run writes them again)."""
+    """metrics.jsonl, samples.jsonl, config.json and the console lines of rank 0, and with --report_to a tracker with
+    the same records under the same names. On --resume the records after the checkpoint are dropped (written again)."""
 
     def __init__(self, cfg, dist_info: DistInfo, resume_step: int = -1):
         self.enabled, self.out_dir, self.tracker = dist_info.is_main, cfg.out_dir, None
@@ -1958,10 +1572,9 @@ class Logger:
 
 
 class Tracker:
-    """An optional experiment tracker beside metrics.jsonl (the source of truth): --report_to tensorboard (event files
-    in out_dir/tensorboard) or wandb (project --wandb_project; run files in out_dir/wandb; offline with
-    WANDB_MODE=offline). Imported only when chosen; the config is logged once, every record's numbers at its step
-    under the metrics.jsonl names. Closed at exit (flushes the last records)."""
+    """--report_to tensorboard (event files in out_dir/tensorboard) or wandb (project --wandb_project, run files in
+    out_dir/wandb; offline with WANDB_MODE=offline), imported only when chosen: the config once, every record's numbers
+    at its step under the metrics.jsonl names; closed at exit."""
 
     def __init__(self, kind: str, out_dir: str, config: dict, wandb_project: str):
         self.kind = kind
@@ -2003,35 +1616,35 @@ def _truncate_jsonl(path: str, last_step: int):
         os.replace(path + ".tmp", path)
 
 
-def format_step(step: int, steps: int, m: dict) -> str:
+def format_step(step: int, steps: int, record: dict) -> str:
     """The one printed line per step: fixed keys, fixed widths, `|` separators."""
-    return (f"step {step:4d}/{steps} | reward {m['train/reward']:+.3f} | acc {m['train/acc']:.3f} | "
-            f"keep {m['train/keep_rate']:.2f} | len {m['train/response_len']:5.1f} | loss {m['train/loss']:+.4f} | "
-            f"ent {m['train/entropy']:.3f} | gnorm {m['train/grad_norm']:.3f} | {m['time/step_s']:.1f}s")
+    return (f"step {step:4d}/{steps} | reward {record['train/reward']:+.3f} | acc {record['train/acc']:.3f} | "
+            f"keep {record['train/keep_rate']:.2f} | len {record['train/response_len']:5.1f} | "
+            f"loss {record['train/loss']:+.4f} | "
+            f"ent {record['train/entropy']:.3f} | gnorm {record['train/grad_norm']:.3f} | {record['time/step_s']:.1f}s")
 
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int) -> dict:
-    """evaluate_sets at `step`: one metrics.jsonl record, and avg@k, pass@1..k and per-level accuracy printed, one
-    line per eval set."""
-    metrics = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
-    logger.log(metrics)
+    """evaluate_sets at `step`: one metrics.jsonl record, and avg@k, pass@1..k and per-level accuracy printed, a line
+    per eval set."""
+    record = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
+    logger.log(record)
     for name in eval_sets:
         prefix = f"eval/{name}/"
-        m = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
-        passes = " | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("pass@"))
-        levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in m.items() if k.startswith("acc_level") and k != "acc_level0")
+        scores = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+        passes = " | ".join(f"{k} {v:.3f}" for k, v in scores.items() if k.startswith("pass@"))
+        levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in scores.items()
+                          if k.startswith("acc_level") and k != "acc_level0")
         label = f" [{name}]" if len(eval_sets) > 1 else ""
-        logger.line(f"eval step {step}{label}: acc {m['acc']:.3f} | {passes}" + (f" | {levels}" if levels else ""))
-    return metrics
+        logger.line(f"eval step {step}{label}: acc {scores['acc']:.3f} | {passes}" + (f" | {levels}" if levels else ""))
+    return record
+
 
 # -----------------------------------------------------------------------------------------------------------------
 # 12. Checkpoints: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM), the
 #     optimizer in torch.distributed.checkpoint's sharded format (resumable on any number of ranks), trainer.pt (the
 #     step, scheduler, data position, the algorithm's state) and one rank<r>.pt per rank (its RNG states and, after a
-#     stop in the middle of a step, that step's unfinished work). Written under a temporary name and renamed, so a
-#     crash mid-write leaves the previous checkpoint intact.
-
-
+#     stop in the middle of a step, that step's remaining work). Written under a temporary name, then renamed.
 def rng_state() -> dict:
     """This rank's RNG states: Python's, numpy's, torch's (CPU and GPUs)."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -2074,13 +1687,12 @@ def full_state_dict(model) -> dict:
 
 def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream, extra: dict,
                     keep: int = 2, pending: dict | None = None) -> str:
-    """Write step_<step>/ atomically and keep the newest `keep` checkpoints. `step` is the last finished step; with
-    `pending` ({"step": an unfinished step, "work": what remains of it on this rank}) the folder takes the unfinished
-    step's number. The model is written through an empty (meta-device) copy of its architecture, so no full second
-    copy of the weights is needed under FSDP; the optimizer through torch.distributed.checkpoint, each rank its own
-    shards, keyed by parameter name (so a run saved on N ranks resumes on M); `extra` is the algorithm's state (the
-    same on every rank). Every rank then checks that it sees the whole checkpoint: several nodes need an --out_dir
-    they all share."""
+    """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step; with `pending`
+    ({"step": an unfinished step, "work": what remains of it on this rank}) the folder takes the unfinished step's
+    number. The model goes through an empty (meta-device) copy of its architecture, so no second full copy exists under
+    FSDP; the optimizer through torch.distributed.checkpoint, each rank its shards, keyed by parameter name (a run
+    saved on N ranks resumes on M); `extra` is the algorithm's state (the same on every rank). Every rank then checks
+    that it sees the whole checkpoint: several nodes need an --out_dir they all share."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
@@ -2128,9 +1740,15 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return found[-1] if found else None
 
 
+def stop_run(engine, where: str):
+    """The end of a run that a stop request (SIGTERM, Ctrl-C) interrupted, after its checkpoint."""
+    print0(f"stopped {where}; continue with --resume")
+    cleanup_dist(engine)
+
+
 def find_checkpoint(cfg) -> str | None:
-    """The checkpoint to resume from with --resume (saying so when out_dir holds none), else None; rank 0's choice,
-    on every rank (their views of the folder could differ while another run writes to it)."""
+    """The checkpoint --resume continues from (saying so when out_dir holds none), else None: rank 0's choice, on every
+    rank."""
     if not cfg.resume:
         return None
     ckpt = [latest_checkpoint(cfg.out_dir)]
@@ -2142,13 +1760,12 @@ def find_checkpoint(cfg) -> str | None:
 
 
 def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
-    """Inverse of save_checkpoint for the trainer state: the optimizer (resharded to this run's ranks), scheduler,
-    data position and this rank's RNG. Without a checkpoint (a fresh run) it seeds the sampling RNGs instead,
-    seed + rank, so that ranks sample differently. On another number of ranks than the checkpoint's, every rank's
-    RNG is seeded afresh from (seed, rank, step), since the saved streams belong to the old ranks; a checkpoint of an
-    unfinished step resumes only on the same number of ranks (its work is split by rank). Returns (the step to
-    continue after, the saved state: the algorithm's own entries, and "pending", this rank's unfinished step or
-    None)."""
+    """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks), scheduler,
+    data position and this rank's RNGs; a fresh run seeds the sampling RNGs instead (seed + rank). On another number
+    of ranks than the checkpoint's, the RNGs are seeded afresh from (seed, rank, step) (the saved streams belong to
+    the old ranks), and a checkpoint of an unfinished step is refused (its work is split by rank). Returns (the step to
+    continue after, the saved state: the algorithm's entries, "eval_due", and "pending": this rank's unfinished step
+    or None)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     if ckpt is None:

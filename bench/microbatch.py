@@ -56,7 +56,8 @@ def main():
         for _, mb in common.micro_batches(batch, rows, args.micro_batch_size if not max_tokens else args.rows,
                                           max_tokens):
             logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
-            loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
+            token_loss = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], 0.2, 0.28)[0]
+            loss = (token_loss * mb["weight"]).sum()
             loss.backward()
             total += loss.item()
             forwarded += mb["attention_mask"].numel()

@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import engine as eng  # noqa: E402
 import da3po  # noqa: E402
 
 PHASES = ("generate", "verify", "old log-probs", "forward", "backward", "optimizer", "sync", "logging")
@@ -68,10 +69,10 @@ def run(workload: str, steps: int, tmp: str):
                   "--overlong_buffer", "32", "--no-dynamic_sampling"]
     cfg = common.parse_config(da3po.Config, flags, da3po.PRESETS)
     clock, prof, marks = Clock(), cProfile.Profile(), []
-    patches = [(common.HFRollout, "generate", "generate"), (common, "verify_batch", "verify"),
-               (da3po, "old_logprobs", "old log-probs"), (da3po, "micro_batch_loss", "forward"),
+    patches = [(eng.HFRollout, "generate", "generate"), (common, "verify_batch", "verify"),
+               (da3po, "old_logprobs", "old log-probs"), (da3po, "token_losses", "forward"),
                (torch.Tensor, "backward", "backward"), (common.UpdateGuard, "step", "optimizer"),
-               (common.HFRollout, "sync_weights", "sync"), (common.Logger, "log", "logging"),
+               (eng.HFRollout, "sync_weights", "sync"), (common.Logger, "log", "logging"),
                (common.Logger, "line", "logging")]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     real_eval, real_timer = da3po.evaluate_and_log, common.StepTimer.metrics

@@ -1,4 +1,4 @@
-"""Rollout throughput, the HF sampler (common.hf_generate) vs vLLM, on the same model and prompts in one run, and what
+"""Rollout throughput, the HF sampler (eng.hf_generate) vs vLLM, on the same model and prompts in one run, and what
 the vLLM path costs per RL step on top of generating (weight sync + sleep/wake) as a share of the step.
 Usage: python bench/rollout.py [--hidden 128 --layers 2] [--model <hf folder>] [--prompts 64 --group 8 --max_new 64]
        [--dtype float32|bfloat16] [--threads 1] [--repeats 3]
@@ -18,6 +18,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import engine as eng  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="", help="a local Hugging Face folder; '' = a fresh demo-architecture model")
@@ -32,7 +33,7 @@ parser.add_argument("--repeats", type=int, default=3)
 args = parser.parse_args()
 torch.set_num_threads(args.threads)  # before the engine: vLLM's CPU worker blocks later changes
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-why_not = common.vllm_usable(device)
+why_not = eng.vllm_usable(device)
 if why_not:
     sys.exit(f"vLLM cannot run here: {why_not}")
 
@@ -63,10 +64,10 @@ def best_of(fn):
 
 
 t0 = time.perf_counter()
-engine = common.VLLMRollout(path, tok, common.DistInfo(device=device), args.dtype, seed=0, cpu_kv_cache_gb=1.0,
+engine = eng.VLLMRollout(path, tok, common.DistInfo(device=device), args.dtype, seed=0, cpu_kv_cache_gb=1.0,
                             max_num_seqs=len(prompts))
 startup = time.perf_counter() - t0
-hf_s, (hf_out, _, _) = best_of(lambda: common.hf_generate(model, tok, prompts, args.max_new, 1.0, 1.0, len(prompts)))
+hf_s, (hf_out, _, _) = best_of(lambda: eng.hf_generate(model, tok, prompts, args.max_new, 1.0, 1.0, len(prompts)))
 vllm_s, (vllm_out, _, _) = best_of(lambda: engine.generate(prompts, args.max_new, 1.0, 1.0))
 hf_tokens, vllm_tokens = sum(map(len, hf_out)), sum(map(len, vllm_out))
 

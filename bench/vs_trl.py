@@ -50,9 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import da3po  # noqa: E402
-from common import (DistInfo, HFRollout, format_prompt, group_advantages, load_data, load_model,  # noqa: E402
+from common import (DistInfo, format_prompt, group_advantages, load_data, load_model,  # noqa: E402
                     loss_weights, make_batch, model_path, policy_loss, resolve_template, roll_groups, shaped_reward,
                     token_logprobs, tokenize_problems)
+from engine import HFRollout  # noqa: E402
 from verifier import verify_batch  # noqa: E402
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -240,8 +241,8 @@ def compare_loss(args, path: str):
         def ours(rows):  # the loss of one of our optimizer updates over `rows`, and its gradients
             model.zero_grad(set_to_none=True)
             logp = token_logprobs(model, ids[rows], attn[rows], T)[0]
-            loss = policy_loss(logp, old[rows], adv[rows], loss_weights(mask[rows], cfg.loss_agg, cfg.max_new_tokens),
-                               cfg.clip_low, cfg.clip_high)[0]
+            weights = loss_weights(mask[rows], cfg.loss_agg, cfg.max_new_tokens)
+            loss = (policy_loss(logp, old[rows], adv[rows], mask[rows], cfg.clip_low, cfg.clip_high)[0] * weights).sum()
             loss.backward()
             return loss.item(), [p.grad.clone() for p in model.parameters()]
 

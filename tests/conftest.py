@@ -48,3 +48,11 @@ def float64_model(demo_dir, monkeypatch):
     float64_norms()
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
     return model.double(), tok
+
+
+def weighted_loss(logp, old_logp, advantages, weights, *args, **kwargs):
+    """The scripts' aggregation of common.policy_loss: its token losses weighted (weights (B, T): the mask and the
+    aggregation, e.g. common.loss_weights) and summed. Returns (loss, the clipped-token counts)."""
+    import common
+    token_loss, stats = common.policy_loss(logp, old_logp, advantages, weights > 0, *args, **kwargs)
+    return (token_loss * weights).sum(), stats

@@ -9,8 +9,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import engine as eng  # noqa: E402
 
-from conftest import float64_norms  # noqa: E402
+from conftest import float64_norms, weighted_loss  # noqa: E402
 
 torch.use_deterministic_algorithms(True)
 model_dir, out = sys.argv[1], sys.argv[2]
@@ -20,7 +21,7 @@ torch.manual_seed(0)
 float64_norms()  # the whole model in float64: the tolerances then measure the method, not float32's rounding
 model, tok = common.load_model(model_dir, d.device)
 model.double()
-engine = common.HFRollout(model, tok, d, "float64")  # under FSDP a full copy that sync_weights refreshes
+engine = eng.HFRollout(model, tok, d, "float64")  # under FSDP a full copy that sync_weights refreshes
 model = common.shard_model(model, d, "float64")
 # SGD with lr 1 makes the update equal the gradient, so comparing parameters compares gradients. (Adam's first step is
 # lr * g / |g|: for the few weights whose gradient is ~1e-9, float noise in the reduction flips it, which says nothing.)
@@ -44,7 +45,7 @@ total = 0.0
 for _, mb in common.micro_batches(batch, torch.arange(len(batch["mask"])), 3):  # uneven: 16 rows -> 3+3+3+3+3+1
     logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], 1.0, False,
                                     chunk, mb["group"])  # a group's prompt run once, its KV cache shared
-    loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
+    loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
     loss.backward()
     total += loss.item()
 grad_norm = common.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)).item()

@@ -37,7 +37,7 @@ local = {"micro_batches": 0, "rows": 0, "tokens": 0, "widths": [], "generate_cal
 
 
 class ScriptedRollout:
-    """The engine interface of common.HFRollout / VLLMRollout, with completions written by a script."""
+    """The rollout engine interface (engine.py), with completions written by a script."""
 
     exact_logprobs = False  # its log-probs are its own (made up): the trainer recomputes pi_old
 
@@ -100,11 +100,11 @@ def micro_batches(batch, index, size, max_tokens=0):
 updates_seen = [0]
 
 
-def micro_batch_loss(model, ref_model, mb, cfg, device, metrics):
-    loss = common.micro_batch_loss(model, ref_model, mb, cfg, device, metrics)
+def token_losses(model, ref_model, mb, cfg, device, sums):
+    token_loss = common.token_losses(model, ref_model, mb, cfg, device, sums)
     if skew == "nan" and common.is_dist() and common.dist.get_rank() == 1 and updates_seen[0] == 1:
-        loss = loss * float("nan")
-    return loss
+        token_loss = token_loss * float("nan")
+    return token_loss
 
 
 class CountingGuard(common.UpdateGuard):
@@ -128,7 +128,7 @@ def cleanup_dist(engine=None):
 
 if skew != "real":
     script.make_rollout = make_rollout
-script.micro_batches, script.micro_batch_loss = micro_batches, micro_batch_loss
+script.micro_batches, script.token_losses = micro_batches, token_losses
 script.UpdateGuard, script.cleanup_dist = CountingGuard, cleanup_dist
 cfg = common.parse_config(script.Config, ["--out_dir", out_dir, *sys.argv[4:]], script.PRESETS)
 script.main(cfg)

@@ -6,6 +6,7 @@ import torch
 
 import common
 import da3po
+from conftest import weighted_loss
 from da3po import amplification_factors, daa, monte_carlo_factors
 
 
@@ -104,7 +105,7 @@ def test_policy_loss_equals_the_formula_on_a_toy_batch():
     adv = torch.tensor([1.0, -2.0])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     weights = common.loss_weights(mask, "token-mean", max_new_tokens=3)
-    loss, stats = common.policy_loss(logp, old, adv, weights, clip_low=0.2, clip_high=0.28)
+    loss, stats = weighted_loss(logp, old, adv, weights, clip_low=0.2, clip_high=0.28)
     expected = 0.0
     for i in range(2):
         for t in range(3):
@@ -125,25 +126,25 @@ def test_policy_loss_clipping_and_gspo_ratio():
     logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-0.5, 0.0]])  # token 0 ratio e^0.5 = 1.65 > 1.28
     w = torch.tensor([[0.5, 0.5]])
-    loss, stats = common.policy_loss(logp, old, torch.tensor([1.0]), w, 0.2, 0.28)
+    loss, stats = weighted_loss(logp, old, torch.tensor([1.0]), w, 0.2, 0.28)
     assert stats["clip_high"].item() == 1
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-0.5)  # clipped token gets no gradient
     # GSPO: sequence ratio exp(mean log ratio) = e^0.25 = 1.28 shared by both tokens -> inside 1 + 0.3
     logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
-    loss, _ = common.policy_loss(logp, old, torch.tensor([1.0]), w, 0.3, 0.3, seq_ratio=True)
+    loss, _ = weighted_loss(logp, old, torch.tensor([1.0]), w, 0.3, 0.3, seq_ratio=True)
     assert loss.item() == pytest.approx(-math.exp(0.25), rel=1e-6)
     loss.backward()
     assert torch.allclose(logp.grad, torch.full((1, 2), -0.5 * math.exp(0.25)))
     # dual clip caps the loss of a negative advantage at -A * c
-    loss, _ = common.policy_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([-1.0]),
+    loss, _ = weighted_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([-1.0]),
                                  torch.tensor([[1.0]]), 0.2, 0.28, clip_ratio_c=3.0)
     assert loss.item() == pytest.approx(3.0)
 
 
 def test_kl_penalty_is_k3():
     logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]])
-    loss, _ = common.policy_loss(logp, logp, torch.tensor([0.0]), torch.tensor([[1.0]]), 0.2, 0.2,
+    loss, _ = weighted_loss(logp, logp, torch.tensor([0.0]), torch.tensor([[1.0]]), 0.2, 0.2,
                                  ref_logp=ref, kl_coef=0.5)
     assert loss.item() == pytest.approx(0.5 * (math.exp(-0.5) + 0.5 - 1), rel=1e-6)
 
@@ -173,7 +174,7 @@ def test_microbatch_split_does_not_change_loss_or_gradient(float64_model, loss_a
             start += size
             for _, mb in common.micro_batches(batch, rows, size):
                 logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
-                loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
+                loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
                 loss.backward()
                 total += loss.item()
         return total, [p.grad.clone() for p in model.parameters()]
@@ -274,7 +275,7 @@ def test_loss_formulas_keep_float64():
                       ("seq-mean-token-sum-norm", lambda i: 2 * 7)]:
         weights = common.loss_weights(mask, agg, max_new_tokens=7)
         assert weights.dtype == d
-        loss, stats = common.policy_loss(logp, old, adv, weights, clip_low=0.2, clip_high=0.28)
+        loss, stats = weighted_loss(logp, old, adv, weights, clip_low=0.2, clip_high=0.28)
         assert loss.dtype == d and stats["clip_low"].dtype == d
         expected = math.fsum(max(-adv[i].item() * math.exp(logp[i, t] - old[i, t]),
                                  -adv[i].item() * min(max(math.exp(logp[i, t] - old[i, t]), 0.8), 1.28)) / norm(i)

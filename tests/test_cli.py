@@ -67,5 +67,6 @@ def test_help_documents_every_field(capsys):
     for name in Config.__dataclass_fields__:
         assert f"--{name}" in out
     assert "lambda: multiplier of correct completions' advantages on hard prompts" in out
-    assert "capped at lam_max, in place of the constant lam (our extension" in out  # continuation line
+    assert "lambda(p) = 1/gamma(p, G) in place of lam, capped at lam_max [dev 4]" in out
+    assert "AdamW learning rate (the papers: 1e-6)" in out  # a shared knob (common.TrainConfig), documented once
     assert "warm-up over this many RL steps (not optimizer updates)" in out

@@ -11,7 +11,7 @@ import torch
 
 import common
 import daro
-from conftest import ROOT
+from conftest import ROOT, weighted_loss
 from daro import PRESETS, Config, bin_token_weights, bin_weights, update_weights, weight_objective
 from demo.build import warm_start
 
@@ -140,7 +140,7 @@ def run_update(model, batch, log_w, sizes):
         for _, mb in common.micro_batches(batch, rows, size):
             logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
             weight = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)
-            loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], weight, 0.2, 0.28)
+            loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], weight, 0.2, 0.28)
             loss.backward()
             total += loss.item()
     return total, [p.grad.clone() for p in model.parameters()], coef.grad.clone()
@@ -261,7 +261,8 @@ def test_every_preset_runs_and_logs_every_bin(coin, tmp_path):
         assert [r["step"] for r in train] == [1, 2], algo
         assert "step    2/2 |" in stdout and "| w " in stdout and "eval/acc before" in stdout
         cfg = json.load(open(out / "config.json"))
-        assert cfg["algo"] == algo and all(cfg[k] == v for k, v in PRESETS[algo].items())
+        given = {"updates_per_step"}  # daro_args sets it: it overrides GSPO's 4 (with a note)
+        assert cfg["algo"] == algo and all(cfg[k] == v for k, v in PRESETS[algo].items() if k not in given)
         for r in train:
             for key in ["train/loss", "train/grad_norm", "train/entropy", "train/clipfrac_high", "time/step_s"] + \
                     [f"daro/{x}_{mu}" for x in "wLn" for mu in mus] + ["daro/n_0.000", "daro/n_1.000"]:
@@ -279,7 +280,7 @@ def test_every_preset_runs_and_logs_every_bin(coin, tmp_path):
             assert torch.allclose(w, (mu * (1 - mu)).sqrt())
         else:
             assert torch.equal(w, torch.ones(G - 1))
-        if algo != "grpo" and algo != "dr_grpo":  # dynamic sampling: only mixed groups are trained on
+        if algo not in ("grpo", "dr_grpo", "gspo"):  # dynamic sampling: only mixed groups are trained on
             assert train[-1]["daro/n_0.000"] == 0 and train[-1]["daro/n_1.000"] == 0
     # step 1 rolls out the same groups in every run: the weights must reach the model's loss (whose gradient the
     # update follows). DARO starts at w = 1, so its first update is the uniform one (its second sees weights moved by

@@ -5,6 +5,7 @@ import json
 import torch
 
 import common
+import engine as eng
 from demo.build import LEVEL_BANDS, candidate_sums, pass_rates, warm_start
 
 
@@ -30,7 +31,7 @@ def test_shipped_model_starts_where_the_readme_says():
     cfg.prompt_template = common.resolve_template(cfg.prompt_template, tok)
     assert cfg.prompt_template == "none"  # the demo model is recognised by its chat template
     problems = common.tokenize_problems(common.load_data("arith", "eval"), tok, "none", 64, "arith")
-    engine = common.HFRollout(model, tok, common.DistInfo())
+    engine = eng.HFRollout(model, tok, common.DistInfo())
     metrics = common.evaluate(engine, tok, problems, cfg)
     assert 0.42 <= metrics["eval/acc"] <= 0.47, metrics
     levels = [metrics[f"eval/acc_level{level}"] for level in LEVEL_BANDS]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import engine as eng
 from conftest import run_script
 from da3po import Config
 
@@ -34,7 +35,7 @@ def test_dynamic_sampling_cap_warns_instead_of_hanging(demo_dir, capsys):
     impossible = common.tokenize_problems([{"prompt": f"{i}+{i}", "answer": "never", "level": 0} for i in range(50)],
                                           tok, "none", 64, "impossible")
     stream = common.PromptStream(impossible, seed=0)
-    engine = common.HFRollout(model, tok, common.DistInfo())
+    engine = eng.HFRollout(model, tok, common.DistInfo())
     groups, generated, stats = common.dynamic_sampling(engine, tok, stream, cfg, common.DistInfo())
     assert groups == [] and stats["train/num_gen_batches"] == 3 and stats["train/keep_rate"] == 0
     assert stream.position == 18 and len(generated) == 18  # 3 batches of 6 prompts (0.75 x 8)
@@ -90,7 +91,7 @@ def test_eval_is_deterministic_for_the_same_weights(demo_dir):
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
     cfg = Config(eval_samples=2, prompt_template="none")
     problems = common.tokenize_problems(common.load_data("arith", "eval")[:24], tok, "none", 64, "arith")
-    engine = common.HFRollout(model, tok, common.DistInfo())
+    engine = eng.HFRollout(model, tok, common.DistInfo())
     torch.manual_seed(1)
     a = common.evaluate(engine, tok, problems, cfg)
     torch.manual_seed(2)  # a different training RNG state must not change the score
@@ -129,9 +130,9 @@ def test_groups_kept_at_the_sampling_cap_are_all_trained_once(demo_dir, tmp_path
         batch_tokens.append(batch["mask"].sum().item())
         return batch
 
-    def policy_loss(logp, old_logp, advantages, weights, *args, **kwargs):
-        trained.append((weights > 0).sum().item())
-        return real_loss(logp, old_logp, advantages, weights, *args, **kwargs)
+    def policy_loss(logp, old_logp, advantages, mask, *args, **kwargs):
+        trained.append(mask.sum().item())
+        return real_loss(logp, old_logp, advantages, mask, *args, **kwargs)
 
     monkeypatch.setattr(da3po, "make_batch", make_batch)
     monkeypatch.setattr(common, "policy_loss", policy_loss)
@@ -188,7 +189,7 @@ def test_checkpoint_sampling_knobs_are_ignored(demo_dir, tmp_path):
     out = []
     for m in (plain, knobbed):
         torch.manual_seed(0)
-        out.append(common.HFRollout(m, tok, common.DistInfo()).generate(prompts, 12, temperature=1.0))
+        out.append(eng.HFRollout(m, tok, common.DistInfo()).generate(prompts, 12, temperature=1.0))
     assert out[0] == out[1]
     assert knobbed.generation_config.repetition_penalty == 5.0  # and the model's own config is left as it was
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import common
+import engine as eng
 import da3po
-from conftest import ROOT
+from conftest import ROOT, weighted_loss
 
 
 def random_batch(tok, n, seed=0, skew=False):
@@ -21,7 +22,7 @@ def random_batch(tok, n, seed=0, skew=False):
     lengths = (torch.rand(n, generator=g) ** 4 * 39 + 1).long() if skew else torch.randint(1, 12, (n,), generator=g)
     completions = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in lengths]
     ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
-    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "loss_mask": mask.clone(),
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask,
             "advantage": torch.randn(n, generator=g)}
 
 
@@ -64,7 +65,7 @@ def correction_batch():
     old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, 0.0]], dtype=torch.float64)
     log_r = torch.tensor([[0.1, -0.9, 0.3], [1.0, 0.2, 0.0]], dtype=torch.float64)  # token ratios e^.1 e^-.9 ...
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    return {"mask": mask, "loss_mask": mask.clone(), "old_logp": old, "rollout_logp": old - log_r}
+    return {"mask": mask, "old_logp": old, "rollout_logp": old - log_r}
 
 
 def cfg_for(level, cap=2.0, mask=False):
@@ -74,11 +75,11 @@ def cfg_for(level, cap=2.0, mask=False):
 
 def test_rollout_is_token_truncation_by_hand():
     batch = correction_batch()
-    metrics = common.rollout_correction(batch, cfg_for("token", cap=2.0))
+    metrics = eng.rollout_correction(batch, cfg_for("token", cap=2.0))
     r = [[math.exp(0.1), math.exp(-0.9), math.exp(0.3)], [math.exp(1.0), math.exp(0.2), 0.0]]
     expected = [[r[0][0], r[0][1], r[0][2]], [2.0, r[1][1], 0.0]]  # e^1 = 2.72 truncated at C = 2
     assert torch.allclose(batch["is_weight"], torch.tensor(expected, dtype=torch.float64), atol=1e-12)
-    assert torch.equal(batch["loss_mask"], batch["mask"])  # truncation rejects nothing
+    assert batch["mask"].tolist() == [[1, 1, 1], [1, 1, 0]]  # truncation rejects nothing
     assert metrics["rollout_is/truncated_frac"] == pytest.approx(1 / 5)
     assert metrics["rollout_is/weight_max"] == pytest.approx(2.0)
     assert metrics["rollout_is/weight_mean"] == pytest.approx((r[0][0] + r[0][1] + r[0][2] + 2.0 + r[1][1]) / 5)
@@ -86,7 +87,7 @@ def test_rollout_is_token_truncation_by_hand():
 
 def test_rollout_is_sequence_level_by_hand():
     batch = correction_batch()
-    common.rollout_correction(batch, cfg_for("sequence", cap=3.0))
+    eng.rollout_correction(batch, cfg_for("sequence", cap=3.0))
     w0, w1 = math.exp(0.1 - 0.9 + 0.3), min(math.exp(1.2), 3.0)  # products of the token ratios; e^1.2 = 3.32 > C
     assert torch.allclose(batch["is_weight"], torch.tensor([[w0] * 3, [w1, w1, 0.0]], dtype=torch.float64))
 
@@ -95,30 +96,30 @@ def test_rollout_is_mask_leaves_the_denominator():
     """A rejected token is out of the loss AND out of its token-mean denominator: the loss equals the formula over
     the kept tokens only (zeroing its weight but still counting it would divide by 5 instead of 4)."""
     batch = correction_batch()
-    metrics = common.rollout_correction(batch, cfg_for("token", cap=2.0, mask=True))
-    assert batch["loss_mask"].tolist() == [[1, 0, 1], [0, 1, 0]]  # e^-0.9 = 0.41 < 1/2 and e^1 = 2.72 > 2: rejected
+    metrics = eng.rollout_correction(batch, cfg_for("token", cap=2.0, mask=True))
+    assert batch["mask"].tolist() == [[1, 0, 1], [0, 1, 0]]  # e^-0.9 = 0.41 < 1/2 and e^1 = 2.72 > 2: rejected
     batch2 = correction_batch()
-    common.rollout_correction(batch2, cfg_for("token", cap=3.0, mask=True))
-    assert batch2["loss_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]  # within [1/3, 3] everything stays
+    eng.rollout_correction(batch2, cfg_for("token", cap=3.0, mask=True))
+    assert batch2["mask"].tolist() == [[1, 1, 1], [1, 1, 0]]  # within [1/3, 3] everything stays
     assert metrics["rollout_is/masked_frac"] == pytest.approx(2 / 5)
     logp = batch["old_logp"] + 0.05  # the policy moved a little
     adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
-    weights = common.loss_weights(batch["loss_mask"].to(torch.float64), "token-mean", 3)
-    loss, _ = common.policy_loss(logp, batch["old_logp"], adv, weights, 0.2, 0.28, is_weight=batch["is_weight"])
-    kept = [(i, t) for i in range(2) for t in range(3) if batch["loss_mask"][i, t]]
+    weights = common.loss_weights(batch["mask"].to(torch.float64), "token-mean", 3)
+    loss, _ = weighted_loss(logp, batch["old_logp"], adv, weights, 0.2, 0.28, is_weight=batch["is_weight"])
+    kept = [(i, t) for i in range(2) for t in range(3) if batch["mask"][i, t]]
     ratio = math.exp(0.05)
     expected = sum(max(-adv[i].item() * ratio, -adv[i].item() * min(max(ratio, 0.8), 1.28))
                    * batch["is_weight"][i, t].item() for i, t in kept) / len(kept)
     assert len(kept) == 3 and loss.item() == pytest.approx(expected, abs=1e-12)
     # a sequence rejected whole also leaves the per-sequence mean (seq-mean-token-mean counts 1 sequence, not 2)
     seq = correction_batch()
-    common.rollout_correction(seq, cfg_for("sequence", cap=3.0, mask=True))
-    assert seq["loss_mask"].tolist() == [[1, 1, 1], [0, 0, 0]]
-    w = common.loss_weights(seq["loss_mask"].to(torch.float64), "seq-mean-token-mean", 3)
+    eng.rollout_correction(seq, cfg_for("sequence", cap=3.0, mask=True))
+    assert seq["mask"].tolist() == [[1, 1, 1], [0, 0, 0]]
+    w = common.loss_weights(seq["mask"].to(torch.float64), "seq-mean-token-mean", 3)
     assert torch.allclose(w[0], torch.full((3,), 1 / 3, dtype=torch.float64)) and w[1].sum() == 0
 
 
-class MismatchedRollout(common.HFRollout):
+class MismatchedRollout(eng.HFRollout):
     """A deliberately mismatched engine: it samples at 2 x the temperature it is asked for and reports the log-probs
     of what it really sampled from, as an engine with other kernels or precision would differ from the trainer."""
     def __init__(self, *args):
@@ -126,7 +127,7 @@ class MismatchedRollout(common.HFRollout):
         self.exact_logprobs = False
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, n=1, seed=None):
-        return common.hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature * 2.0, top_p,
+        return eng.hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature * 2.0, top_p,
                                   self.batch_size, n)
 
 
@@ -151,7 +152,7 @@ def test_importance_weights_of_our_sampler_are_1_under_top_p(demo_dir):
     Against the full softmax they would be below 1 on every token whose nucleus left mass out."""
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
     cfg = common.parse_config(da3po.Config, ["--top_p", "0.7", "--rollout_is", "sequence"], da3po.PRESETS)
-    engine = common.HFRollout(model, tok, common.DistInfo(), "float32", 512, cfg.top_p)
+    engine = eng.HFRollout(model, tok, common.DistInfo(), "float32", 512, cfg.top_p)
     assert not engine.exact_logprobs  # at top_p < 1 they are not pi_old: the trainer recomputes it
     problems = [{"prompt": p, "answer": "1", "prompt_ids": tok(p, add_special_tokens=False)["input_ids"]}
                 for p in ("12+7", "305+96", "4+4", "77+15")]
@@ -159,7 +160,7 @@ def test_importance_weights_of_our_sampler_are_1_under_top_p(demo_dir):
     groups = common.roll_groups(engine, tok, problems, cfg, 4, 1.0, cfg.top_p)[0]
     batch = common.make_batch(groups, tok.pad_token_id)
     batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
-    m = common.rollout_correction(batch, cfg)
+    m = eng.rollout_correction(batch, cfg)
     assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
     token_full = torch.exp((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"])
     assert token_full.min() < 0.9  # what comparing with the full softmax would have weighed
@@ -181,23 +182,27 @@ def test_bf16_sampler_log_probs_are_measured_not_assumed(tmp_path):
 
 
 def test_clip_fractions_count_only_the_tokens_the_loss_counts(demo_dir):
-    """Half the tokens rejected (weight 0), every other token's ratio far above 1 + clip_high with A > 0: the clipped
-    share is 1.0 (the rejected tokens are not in its denominator), not 0.5."""
+    """Half the rows rejected by --rollout_is_mask, every other token's ratio far above 1 + clip_high with A > 0: the
+    clipped share is 1.0 (the rejected tokens are not in its denominator), not 0.5."""
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
     batch = random_batch(tok, 6, seed=3)
     T = batch["mask"].shape[1]
     with torch.no_grad():
         logp = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
     batch["old_logp"] = logp - 5.0  # ratio e^5
+    batch["rollout_logp"] = batch["old_logp"] + 5.0 * (torch.arange(6) % 2 == 1)[:, None]  # odd rows: w = e^-5
     batch["advantage"] = torch.ones(6)
-    batch["weight"] = common.loss_weights(batch["mask"] * (torch.arange(6) % 2 == 0)[:, None], "token-mean", 40)
-    cfg = common.parse_config(da3po.Config, ["--logprob_chunk", "0"], da3po.PRESETS)
-    sums = common.Metrics(*common.TRAIN_SUMS)
+    cfg = common.parse_config(da3po.Config, ["--logprob_chunk", "0", "--rollout_is", "token", "--rollout_is_mask"],
+                              da3po.PRESETS)
+    kept = int((batch["mask"] * (torch.arange(6) % 2 == 0)[:, None]).sum())
+    eng.rollout_correction(batch, cfg)
+    batch["weight"] = common.loss_weights(batch["mask"], "token-mean", 40)
+    sums = common.Sums(*common.TRAIN_SUMS)
     for _, mb in common.micro_batches(batch, torch.arange(6), 6):
-        common.micro_batch_loss(model, None, mb, cfg, torch.device("cpu"), sums)
-    m = common.train_metrics(sums.reduce(), 1, 1e-4, False)
+        common.token_losses(model, None, mb, cfg, torch.device("cpu"), sums)
+    m = common.train_metrics(sums.reduce(), 1, 1e-4, True)
     assert m["train/clipfrac_high"] == 1.0 and m["train/clipfrac_low"] == 0.0
-    assert sums.sums["tokens"] > sums.sums["loss_tokens"] > 0
+    assert sums.sums["tokens"] == sums.sums["clip_high"] == kept > 0
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -226,7 +231,7 @@ def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir
             real += mb["attention_mask"].sum().item()
             assert len(r) <= size and (max_tokens == 0 or len(r) == 1 or mb["attention_mask"].numel() <= max_tokens)
             logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
-            loss, _ = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
+            loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
             loss.backward()
             total += loss.item()
         assert sorted(seen) == rows.tolist()  # every row once

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import engine as eng
 import da3po
 import verifier
 
@@ -31,10 +32,10 @@ def test_greedy_sampling_equals_transformers_generate(model_tok):
     for row in out[:, ids.shape[1] - 1:].tolist():
         cut = next((j for j, t in enumerate(row) if t == tok.eos_token_id), None)
         reference.append(row if cut is None else row[:cut + 1])
-    ours, truncated, _ = common.hf_generate(model, tok, prompts, 12, temperature=0.0)
+    ours, truncated, _ = eng.hf_generate(model, tok, prompts, 12, temperature=0.0)
     assert ours == reference and truncated == [c[-1] != tok.eos_token_id for c in reference]
     # n samples per prompt with one shared prefill: greedy gives n copies of the same completion
-    ours3, _, _ = common.hf_generate(model, tok, prompts, 12, temperature=0.0, n=3)
+    ours3, _, _ = eng.hf_generate(model, tok, prompts, 12, temperature=0.0, n=3)
     assert ours3 == [c for c in reference for _ in range(3)]
 
 
@@ -47,7 +48,7 @@ def test_top_p_filter_equals_transformers_warper():
         # sample_token's filter: the tokens it may draw are those the warper keeps
         kept = []
         for _ in range(200):
-            token, _ = common.sample_token(logits, 1.0, top_p)
+            token, _ = eng.sample_token(logits, 1.0, top_p)
             kept.append(token)
         drawn = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, torch.stack(kept, 1), True)
         assert not (drawn & torch.isinf(warped)).any(), top_p  # never outside the nucleus
@@ -58,7 +59,7 @@ def test_sampled_frequencies_follow_softmax():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(1, 6, generator=g).expand(40_000, 6)
     torch.manual_seed(0)
-    tokens, logp = common.sample_token(logits, 0.7, 1.0)
+    tokens, logp = eng.sample_token(logits, 0.7, 1.0)
     expected = (logits[0] / 0.7).softmax(-1)
     freq = torch.bincount(tokens, minlength=6) / len(tokens)
     assert (freq - expected).abs().max() < 0.01  # 4 standard errors at most
@@ -71,7 +72,7 @@ def test_rollout_logprobs_are_the_trainers(model_tok):
     model, tok = model_tok
     prompts = arith_prompts(tok)
     torch.manual_seed(0)
-    completions, _, logps = common.hf_generate(model, tok, prompts, 12, temperature=0.8, n=4)
+    completions, _, logps = eng.hf_generate(model, tok, prompts, 12, temperature=0.8, n=4)
     rows = [p for p in prompts for _ in range(4)]
     ids, attn, mask = common.pad_prompt_completion(rows, completions, tok.pad_token_id)
     with torch.no_grad():

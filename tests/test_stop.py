@@ -12,6 +12,7 @@ import time
 import pytest
 
 import common
+import engine as eng
 import da3po
 import daro
 from conftest import ROOT
@@ -36,7 +37,7 @@ def stop_when(monkeypatch, obj, name, when):
     def wrapper(*args, **kwargs):
         calls[0] += 1
         if when(calls[0]):
-            common._STOP["signal"] = signal.SIGTERM
+            common._stop_signal = signal.SIGTERM
         return real(*args, **kwargs)
     monkeypatch.setattr(obj, name, wrapper)
 
@@ -53,11 +54,11 @@ def test_a_stop_checkpoints_at_once_and_resumes_exactly(tmp_path, monkeypatch, c
     assert straight[2]["train/num_gen_batches"] > 1  # step 2 has a second generation batch to stop before
     if where == "rollout":  # the 1st generate of a run is the step-0 eval, the 2nd step 1's first batch, ...
         step1_batches = straight[1]["train/num_gen_batches"]
-        stop_when(monkeypatch, common.HFRollout, "generate", lambda n: n == 2 + step1_batches)
+        stop_when(monkeypatch, eng.HFRollout, "generate", lambda n: n == 2 + step1_batches)
     elif where == "updates":  # the 3rd update of the run is step 2's first
         stop_when(monkeypatch, common.UpdateGuard, "step", lambda n: n == 3)
     else:  # the stop arrives during step 2's sync, after its updates: step 2 completes, its eval is due
-        stop_when(monkeypatch, common.HFRollout, "sync_weights", lambda n: n == 2)
+        stop_when(monkeypatch, eng.HFRollout, "sync_weights", lambda n: n == 2)
     out = tmp_path / "stopped"
     run(script, out, *flags)
     said = capsys.readouterr().out
@@ -107,7 +108,8 @@ def harness(out, ranks, *flags):
     r = subprocess.run([sys.executable, *launcher, "tests/lockstep.py", str(out), "da3po.py", "content",
                         "--prompts_per_step", "8", "--group_size", "4", "--updates_per_step", "1",
                         "--eval_size", "8", "--eval_samples", "2", "--eval_every", "2", "--save_every", "2",
-                        "--max_new_tokens", "16", "--no-dynamic_sampling", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        "--max_new_tokens", "16", "--no-dynamic_sampling", *flags], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import engine as eng
 from conftest import run_script
 
 
@@ -16,28 +17,28 @@ def test_auto_falls_back_to_hf_without_vllm(monkeypatch, capsys):
     import sys
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)
-    assert common.resolve_rollout("auto", torch.device("cpu")) == "hf"
-    assert common.resolve_rollout("hf", torch.device("cpu")) == "hf"
+    assert eng.resolve_rollout("auto", torch.device("cpu")) == "hf"
+    assert eng.resolve_rollout("hf", torch.device("cpu")) == "hf"
     with pytest.raises(SystemExit) as stop:
-        common.resolve_rollout("vllm", torch.device("cpu"))
+        eng.resolve_rollout("vllm", torch.device("cpu"))
     assert stop.value.code == 2 and "error: --rollout vllm: cannot import vllm" in capsys.readouterr().err
 
 
 def test_vllm_must_run_in_the_training_process(monkeypatch):
     """The weights are handed to the engine in memory: a multiprocess engine cannot take them, so it is refused."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in common.vllm_usable(torch.device("cpu"))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in eng.vllm_usable(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
 def setup(demo_dir):
     """(trainer model, tokenizer, engine, prompts), the engine built from the same folder as the trainer."""
     pytest.importorskip("vllm")
-    why_not = common.vllm_usable(torch.device("cpu"))
+    why_not = eng.vllm_usable(torch.device("cpu"))
     if why_not:
         pytest.skip(why_not)
     model, tok = common.load_model(demo_dir, torch.device("cpu"))
-    engine = common.VLLMRollout(demo_dir, tok, common.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
+    engine = eng.VLLMRollout(demo_dir, tok, common.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
     problems = [f"{a}+{b}" for a in (3, 17, 250, 4096) for b in (5, 61, 708, 12)]
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in problems]
@@ -83,7 +84,7 @@ def test_greedy_completions_equal_the_trainers_after_sync(setup, capsys):
     # float32 agreement is relative: after these large SGD steps the probe's log-probs are ~-20, so ~1e-5 absolute
     assert engine.sync_weights(model)["rollout/sync_diff"] < 1e-4
     completions, truncated, _ = engine.generate(prompts, 12, temperature=0.0)
-    hf_completions, hf_truncated, _ = common.hf_generate(model, tok, prompts, 12, temperature=0.0)
+    hf_completions, hf_truncated, _ = eng.hf_generate(model, tok, prompts, 12, temperature=0.0)
     assert completions != before, "the SGD steps should have changed some greedy completion"
     assert completions == hf_completions and truncated == hf_truncated
 
@@ -120,7 +121,7 @@ def test_truncation_comes_from_the_finish_reason(setup, demo_dir):
     for ids, cut, lp in zip(completions, truncated, logps):
         assert cut == (ids[-1] != tok.eos_token_id) and len(lp) == len(ids)
         assert len(ids) == max_new if cut else len(ids) <= max_new
-    assert (completions, truncated) == common.hf_generate(model, tok, prompts, max_new, temperature=0.0)[:2]
+    assert (completions, truncated) == eng.hf_generate(model, tok, prompts, max_new, temperature=0.0)[:2]
 
 
 def test_sampling_logprobs_match_the_trainers(setup):
@@ -151,7 +152,7 @@ def test_importance_weights_of_a_perfect_engine_are_1_under_top_p(setup):
                                 4, cfg.temperature, cfg.top_p)[0]
     batch = common.make_batch(groups, tok.pad_token_id)
     batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
-    m = common.rollout_correction(batch, cfg)
+    m = eng.rollout_correction(batch, cfg)
     assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
     full = torch.exp(((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"]).sum(-1))
     assert full.min() < 0.5, "against the full softmax the sequence weights would be far below 1"
