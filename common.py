@@ -417,20 +417,10 @@ def check_config(cfg, world_size: int):
 #    warm-started on the arith task by demo/build.py (which says why its weights are shipped) and loaded through the
 #    path a hub model takes, so the demo exercises the real code.
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
-
-
 DEMO_MODEL = os.path.join(DEMO_DIR, "model")  # the warm-started demo model, shipped (demo/build.py makes it)
-
-
 DEMO_EVAL = os.path.join(DEMO_DIR, "arith_eval.jsonl")  # 200 held-out sums in 5 calibrated difficulty levels
-
-
 DEMO_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
-
-
 DEMO_CHARS = "0123456789+-*/=()[]., ?:;!'{}\\$^_|<>abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
-
-
 DEMO_CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>{% endif %}{% endfor %}"
@@ -802,7 +792,7 @@ class StepTimer:
 # -----------------------------------------------------------------------------------------------------------------
 # 6. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded (DAPO's
 #    shaped reward); DAPO's dynamic sampling keeps the groups whose correctness is mixed and refills from fresh
-#    prompts, up to a cap; plan_updates splits the kept groups into the step's updates and brings each rank its own.
+#    prompts, up to a cap.
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int, min_width: int = 1):
     """Left-pad prompts to P and right-pad completions to T >= min_width; returns input_ids (B, P+T), attention_mask
     (B, P+T) and the completion mask (B, T) (1 = a real completion token, the final eos included)."""
@@ -909,6 +899,22 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     return kept, generated, stats
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# 7. The step's batch: plan_updates splits the kept groups into the step's updates and brings each rank its own;
+#    make_batch makes them padded tensors, the one dict the update reads; its advantages; its micro-batches. Its
+#    contract, every key with its shape (B rows: this rank's groups x G) and who writes it:
+#      input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
+#      mask                       (B, T)    make_batch          1 = a completion token the loss counts; zeroed for
+#                                                               tokens rollout_correction rejects, and in daro.py for
+#                                                               the groups of bins 0 and G
+#      reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
+#      group                      (B,)      make_batch          which of this rank's groups (prompts) a row belongs to
+#      rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
+#      advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
+#      old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
+#      is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
+#      weight                     (B, T)    the script          each token's share of its update's loss
+#      bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
 def group_tokens(group: dict) -> int:
     """Tokens a group (or its _summary) puts through the trainer: its G prompt + completion rows."""
     return sum(group["prompt_len"] + n for n in group["lengths"])
@@ -956,21 +962,6 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
     return mine, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 7. The step's batch: this rank's groups as padded tensors, the one dict the update reads; its advantages; its
-#    micro-batches. Its contract, every key with its shape (B rows: this rank's groups x G) and who writes it:
-#      input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
-#      mask                       (B, T)    make_batch          1 = a completion token the loss counts; zeroed for
-#                                                               tokens rollout_correction rejects, and in daro.py for
-#                                                               the groups of bins 0 and G
-#      reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
-#      group                      (B,)      make_batch          which of this rank's groups (prompts) a row belongs to
-#      rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
-#      advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
-#      old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
-#      is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
-#      weight                     (B, T)    the script          each token's share of its update's loss
-#      bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
     """Flatten groups into the padded tensors of the batch's contract (above) on `device`."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]

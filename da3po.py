@@ -6,15 +6,14 @@ DAPO (the base): arXiv:2503.14476.
 One RL step: G completions per prompt -> verifier (+1/-1, DAPO's overlong shaping) -> dynamic sampling (keep groups
 with 0 < #correct < G) -> GRPO advantages -> DAA: A <- lam * A for the correct completions (A > 0) of groups whose
 pass rate p_hat = #correct / G is below tau -> DAPO's token-mean clipped loss (clip-higher), several updates.
-Why (`--theory` prints it): dynamic sampling drops all-wrong groups, which raises the expected advantage of a
-surviving incorrect completion on a prompt with pass rate p by alpha- = 1/(1-(1-p)^(G-1)), of a correct one only by
-alpha+ = 1/(1-p^(G-1)): for p < 0.5 the correct ones are under-weighted (gamma = alpha+/alpha- < 1).
---algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo on the same code path (common.BASELINES).
+Why (--theory): dropping the all-wrong groups raises the expected advantage of an incorrect completion on a prompt of
+pass rate p by alpha- = 1/(1-(1-p)^(G-1)), of a correct one by alpha+ = 1/(1-p^(G-1)): below p = 0.5 the correct ones
+are under-weighted (gamma = alpha+/alpha- < 1). --algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo.
 
-Deviations (tagged [dev N]): 1) the paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau.
-2) The defaults run the CPU demo; docs/gpu.md has the paper-scale commands. 3) No KL term in the GRPO and GSPO
-presets, as in DAPO. 4) Our extensions, off by default: --adaptive_lam (lam = 1/gamma(p, G), the paper's future
-work), --p_estimate running (p from every sample of the prompt so far), --daa_scope all (a control).
+Deviations [dev N]: 1) the paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau. 2) The
+defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO and GSPO presets, as in DAPO.
+4) Ours, off by default: --adaptive_lam (lam = 1/gamma, the paper's future work), --p_estimate running (p from every
+sample of the prompt so far), --daa_scope all (a control).
 
 Run:  python da3po.py                                                   # the built-in demo, about a minute on a CPU
       python da3po.py --algo dapo --steps 3 --out_dir /tmp/x            # a baseline, a smoke test
@@ -64,12 +63,10 @@ PRESETS = presets({"da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": Fa
 
 def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None,
         scope: str = "correct"):
-    """DAA: multiply by lam the (already group-normalised) positive advantages of the correct completions of groups
-    whose pass rate p < tau. advantages, correct: (N, G); p (N, 1): by default p_hat = #correct / G (correctness,
-    never the shaped reward); lam: a number or (N, 1) per-group factors. Only A > 0, as the paper amplifies positive
-    advantages (with a running p or tau > 0.5 a correct completion the overlong penalty put below its group's mean
-    has A < 0). scope "all": every advantage of a hard group, both signs (a control). Amplifying rewards would do
-    nothing (a two-level reward survives the z-score); no renormalisation after. Returns (advantages, amplified)."""
+    """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau (the overlong penalty
+    can put a correct one below its group's mean). advantages, correct: (N, G); p (N, 1), by default p_hat = #correct
+    / G; lam: a number or (N, 1). scope "all": every advantage of a hard group (a control). Advantages, not rewards:
+    a two-level reward survives the z-score. No renormalisation after. Returns (advantages, amplified)."""
     p = correct.float().mean(-1, keepdim=True) if p is None else p  # (N, 1)
     hard = (p < tau).expand_as(advantages)  # (N, G) [dev 1]
     amplified = hard if scope == "all" else hard & correct & (advantages > 0)
@@ -159,18 +156,52 @@ def print_theory():
             print(f"{G:3d} {p:5.2f} | " + " ".join(f"{x:7.2f}" for x in exact[:2]) + f" {exact[2]:6.2f} | "
                   + " ".join(f"{x:7.2f}" for x in mc[:2]) + f" {mc[2]:6.2f}")
 
+
+class DAA:
+    """DA3PO's part of the step, at main's ALGO LOGIC lines. Its state: the pass counts of --p_estimate running."""
+
+    def __init__(self, cfg: Config, state: dict):
+        self.cfg, self.pass_counts = cfg, state.get("pass_counts", {})  # prompt -> [#correct, #samples]
+
+    def state_dict(self) -> dict:
+        return {"pass_counts": self.pass_counts}
+
+    def count_passes(self, generated: list[dict]):
+        if self.cfg.p_estimate == "running":  # every generated group, kept or not, on every rank
+            count_passes(self.pass_counts, generated)
+
+    def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
+        """GRPO advantages (B,), then DAA on the correct completions of hard groups; daa/* to the record."""
+        G = self.cfg.group_size
+        advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm)  # (N, G)
+        advantage, daa_metrics = amplify(advantage, batch["correct"].view(-1, G), groups, self.pass_counts, self.cfg)
+        record.update(daa_metrics)
+        return advantage.flatten()
+
+    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Each token's share of its update's loss: DAPO's token mean over the whole update, or a baseline's."""
+        return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
+
+    def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
+        return (token_loss * mb["weight"]).sum()
+
+    def metrics(self, record: dict) -> dict:
+        return {key: record.get(key, 0.0) for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max")}
+
+    def line(self, record: dict) -> str:
+        return f" | amp {record['daa/amplified_frac']:.2f}"
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # Training
 
 
 def main(cfg: Config):
-    if cfg.theory:
-        return print_theory()
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
     check_config(cfg, dist_info.world_size)  # a flag combination that cannot work stops here (exit 2)
     check_algorithm_config(cfg)
-    G, device = cfg.group_size, dist_info.device
+    device = dist_info.device
     train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, in a second, before any model is loaded
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
@@ -182,9 +213,9 @@ def main(cfg: Config):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
-    pass_counts = state.get("pass_counts", {})  # prompt -> [#correct, #samples], for --p_estimate running
+    algo = DAA(cfg, state)  # the paper's part of the step (above), and its state in checkpoints
     save = lambda step, eval_due=False, pending=None: save_checkpoint(  # noqa: E731
-        cfg.out_dir, step, model, tok, opt, sched, stream, {"pass_counts": pass_counts, "eval_due": eval_due},
+        cfg.out_dir, step, model, tok, opt, sched, stream, {**algo.state_dict(), "eval_due": eval_due},
         cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, resume_step=start_step if cfg.resume else -1)
     first_eval = None  # at the start, and on resume the evaluation a stop left due
@@ -207,20 +238,15 @@ def main(cfg: Config):
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
             kept, generated, record = rollout
-            if cfg.p_estimate == "running":
-                count_passes(pass_counts, generated)  # every generated group, kept or not, on every rank
+            algo.count_passes(generated)  # --p_estimate running
             if kept:  # (a step that keeps no group is logged and skipped)
                 with timer("update"):
                     # 2) this rank's groups in each update, brought to it, as one batch (common, section 7)
                     my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
                                                           cfg.micro_batch_tokens > 0)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
-                    # ALGO LOGIC: 3) GRPO advantages, then DAA on the correct completions of hard groups
-                    advantage = group_advantages(batch["reward"].view(-1, G), cfg.std_norm)  # (N, G)
-                    advantage, daa_metrics = amplify(advantage, batch["correct"].view(-1, G), my_groups,
-                                                     pass_counts, cfg)
-                    batch["advantage"] = advantage.flatten()  # (B,)
-                    record.update(daa_metrics)
+                    # ALGO LOGIC: 3) the advantages, the paper's way
+                    batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
                     # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed), and with
                     #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
@@ -228,7 +254,7 @@ def main(cfg: Config):
         if update_rows:
             engine.sleep()  # vLLM on a GPU: its weights' and KV cache's memory go to the updates
             with timer("update"):
-                # 5) optimizer updates, each the sum of its micro-batches' weighted token losses
+                # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(first, len(update_rows)):
                     if u > first and stop_requested():  # a stop between updates: the checkpoint keeps the rest
@@ -236,11 +262,11 @@ def main(cfg: Config):
                         save(step - 1, pending={"step": step, "work": work})
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
-                    # ALGO LOGIC: DAPO's token mean over the whole update (or a baseline's aggregation)
-                    batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
+                    # ALGO LOGIC: the token losses' weights and sum, the paper's way
+                    batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
-                        loss = (token_losses(model, ref_model, mb, cfg, device, sums) * mb["weight"]).sum()
+                        loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
                         loss.backward()
                         update_loss += loss.item()
                     guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}")
@@ -251,10 +277,9 @@ def main(cfg: Config):
         # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
         record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0], not engine.exact_logprobs))
         record.update({"step": step, **timer.metrics()})
-        for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max"):
-            record.setdefault(key, 0.0)
+        record.update(algo.metrics(record))
         logger.log(record)
-        logger.line(format_step(step, cfg.steps, record) + f" | amp {record['daa/amplified_frac']:.2f}")
+        logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         if cfg.sample_every and step % cfg.sample_every == 0 and my_groups:
             logger.samples(step, my_groups[0])
         # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due evaluation runs on resume)
@@ -273,4 +298,8 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, presets=PRESETS))
+    config = parse_config(Config, presets=PRESETS)
+    if config.theory:  # the amplification factors, and exit
+        print_theory()
+    else:
+        main(config)

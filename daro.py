@@ -1,23 +1,21 @@
 """
-DARO: the GRPO/DAPO loss split by difficulty bin, each bin weighted by a learnable weight.
+DARO: the GRPO/DAPO loss split by difficulty bin, each bin with a learnable weight.
 Paper: "DARO: Difficulty-Aware Reweighting Policy Optimization", arXiv:2510.09001; DAPO (the base): arXiv:2503.14476.
 
-One RL step: as in da3po.py (rollout, verifier, dynamic sampling, GRPO advantages), then each completion goes to the
-bin mu = #correct / K of its group, and each update of the model and the weights minimises
+One RL step: as in da3po.py up to GRPO's advantages; then each completion goes to the bin mu = #correct / K of its
+group, and each update of the model and the weights minimises
   L(theta, w) = sum_{mu = 1/K .. (K-1)/K} [ w_mu * L_mu(theta) - ln w_mu ]                   Eq. (1)
   L_mu = (clipped token losses of bin mu, summed) / (#tokens of bin mu in the whole update)  Eq. (2)
   w_mu = exp(-s_mu), s = 0 at start; Adam (--weight_lr), no weight decay, no gradient clip   Eq. (3)
-The optimum w_mu = 1 / L_mu gives every bin the same loss scale (the paper's "loss scale issue"). Bins mu = 0, 1
-(zero advantage) are left out; a bin absent from an update gets no weight step. --algo: daro; the static weightings
-uniform (w = 1) and var (w = sqrt(mu (1 - mu)): with the z-scored advantage a total weight mu (1 - mu), the reward
-variance, as Dr. GRPO and LIPO weigh groups); the baselines dapo, grpo, dr_grpo, gspo (common.BASELINES).
+The optimum w_mu = 1 / L_mu gives every bin the same loss scale. Bins 0 and 1 (no advantage) are left out. --algo:
+daro; the static uniform (w = 1) and var (w = sqrt(mu (1 - mu)): a total weight of the reward variance); the
+baselines dapo, grpo, dr_grpo, gspo (common.BASELINES).
 
-Deviations (tagged [dev N]): 1) the sign of L_mu is not settled by the text available to us. At ratio 1 L_mu is minus
-its bin's token-weighted mean advantage, negative when the bin's correct completions are the longer ones, and then
-Eq. (1) has no minimum in w. By default the weights fit |L_mu| + delta (optimum 1 / (|L_mu| + delta), delta = 1e-3),
-clamped to [w_min, w_max]; the model's gradient sum_mu w_mu grad L_mu is the same; --daro_literal fits L_mu itself.
-2) The defaults run the CPU demo (docs/gpu.md: K = 8, lr 1e-6, weight lr 1e-3, 128 prompts, 2 updates, 300 steps).
-3) No KL term in the GRPO preset, as in DAPO. 4) DAPO's dynamic sampling is on (not known for the paper).
+Deviations [dev N]: 1) the paper's text does not settle the sign of L_mu: at ratio 1 it is minus its bin's mean
+advantage per token, negative when the bin's correct completions are the longer ones, and Eq. (1) then has no minimum
+in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the model's gradient is the same); --daro_literal
+fits L_mu. 2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO preset, as in
+DAPO. 4) DAPO's dynamic sampling is on (not known for the paper).
 
 Run:  python daro.py                                                    # the built-in demo, about a minute on a CPU
       python daro.py --algo var --steps 3 --out_dir /tmp/x              # a static weighting, a smoke test
@@ -66,11 +64,10 @@ PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DAR
 
 
 def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
-    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token in bin mu weighs
-    1 / (#tokens of bin mu in the WHOLE update), counted over every micro-batch and rank before the micro-batch loop
-    (as common.loss_weights does for the token mean); bins 0 and G weigh 0. A bin of one prompt weighs as much as one
-    of twenty: the method, and why a sparse bin is noisy. bins: (B,) #correct of each row's group.
-    Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
+    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token of bin mu weighs
+    1 / (#tokens of bin mu in the WHOLE update, all micro-batches and ranks); bins 0 and G weigh 0. A bin of one
+    prompt weighs as much as one of twenty. bins: (B,) #correct of each row's group. Example: bins [1, 1, 3],
+    lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
     tokens = all_reduce_sum(mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1)))  # (G+1,)
     inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
@@ -93,9 +90,8 @@ def bin_weights(neg_log_w: list[torch.Tensor], weighting: str) -> torch.Tensor:
 
 def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, delta: float,
                      literal: bool) -> torch.Tensor:
-    """The weights' side of Eq. (1) over the bins present in the update (absent ones are not in the graph at all):
-    sum_mu w_mu L_mu + s_mu (-ln w = s), bin_loss (G+1,) a constant here; guarded: |L_mu| + delta in place of L_mu,
-    so the minimum w_mu = 1 / (|L_mu| + delta) always exists [dev 1]."""
+    """The weights' side of Eq. (1) over the bins present in the update: sum_mu w_mu L_mu + s_mu (s = -ln w), with
+    |L_mu| + delta in place of L_mu, so that the minimum w_mu = 1 / (|L_mu| + delta) exists [dev 1]."""
     target = bin_loss if literal else bin_loss.abs() + delta  # (G+1,)
     return sum(torch.exp(-s) * target[i] + s for i, s in enumerate(neg_log_w, 1) if present[i])  # Eq. (1), (3)
 
@@ -121,39 +117,78 @@ def check_algorithm_config(cfg: Config):
         die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
 
 
-def init_weights(cfg: Config, device: torch.device, state: dict):
-    """s_mu = -ln w_mu for mu = 1/G .. (G-1)/G, Eq. (3), at 0 (w = 1) or as a checkpoint saved them: one tensor per
-    bin (Adam can then skip an absent one), with an Adam of their own (--weight_lr), out of the model's weight decay
-    (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate the norm)."""
-    neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(1, cfg.group_size)]
-    weight_opt = torch.optim.Adam(neg_log_w, lr=cfg.weight_lr)
-    if "daro_neg_log_w" in state:  # a resumed run
-        with torch.no_grad():
-            for s, saved in zip(neg_log_w, state["daro_neg_log_w"]):
-                s.copy_(saved)
-        weight_opt.load_state_dict(state["weight_optimizer"])
-    return neg_log_w, weight_opt
+class DARO:
+    """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G), 0 at
+    start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's weight decay
+    (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); `bins` (3, G+1), the step's sums
+    per bin: L_mu over updates, updates, groups."""
 
+    def __init__(self, cfg: Config, device: torch.device, state: dict):
+        self.cfg, self.G, self.device = cfg, cfg.group_size, device
+        self.neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(1, self.G)]  # Eq. (3)
+        self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=cfg.weight_lr)
+        if "daro_neg_log_w" in state:  # a resumed run
+            with torch.no_grad():
+                for s, saved in zip(self.neg_log_w, state["daro_neg_log_w"]):
+                    s.copy_(saved)
+            self.weight_opt.load_state_dict(state["weight_optimizer"])
+        self.bins = torch.zeros(3, self.G + 1)
 
-def weights_state(neg_log_w: list[torch.Tensor], weight_opt) -> dict:
-    """What a checkpoint keeps of the weights (init_weights reads it back)."""
-    return {"daro_neg_log_w": torch.stack(neg_log_w).detach().cpu(), "weight_optimizer": weight_opt.state_dict()}
+    def state_dict(self) -> dict:
+        return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
+                "weight_optimizer": self.weight_opt.state_dict()}
 
+    def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
+        """GRPO advantages (B,); batch["bin"] (B,): #correct of each completion's group (mu = bin / G)."""
+        G = self.G
+        advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
+        batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
+        if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained on
+            batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
+        self.bins[2] = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
+        return advantage
 
-def bin_metrics(neg_log_w: list[torch.Tensor], bins: torch.Tensor, cfg: Config) -> dict:
-    """The step's daro/* record, keys naming mu with three decimals (daro/w_0.125): w_mu after the step, L_mu (its
-    mean over the updates in which bin mu was present; 0 if none), and n_mu, the groups trained on per bin (all
-    ranks). bins (3, G+1) on this rank: the sum of L_mu over updates, the updates with bin mu, its groups."""
-    G = cfg.group_size
-    w = bin_weights(neg_log_w, cfg.weighting).cpu()  # (G+1,)
-    counts = all_reduce_sum(bins[2])  # groups trained on, per bin, over all ranks
-    record = {}
-    for i in range(G + 1):
-        record[f"daro/n_{i / G:.3f}"] = counts[i].item()
-        if 0 < i < G:
-            record[f"daro/w_{i / G:.3f}"] = w[i].item()
-            record[f"daro/L_{i / G:.3f}"] = (bins[0][i] / bins[1][i].clamp(min=1)).item()
-    return record
+    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins); w_mu."""
+        weight, self.bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], self.G)
+        if self.cfg.weighting == "none":  # the baselines' own aggregation over the whole update
+            weight = loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
+        self.w = bin_weights(self.neg_log_w, self.cfg.weighting)  # (G+1,)
+        self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's share of each L_mu
+        return weight
+
+    def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
+        """A micro-batch's share of each L_mu (for the weights' step), and of Eq. (1) on theta's side."""
+        self.bin_loss += torch.zeros_like(self.bin_loss).index_add_(
+            0, mb["bin"], (token_loss.detach() * mb["weight"]).sum(-1))
+        return (token_loss * (mb["weight"] * self.w[mb["bin"]].unsqueeze(-1))).sum()
+
+    def step_weights(self):
+        """After an applied update (not after a non-finite one, like the model's): L_mu over all ranks, one step of
+        the weights on every rank."""
+        bin_loss, present = all_reduce_sum(self.bin_loss), self.bin_tokens > 0  # (G+1,)
+        if self.cfg.weighting == "learned":
+            update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.cfg)
+        self.bins[0] += torch.where(present, bin_loss, 0.0).cpu()
+        self.bins[1] += present.float().cpu()
+
+    def metrics(self, record: dict) -> dict:
+        """The step's daro/* record (keys name mu with three decimals, daro/w_0.125): w_mu after the step, L_mu (mean
+        over the updates that had bin mu; 0 if none), n_mu (groups trained on, all ranks). Resets `bins`."""
+        G, bins, self.bins = self.G, self.bins, torch.zeros(3, self.G + 1)
+        w = bin_weights(self.neg_log_w, self.cfg.weighting).cpu()  # (G+1,)
+        counts = all_reduce_sum(bins[2])  # groups trained on, per bin, over all ranks
+        metrics = {}
+        for i in range(G + 1):
+            metrics[f"daro/n_{i / G:.3f}"] = counts[i].item()
+            if 0 < i < G:
+                metrics[f"daro/w_{i / G:.3f}"] = w[i].item()
+                metrics[f"daro/L_{i / G:.3f}"] = (bins[0][i] / bins[1][i].clamp(min=1)).item()
+        return metrics
+
+    def line(self, record: dict) -> str:
+        ws = [record[f"daro/w_{i / self.G:.3f}"] for i in range(1, self.G)]
+        return f" | w {min(ws):.2f}-{max(ws):.2f}"
 
 # -----------------------------------------------------------------------------------------------------------------
 # Training
@@ -164,7 +199,7 @@ def main(cfg: Config):
     dist_info = setup_dist(cfg.device)
     check_config(cfg, dist_info.world_size)  # a flag combination that cannot work stops here (exit 2)
     check_algorithm_config(cfg)
-    G, device = cfg.group_size, dist_info.device
+    device = dist_info.device
     train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, in a second, before any model is loaded
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
@@ -176,10 +211,10 @@ def main(cfg: Config):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
-    neg_log_w, weight_opt = init_weights(cfg, device, state)  # s_mu = -ln w_mu and their own Adam, Eq. (3)
+    algo = DARO(cfg, device, state)  # the paper's part of the step (above), and its state in checkpoints
     save = lambda step, eval_due=False, pending=None: save_checkpoint(  # noqa: E731
-        cfg.out_dir, step, model, tok, opt, sched, stream,
-        {**weights_state(neg_log_w, weight_opt), "eval_due": eval_due}, cfg.keep_last, pending)
+        cfg.out_dir, step, model, tok, opt, sched, stream, {**algo.state_dict(), "eval_due": eval_due},
+        cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, resume_step=start_step if cfg.resume else -1)
     first_eval = None  # at the start, and on resume the evaluation a stop left due
     if start_step == 0 or state.get("eval_due") or cfg.eval_only:
@@ -189,9 +224,8 @@ def main(cfg: Config):
     for step in tqdm(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), desc="steps", leave=False,
                      disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
         timer, sums, my_groups, update_rows, first = StepTimer(), Sums(*TRAIN_SUMS), [], [], 0
-        bins = torch.zeros(3, G + 1)  # per bin mu: the sum of L_mu over updates, the updates it was in, its groups
         if pending:  # the rest of a step that a stop interrupted between two updates
-            (record, my_groups, update_rows, batch, first, sums.sums, bins), pending = pending["work"], None
+            (record, my_groups, update_rows, batch, first, sums.sums, algo.bins), pending = pending["work"], None
         else:
             # 1) roll out G completions per prompt, verify and reward them; dynamic sampling keeps the mixed groups
             start = (stream.position, rng_state())
@@ -208,12 +242,8 @@ def main(cfg: Config):
                     my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
                                                           cfg.micro_batch_tokens > 0)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
-                    # ALGO LOGIC: 3) GRPO advantages; each completion's bin, #correct of its group (mu = bin / G)
-                    batch["advantage"] = group_advantages(batch["reward"].view(-1, G), cfg.std_norm).flatten()
-                    batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
-                    if cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained on
-                        batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
-                    bins[2] = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
+                    # ALGO LOGIC: 3) the advantages, the paper's way
+                    batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
                     # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed), and with
                     #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
@@ -221,33 +251,23 @@ def main(cfg: Config):
         if update_rows:
             engine.sleep()  # vLLM on a GPU: its weights' and KV cache's memory go to the updates
             with timer("update"):
-                # 5) optimizer updates of the model and the weights, Eq. (1)-(3)
+                # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(first, len(update_rows)):
                     if u > first and stop_requested():  # a stop between updates: the checkpoint keeps the rest
-                        work = (record, my_groups[:1], update_rows, batch, u, sums.sums, bins)
+                        work = (record, my_groups[:1], update_rows, batch, u, sums.sums, algo.bins)
                         save(step - 1, pending={"step": step, "work": work})
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
-                    # ALGO LOGIC: L_mu = a bin's token losses over its tokens in the whole update, Eq. (2), times w_mu
-                    batch["weight"][rows], bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], G)
-                    if cfg.weighting == "none":  # the baselines' own aggregation over the whole update, no bins
-                        batch["weight"][rows] = loss_weights(batch["mask"][rows], cfg.loss_agg, cfg.max_new_tokens)
-                    w, bin_loss = bin_weights(neg_log_w, cfg.weighting), torch.zeros(G + 1, device=device)
+                    # ALGO LOGIC: the token losses' weights and sum, the paper's way; then a step of the weights
+                    batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
-                        token_loss = token_losses(model, ref_model, mb, cfg, device, sums)  # (B, T)
-                        bin_loss += torch.zeros_like(bin_loss).index_add_(  # this micro-batch's share of each L_mu
-                            0, mb["bin"], (token_loss.detach() * mb["weight"]).sum(-1))
-                        loss = (token_loss * (mb["weight"] * w[mb["bin"]].unsqueeze(-1))).sum()  # Eq. (1), theta's side
+                        loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
                         loss.backward()
                         update_loss += loss.item()
                     if guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}"):
-                        bin_loss = all_reduce_sum(bin_loss)  # (G+1,) L_mu over all ranks: one weight step everywhere
-                        if cfg.weighting == "learned":  # skipped, like the model's step, after a non-finite update
-                            update_weights(neg_log_w, weight_opt, bin_loss, bin_tokens > 0, cfg)
-                        bins[0] += torch.where(bin_tokens > 0, bin_loss, 0.0).cpu()
-                        bins[1] += (bin_tokens > 0).float().cpu()
+                        algo.step_weights()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
@@ -255,10 +275,9 @@ def main(cfg: Config):
         # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
         record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0], not engine.exact_logprobs))
         record.update({"step": step, **timer.metrics()})
-        record.update(bin_metrics(neg_log_w, bins, cfg))
+        record.update(algo.metrics(record))
         logger.log(record)
-        ws = [record[f"daro/w_{i / G:.3f}"] for i in range(1, G)]
-        logger.line(format_step(step, cfg.steps, record) + f" | w {min(ws):.2f}-{max(ws):.2f}")
+        logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         if cfg.sample_every and step % cfg.sample_every == 0 and my_groups:
             logger.samples(step, my_groups[0])
         # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due evaluation runs on resume)

@@ -1,12 +1,15 @@
 """Formulas against hand-worked values. Run: python -m pytest -q tests/test_algorithms.py"""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import common
 import da3po
-from conftest import weighted_loss
+from conftest import ROOT, weighted_loss
 from da3po import amplification_factors, daa, monte_carlo_factors
 
 
@@ -96,6 +99,16 @@ def test_amplification_factors_match_the_paper_numbers():
         assert all(abs(a - b) < 0.05 for a, b in zip(got, mc)), (got, mc)
     assert amplification_factors(0.5, 8)[2] == pytest.approx(1.0)
     assert amplification_factors(0.3, 8)[2] < 1 < amplification_factors(0.7, 8)[2]
+
+
+def test_theory_flag_prints_the_table_and_trains_nothing(tmp_path):
+    """`python da3po.py --theory`: the exact and Monte Carlo factors for G in 4, 8, 16, and no run folder."""
+    out = subprocess.run([sys.executable, "da3po.py", "--theory", "--out_dir", str(tmp_path / "run")], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[0] in ("4", "8", "16")]
+    assert len(rows) == 21 and not (tmp_path / "run").exists()
+    row = next(r for r in rows if r[:2] == ["8", "0.10"])  # G, p | exact alpha+ alpha- gamma | Monte Carlo
+    assert row[3:6] == ["1.00", "1.92", "0.52"] and abs(float(row[9]) - 0.52) < 0.05
 
 
 def test_policy_loss_equals_the_formula_on_a_toy_batch():
