@@ -204,6 +204,8 @@ def autocast(dtype: str, device: torch.device):
 class TrainConfig:
     # run
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
+    demo: str = "arith"  # the shipped demo the defaults run: arith (sums, answer only) | reasoning (a trace before
+    #   the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags: common.DEMOS)
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
     eval_data: str = "arith"  # same choices, comma-separated for several sets; 'arith': 200 held-out sums
@@ -294,6 +296,16 @@ BASELINES = {
 }
 
 
+# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies before
+# the --algo preset (GRPO's preset turns its overlong shaping off) and explicit flags override both.
+_REASONING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reasoning")
+DEMOS = {"arith": {},
+         "reasoning": {"model": os.path.join(_REASONING, "model"),
+                       "train_data": os.path.join(_REASONING, "train.jsonl"),
+                       "eval_data": os.path.join(_REASONING, "eval.jsonl"),
+                       "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
+
+
 def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
     """A script's --algo presets: its own, then the baselines with its own algorithm switched off (`off`)."""
     return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
@@ -327,7 +339,8 @@ def _field_comments(cls) -> dict[str, str]:
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Flags generated from a Config dataclass. Precedence: dataclass defaults < preset of --algo < explicit flags.
+    """Flags generated from a Config dataclass. Precedence: dataclass defaults < --demo < preset of --algo < explicit
+    flags.
 
     Example: `--lr 1e-5`, `--lr=1e-5`, `--grad_checkpointing/--no-grad_checkpointing`; an unknown flag (or a prefix of
     one) exits with status 2 naming it. An explicit flag that changes a value its preset defines prints a note."""
@@ -343,6 +356,9 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
             parser.add_argument(f"--{f.name}", type=type(f.default), metavar=type(f.default).__name__.upper(), **kw)
     given = vars(parser.parse_args(argv))
     cfg = cls()
+    demo = given.get("demo", cfg.demo)
+    if demo not in DEMOS:
+        parser.error(f"argument --demo: invalid choice {demo!r} (choose from {', '.join(DEMOS)})")
     if presets is not None:
         algo = given.get("algo", cfg.algo)
         if algo not in presets:
@@ -351,6 +367,7 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
             if k in given and given[k] != v and os.environ.get("RANK", "0") == "0":
                 print(f"note: --{k} {given[k]} overrides the {algo} preset's {k} = {v}", flush=True)
         given = {**presets[algo], **given}
+    given = {**DEMOS[demo], **given}
     for k, v in given.items():
         setattr(cfg, k, v)
     return cfg

@@ -1,6 +1,9 @@
-"""bench/learning.py's statistics by hand: the intervals, the interpolations and the bins' loss shares that the
-README's claim table is built from, and its bad-input errors."""
+"""bench/learning.py's statistics by hand (t quantiles for any number of seeds, paired tests, Holm's adjustment, the
+mean-of-the-last-three endpoint, the bounds, the mix trend), the protocol tables' consistency, its bad-flag exits, and
+the committed data of bench/hard_prompts.py against its manifest."""
+import hashlib
 import importlib.util
+import json
 import math
 import os
 
@@ -11,12 +14,54 @@ from conftest import ROOT, run_script
 spec = importlib.util.spec_from_file_location("learning", os.path.join(ROOT, "bench", "learning.py"))
 learning = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(learning)
+DATA = os.path.join(ROOT, "bench", "data")
 
 
-def test_mean_ci_is_the_95_percent_t_interval():
+@pytest.mark.parametrize("df, t", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (11, 2.2010), (19, 2.0930),
+                                   (29, 2.0452), (120, 1.9799)])
+def test_t_quantile_matches_the_printed_table_for_any_seed_count(df, t):
+    # 97.5% points of Student's t (any statistics table); 12 seeds -> 11 degrees of freedom -> 2.201
+    assert learning.t_quantile(0.975, df) == pytest.approx(t, abs=1e-4)
+
+
+def test_two_sided_p_of_t_in_closed_form():
+    # df = 2: P(|T| >= t) = 1 - t / sqrt(2 + t^2); df = 1 (Cauchy): 1 - 2 atan(t) / pi
+    assert learning.t_two_sided_p(4.0, 2) == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-12)
+    assert learning.t_two_sided_p(1.0, 1) == pytest.approx(0.5, abs=1e-12)
+    assert learning.t_two_sided_p(0.0, 7) == 1.0
+    assert learning.t_two_sided_p(learning.t_quantile(0.975, 11), 11) == pytest.approx(0.05, abs=1e-10)
+
+
+def test_mean_ci_and_the_paired_test_by_hand():
     mean, half = learning.mean_ci([1.0, 2.0, 3.0])  # stdev 1, n 3: t(0.975, 2) / sqrt(3)
-    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
+    assert mean == 2.0 and half == pytest.approx(4.302653 / math.sqrt(3))
     assert math.isnan(learning.mean_ci([5.0])[1])
+    # differences 0.1, 0.1, 0.2: mean 2/15, sd 1/sqrt(300), t = (2/15) / (1/30) = 4 on 2 df
+    d = learning.paired([0.5, 0.6, 0.7], [0.4, 0.5, 0.5])
+    assert d["mean"] == pytest.approx(2 / 15) and d["sd"] == pytest.approx(1 / math.sqrt(300))
+    assert d["p"] == pytest.approx(1 - 4 / math.sqrt(18))
+    assert d["hi"] - d["mean"] == pytest.approx(4.302653 / 30, abs=1e-6)
+    assert learning.paired([0.3, 0.4], [0.3, 0.4])["p"] == 1.0  # identical arms: no difference at all
+
+
+def test_holm_on_a_worked_example():
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 -> 0.02, 0.03, 0.06, 0.04 -> running max 0.02, 0.03, 0.06, 0.06
+    assert learning.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert learning.holm([0.3, 0.9]) == pytest.approx([0.6, 0.9])
+    assert learning.holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])  # capped at 1
+
+
+def test_endpoint_is_the_mean_of_the_last_three_evals():
+    evals = [{"step": s, "eval/acc": a} for s, a in ((0, 0.1), (10, 0.2), (20, 0.3), (30, 0.4), (40, 0.5))]
+    assert learning.last_mean(evals, "eval/acc") == pytest.approx(0.4)  # (0.3 + 0.4 + 0.5) / 3
+    run = {"evals": evals, "hard": "hard_eval", "K": 4}
+    assert learning.value(run, "eval/acc", "start") == 0.1
+    s = {"steps": 40, "eval_every": 10}
+    assert learning.value(run, "eval/acc", "steps_to", 0.45, s) == pytest.approx(35)
+    assert learning.value(run, "eval/acc", "steps_to", 0.9, s) == 50  # never reached: censored at steps + eval_every
+    assert learning.metric_key("eval/{hard}/pass@K", run) == "eval/hard_eval/pass@4"
+    assert learning.eval_steps(60, 10) == [0, 10, 20, 30, 40, 50, 60]
+    assert learning.eval_steps(10, 3) == [0, 3, 6, 9, 10]
 
 
 def test_crossing_interpolates_the_first_reach():
@@ -25,28 +70,85 @@ def test_crossing_interpolates_the_first_reach():
     assert learning.crossing([0, 10], [0.4, 0.5], 0.55) == math.inf
 
 
-def test_summarise_reads_budget_and_target_off_the_curves():
-    train = [{"step": s, "train/loss": 0.0, "train/num_completions": 100} for s in (1, 2, 3, 4)]
-    evals = [{"step": s, "eval/acc": a, "eval/acc_level1": a, "eval/pass@2": a + 0.1} for s, a in
-             ((0, 0.4), (2, 0.6), (4, 0.8))]
-    x = learning.summarise(train + evals, budget=300, target=0.5)
-    # 300 completions lie halfway between step 2 (200 spent) and step 4 (400): halfway from 0.6 to 0.8
-    assert x["at_budget"] == pytest.approx(0.7) and x["to_target"] == pytest.approx(1.0)
-    assert x["final"] == 0.8 and x["levels"] == {1: 0.8} and x["start_levels"] == {1: 0.4}
-    assert x["pass"] == {2: pytest.approx(0.9)} and x["completions"] == 400
-    assert math.isnan(learning.summarise(train + evals, budget=500, target=0.5)["at_budget"])  # past the run
+def test_bounds_say_what_the_data_exclude():
+    d = {"mean": 0.002, "lo": -0.008, "hi": 0.012}
+    assert learning.bound_text(d, 1, 100, "points") == "the data exclude gains above +1.2 and losses beyond -0.8 points"
+    assert learning.bound_text({"mean": 0.02, "lo": 0.01, "hi": 0.03}, 1, 100, "points") == \
+        "the data exclude gains below +1.0 and above +3.0 points"
+    # steps to target: fewer is better, so a difference of -5 [-8, -2] steps is a gain of 2 to 8 steps
+    assert learning.bound_text({"mean": -5, "lo": -8, "hi": -2}, -1, 1, "steps") == \
+        "the data exclude gains below +2.0 and above +8.0 steps"
+    assert learning.verdict({"mean": -0.01}, 1, 0.01) == "no: the reverse"
+    assert learning.verdict({"mean": 0.01}, 1, 0.2) == "not shown"
 
 
-def test_bin_shares_weigh_each_bin_loss_by_its_weight():
-    records = [{"step": 1, "daro/L_0.500": 0.2, "daro/L_0.125": -0.1, "daro/w_0.500": 1.0, "daro/w_0.125": 2.0},
-               {"step": 2, "daro/L_0.500": 0.0, "daro/L_0.125": 0.0}]  # nothing trained: no share at all
-    bins, steps, shares = learning.bin_shares(records)
-    assert bins == ["0.125", "0.500"] and steps == [1]
-    assert shares[0] == pytest.approx([0.5, 0.5])  # |2 x -0.1| = |1 x 0.2|
+def test_mix_trend_slope_per_seed():
+    def runs(values):
+        return [{"evals": [{"step": 0, "eval/hard_eval/acc": v}] * 3, "hard": "hard_eval", "K": 16} for v in values]
+    # seed 0: DA3PO - DAPO = 0.04 on the hard set, 0.02 on the 50% mix -> slope 0.04; seed 1: 0.02 and 0.02 -> 0
+    stats = {("hard", "dapo"): runs([0.5, 0.5]), ("hard", "da3po_lam2"): runs([0.54, 0.52]),
+             ("mix_easy50", "dapo"): runs([0.4, 0.4]), ("mix_easy50", "da3po_lam2"): runs([0.42, 0.42])}
+    points, slope = learning.mix_trend(stats, {"hard": {}, "mix_easy50": {}}, "eval/{hard}/acc")
+    assert [(h, t) for h, t, _ in points] == [(0.5, "mix_easy50"), (1.0, "hard")]
+    assert points[1][2]["mean"] == pytest.approx(0.03) and slope["mean"] == pytest.approx(0.02)
 
 
-@pytest.mark.parametrize("args, message", [(["--methods", "dapo,nope"], "--methods: unknown nope"),
-                                           (["--seeds", "0"], "--seeds: give 2 to 10 seeds")])
+def test_protocol_tables_are_consistent():
+    claims = [e["claim"] for e in learning.ENDPOINTS]
+    assert len(claims) == len(set(claims))  # one primary per claim
+    for e in learning.ENDPOINTS:
+        task = learning.TASKS[e["task"]]
+        assert e["arm"] in task["arms"] and e["vs"] in task["arms"] and e["better"] in (1, -1)
+        assert e["kind"] in ("last3", "steps_to") and ("target" in e) == (e["kind"] == "steps_to")
+    for task in learning.TASKS.values():
+        assert all(a in learning.ARMS for a in task["arms"])
+    assert len(learning.TASKS["hard"]["arms"]) >= 10 and len(learning.PROTOCOL["seeds"]) >= 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "hard,nope"], "--tasks: unknown nope"),
+    (["--arms", "dapo,nope"], "--arms: unknown nope"),
+    (["--seeds", "0"], "--seeds: give at least 2 distinct seeds"),
+    (["--seeds", "a-b"], "--seeds: expected"),
+    (["--eval_samples", "12"], "--eval_samples: must be a power of 2"),
+    (["--steps", "20", "--eval_every", "10"], "--steps/--eval_every: task hard would evaluate at steps [0, 10, 20]"),
+    (["--jobs", "0"], "--jobs: must be >= 1")])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = run_script(["bench/learning.py", *args], timeout=60)
-    assert r.returncode == 2 and message in r.stderr
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_a_task_without_its_files_or_its_target_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(learning.TASKS, "reasoning", {**learning.TASKS["reasoning"], "train": "nowhere/train.jsonl"})
+    with pytest.raises(SystemExit) as e:
+        learning.parse_args(["--tasks", "reasoning"])
+    assert e.value.code == 2 and "--tasks: reasoning is not available here (missing nowhere/train.jsonl)" in \
+        capsys.readouterr().err
+    monkeypatch.setattr(learning, "ENDPOINTS", [{**e, "target": None} if e["kind"] == "steps_to" else e
+                                                for e in learning.ENDPOINTS])
+    with pytest.raises(SystemExit) as e:
+        learning.parse_args(["--tasks", "hard"])
+    assert e.value.code == 2 and "--tasks: hard has a steps-to-target endpoint without a target" in \
+        capsys.readouterr().err
+
+
+def test_plan_prints_the_estimate_and_runs_nothing():
+    r = run_script(["bench/learning.py", "--plan"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "plan: 160 runs" in r.stdout and "estimate:" in r.stdout and "CPU-hours" in r.stdout
+
+
+def test_committed_data_match_the_manifest():
+    manifest = json.load(open(os.path.join(DATA, "manifest.json")))
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256(open(os.path.join(DATA, name), "rb").read()).hexdigest() == digest, name
+    rows = {name: [json.loads(x) for x in open(os.path.join(DATA, name))] for name in manifest["files"]}
+    eval_rows = rows["hard_eval.jsonl"]
+    assert sorted({r["level"] for r in eval_rows}) == [1, 2, 3, 4]
+    assert all(sum(r["level"] == lv for r in eval_rows) == 80 for lv in (1, 2, 3, 4))
+    demo = {json.loads(x)["problem"] for x in open(os.path.join(ROOT, "demo", "arith_eval.jsonl"))}
+    evals = {r["problem"] for r in eval_rows}
+    for name, rs in rows.items():
+        if name != "hard_eval.jsonl":
+            assert len(rs) == 2000 and not ({r["problem"] for r in rs} & (evals | demo)), name
+    assert all(0.05 <= r["pass_rate_at_build"] < 0.40 for r in rows["hard_train.jsonl"])

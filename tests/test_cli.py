@@ -19,6 +19,22 @@ def test_flag_forms_and_presets(capsys):
     assert capsys.readouterr().out == ""  # no note without an override
 
 
+def test_demo_reasoning_stands_for_its_flags_which_presets_and_flags_override(capsys):
+    import os
+    cfg = common.parse_config(Config, ["--demo", "reasoning"], PRESETS)
+    folder = os.path.join(os.path.dirname(common.__file__), "demo", "reasoning")
+    spelled = common.parse_config(Config, [
+        "--demo", "reasoning", "--model", os.path.join(folder, "model"), "--train_data",
+        os.path.join(folder, "train.jsonl"), "--eval_data", os.path.join(folder, "eval.jsonl"), "--max_new_tokens",
+        "72", "--overlong_buffer", "16", "--prompts_per_step", "16", "--steps", "20"], PRESETS)
+    assert cfg == spelled and os.path.isfile(os.path.join(cfg.model, "config.json"))
+    assert os.path.isfile(cfg.train_data) and os.path.isfile(cfg.eval_data)
+    assert common.parse_config(Config, ["--demo", "reasoning", "--steps", "3"], PRESETS).steps == 3
+    grpo = common.parse_config(Config, ["--demo", "reasoning", "--algo", "grpo"], PRESETS)
+    assert grpo.overlong_buffer == 0 and grpo.max_new_tokens == 72  # GRPO's recipe has no shaping
+    assert capsys.readouterr().out == ""
+
+
 def test_every_preset_writes_out_its_whole_recipe():
     """The README's paper-scale DA3PO command with --algo X must still run X: every preset sets every knob that
     defines an algorithm, so no DA3PO setting leaks into a baseline, and GSPO keeps its 4 updates per step."""
@@ -50,6 +66,7 @@ def test_overriding_a_preset_prints_a_note(capsys):
     (["--nope", "1"], "unrecognized arguments: --nope"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--algo", "ppo"], "argument --algo: invalid choice 'ppo'"),
+    (["--demo", "chess"], "argument --demo: invalid choice 'chess'"),
     (["--ste", "3"], "unrecognized arguments: --ste"),  # no prefix abbreviations
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):

@@ -23,6 +23,24 @@ def test_eval_set_is_calibrated_and_disjoint_from_training():
     assert [p["level"] for p in problems] == [r["level"] for r in rows]
 
 
+def test_reasoning_demo_data_are_calibrated_right_and_disjoint():
+    """--demo reasoning's files: 200 eval sums in 5 levels of 40 (each row in its band), every answer the sum, no eval
+    problem a training row, and the weights demo/reasoning/README.md names by their sha256."""
+    import hashlib
+    cfg = common.parse_config(__import__("da3po").Config, ["--demo", "reasoning"])
+    rows = [json.loads(line) for line in open(cfg.eval_data)]
+    train = [json.loads(line) for line in open(cfg.train_data)]
+    assert len(rows) == 200 and all(sum(r["level"] == level for r in rows) == 40 for level in LEVEL_BANDS)
+    for r in rows + train:
+        assert int(r["answer"]) == sum(map(int, r["problem"].split("+"))), r
+    for r in rows:
+        low, high = LEVEL_BANDS[r["level"]]
+        assert low <= r["pass_rate_at_build"] < high
+    assert len(train) == 4000 and not {r["problem"] for r in train} & {r["problem"] for r in rows}
+    weights = open(f"{cfg.model}/model.safetensors", "rb").read()
+    assert hashlib.sha256(weights).hexdigest() == "79cb14fc9a7ac937263bc2efe95bdac43733b1b4465a366abd80bf01cea14894"
+
+
 def test_shipped_model_starts_where_the_readme_says():
     """eval/acc at step 0 of `python da3po.py` (the whole eval set, 4 samples, seed 0): 0.445 on the machine that
     built it; another machine's kernels change a few samples, not the level structure."""
