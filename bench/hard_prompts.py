@@ -99,21 +99,10 @@ def candidates(seed: int, pool: dict) -> list[dict]:
 
 
 def pass_rates(model, tok, problems: list[dict], samples: int, seed: int) -> list[float]:
-    """Each problem's pass rate: `samples` completions at temperature 1 through the real rollout and verifier
-    (common.roll_groups on HFRollout, the demo's 12-token limit), 128 problems per call, seeded once."""
-    import torch
-
-    import common
-    import engine as eng
-    cfg = argparse.Namespace(max_new_tokens=12, overlong_buffer=0, overlong_penalty=1.0, answer_format="auto")
-    problems = common.tokenize_problems([{**p, "level": 0} for p in problems], tok, "none", 64, "calibration")
-    engine = eng.HFRollout(model, tok, common.DistInfo(), batch_size=4096)
-    torch.manual_seed(seed)
-    rates = []
-    for s in range(0, len(problems), 128):
-        groups, _ = common.roll_groups(engine, tok, problems[s:s + 128], cfg, samples, temperature=1.0, top_p=1.0)
-        rates += [sum(g["correct"]) / samples for g in groups]
-    return rates
+    """Each problem's pass rate: demo/build.py's calibration (`samples` completions at temperature 1 through the real
+    rollout and verifier, the demo's 12-token limit, 128 problems per call, seeded once)."""
+    from demo.build import pass_rates as calibrate
+    return calibrate(model, tok, [{**p, "level": 0} for p in problems], samples, seed)
 
 
 def in_band(rate: float, band: tuple[float, float]) -> bool:
