@@ -116,7 +116,7 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
     factor = adaptive_lam(p, cfg.group_size, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
     advantage, amplified = daa(advantage, correct, factor, cfg.tau, p, cfg.daa_scope)
     factors = (factor * torch.ones_like(p)).expand_as(advantage)  # (N, G)
-    amplified &= factors != 1  # a factor of 1 (lam = 1: DAPO, GSPO) amplifies nothing
+    amplified = amplified & (factors != 1)  # a factor of 1 (lam = 1: DAPO, GSPO) amplifies nothing
     applied = factors[amplified]  # the factor of each amplified one
     num_applied = all_reduce_sum(torch.tensor(float(len(applied)))).item()
     return advantage, {

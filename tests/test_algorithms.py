@@ -89,6 +89,9 @@ def test_amplify_reports_what_it_amplified():
     expected = da3po.adaptive_lam(torch.tensor([0.25, 0.5]), 4, 4.0)  # 1/gamma: > 1 at 0.25, exactly 1 at 0.5
     assert expected[1] == 1.0 and m["daa/lam_max"] == pytest.approx(expected[0].item())
     assert m["daa/amplified_frac"] == 1 / 12  # the p_hat = 0.5 group's factor is 1: nothing amplified there
+    # the symmetric control: both hard groups (p_hat 0.25, 0.5 < tau) whole, both signs
+    out, m = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, lam=2.0, tau=0.6, daa_scope="all"))
+    assert torch.equal(out[:2], 2 * adv[:2]) and torch.equal(out[2], adv[2]) and m["daa/amplified_frac"] == 8 / 12
 
 
 def test_amplification_factors_match_the_paper_numbers():
