@@ -1678,8 +1678,7 @@ def _to(obj, device):
 
 
 def seed_everything(seed: int):
-    """The sampling RNGs of this rank: torch's (our sampler), numpy's (vLLM's GPU runner draws each request's seed
-    from it) and Python's."""
+    """Seed this rank's sampling RNGs: torch (our sampler), numpy (vLLM's GPU runner seeds requests from it), random."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -1755,8 +1754,7 @@ def stop_run(engine, where: str):
 
 
 def find_checkpoint(cfg) -> str | None:
-    """The checkpoint --resume continues from (saying so when out_dir holds none), else None: rank 0's choice, on every
-    rank."""
+    """The checkpoint --resume continues from (rank 0's choice, on every rank; said when there is none), else None."""
     if not cfg.resume:
         return None
     ckpt = [latest_checkpoint(cfg.out_dir)]
