@@ -101,8 +101,11 @@ def candidates(seed: int, pool: dict) -> list[dict]:
 def pass_rates(model, tok, problems: list[dict], samples: int, seed: int) -> list[float]:
     """Each problem's pass rate: demo/build.py's calibration (`samples` completions at temperature 1 through the real
     rollout and verifier, the demo's 12-token limit, 128 problems per call, seeded once)."""
-    from demo.build import pass_rates as calibrate
-    return calibrate(model, tok, [{**p, "level": 0} for p in problems], samples, seed)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("demo_build", os.path.join(ROOT, "demo", "build.py"))
+    build = importlib.util.module_from_spec(spec)  # by path: from bench/, `import demo` finds bench/demo.py
+    spec.loader.exec_module(build)
+    return build.pass_rates(model, tok, [{**p, "level": 0} for p in problems], samples, seed)
 
 
 def in_band(rate: float, band: tuple[float, float]) -> bool:

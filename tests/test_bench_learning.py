@@ -152,3 +152,16 @@ def test_committed_data_match_the_manifest():
         if name != "hard_eval.jsonl":
             assert len(rs) == 2000 and not ({r["problem"] for r in rs} & (evals | demo)), name
     assert all(0.05 <= r["pass_rate_at_build"] < 0.40 for r in rows["hard_train.jsonl"])
+
+
+def test_hard_prompts_survey_runs_the_real_calibration_as_a_script():
+    """bench/hard_prompts.py as a user runs it (from bench/, where `import demo` would find bench/demo.py): the survey
+    measures pass rates through demo/build.py's calibration and shows why the pool is 3+3 and 2+2 sums."""
+    r = run_script(["bench/hard_prompts.py", "--survey"], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split(":")[0].strip(): line for line in r.stdout.splitlines() if "mean pass rate" in line}
+    assert len(rows) == 9, r.stdout
+    mean = {shape: float(line.split("mean pass rate ")[1].split(";")[0]) for shape, line in rows.items()}
+    hard = {shape: int(line.split("[")[1].split(",")[1]) for shape, line in rows.items()}  # problems in [5%, 40%)
+    assert max(hard, key=hard.get) == "3+3" and hard["3+3"] >= 20, rows
+    assert mean["2+1"] > 0.7 and mean["4+4"] < 0.05, mean
