@@ -83,8 +83,7 @@ def setup_dist(device: str = "") -> DistInfo:
 
 
 def cleanup_dist(engine=None):
-    """Barrier, close the rollout engine (vLLM destroys the process groups itself), destroy the group. Without the
-    barrier gloo runs sometimes abort at exit."""
+    """Barrier (else gloo sometimes aborts at exit), close the engine (vLLM may destroy the group), destroy it."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if engine is not None:
@@ -298,7 +297,8 @@ BASELINES = {
 
 # --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies before
 # the --algo preset (GRPO's preset turns its overlong shaping off) and explicit flags override both.
-_REASONING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reasoning")
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # the shipped demos (demo/build.py)
+_REASONING = os.path.join(DEMO_DIR, "reasoning")
 DEMOS = {"arith": {},
          "reasoning": {"model": os.path.join(_REASONING, "model"),
                        "train_data": os.path.join(_REASONING, "train.jsonl"),
@@ -433,7 +433,6 @@ def check_config(cfg, world_size: int):
 # 3. Model and tokenizer. `--model demo` is a tiny Qwen3-style model with a character-level tokenizer, built in code,
 #    warm-started on the arith task by demo/build.py (which says why its weights are shipped) and loaded through the
 #    path a hub model takes, so the demo exercises the real code.
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_MODEL = os.path.join(DEMO_DIR, "model")  # the warm-started demo model, shipped (demo/build.py makes it)
 DEMO_EVAL = os.path.join(DEMO_DIR, "arith_eval.jsonl")  # 200 held-out sums in 5 calibrated difficulty levels
 DEMO_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
