@@ -192,7 +192,8 @@ def compare(model, ref_model, case: dict, results: list[dict]) -> dict[str, floa
       carried    each token's share that the micro-batches actually trained (packing, trimming)
       loss, grad the update's loss and gradient (max abs difference over the largest reference entry)
       bin_loss   DARO's L_mu; s: DARO's s_mu = -ln w_mu after the weights' step (the reference's Adam)"""
-    f = Flags(G=case["flags"]["group_size"], **{k: v for k, v in case["flags"].items() if k in Flags.__dataclass_fields__})
+    f = Flags(G=case["flags"]["group_size"],
+              **{k: v for k, v in case["flags"].items() if k in Flags.__dataclass_fields__})
     if case["script"] == "da3po":
         f.weighting = "none"
     groups = {g["id"]: g for g in case["groups"]}

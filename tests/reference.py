@@ -14,7 +14,8 @@ The update (one optimizer step) is a list of Seq, every G-sized group of one pro
   rollout IS token: w_t = pi_old_t / pi_rollout_t; sequence: w_i = prod_t pi_old_t / pi_rollout_t on each token;
              truncated w <- min(w, C); or with --rollout_is_mask a token (sequence) with w outside [1/C, C] is not
              trained at all (it leaves the loss and every denominator) and the others keep w untruncated
-  ratio      r_t = pi_t / pi_old_t; GSPO: s_i = exp(mean over the trained tokens of log r_t), r_t = sg[s_i] pi_t / sg[pi_t]
+  ratio      r_t = pi_t / pi_old_t; GSPO: s_i = exp(mean over the trained tokens of log r_t),
+             r_t = sg[s_i] pi_t / sg[pi_t]
   token loss l_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)); dual clip (c > 1): for A < 0,
              l_t <- min(l_t, -A c); l_t <- w_t l_t (rollout IS); + kl_coef (pi_ref/pi - log(pi_ref/pi) - 1) (k3)
   loss       token-mean               sum_t l_t / #trained tokens of the update
