@@ -250,15 +250,16 @@ def _reference_daro(seqs, trained, f, s, token_loss):
     return loss, bin_loss
 
 
-@pytest.mark.parametrize("literal", [False, True])
-def test_daro_loss_step_weights_and_state_dict(literal):
+@pytest.mark.parametrize("weighting,literal", [("learned", False), ("learned", True), ("uniform", False),
+                                               ("var", False)])
+def test_daro_loss_step_weights_and_state_dict(weighting, literal):
     """DARO.token_weights, loss (over micro-batches), step_weights over three updates (bins absent from some, w
     reaching its clamp) and a state_dict round trip after the second: the loss, L_mu and s_mu after each step equal
-    the reference's (its objective's gradient in closed form, its written-out Adam), and the resumed copy continues
-    exactly as the original."""
+    the reference's (its objective's gradient in closed form, its written-out Adam; static weights do not move), and
+    the resumed copy continues exactly as the original."""
     rng = random.Random(3)
     G = 4
-    cfg = _config("daro", group_size=G, weighting="learned", weight_lr=0.3, daro_literal=literal, w_min=0.8,
+    cfg = _config("daro", group_size=G, weighting=weighting, weight_lr=0.3, daro_literal=literal, w_min=0.8,
                   w_max=1.5)
     batch, seqs, trained = _random_batch(rng, G, 6, rates=(0.0, 0.3, 0.6))
     f, default = _flags(cfg), torch.get_default_dtype()
@@ -277,7 +278,8 @@ def test_daro_loss_step_weights_and_state_dict(literal):
             assert abs(loss - ref_loss) < harness.TOL * max(1.0, abs(ref_loss))
             assert all(abs(algo.bin_loss[b].item() - bin_loss.get(b, 0.0)) < harness.TOL for b in range(G + 1))
             algo.step_weights()
-            adam.step(reference.weight_objective(bin_loss, adam.s, f)[1])
+            if weighting == "learned":
+                adam.step(reference.weight_objective(bin_loss, adam.s, f)[1])
             assert [s.item() for s in algo.neg_log_w] == pytest.approx(adam.s, abs=harness.TOL)
             if resumed is not None:  # the copy made from the state dict does the same update
                 _daro_update(resumed, copy, rows, random.Random(u))
@@ -285,6 +287,8 @@ def test_daro_loss_step_weights_and_state_dict(literal):
                 assert [s.item() for s in resumed.neg_log_w] == [s.item() for s in algo.neg_log_w]
             if u == 1:
                 resumed = daro.DARO(cfg, torch.device("cpu"), algo.state_dict())
+        if weighting != "learned":
+            return
         bounds = (-math.log(cfg.w_max), -math.log(cfg.w_min))
         assert any(min(abs(x - b) for b in bounds) < 1e-12 for x in adam.s), "no weight reached its clamp"
         assert min(adam.k) < 3 and max(adam.k) >= 2, "a bin absent from an update, and one with a second Adam step"
