@@ -1002,6 +1002,14 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 
     return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
 
 
+def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
+    """Each row's completion length (len(rows),): its real tokens, counted on the attention mask. Not on the loss
+    mask: the tokens rollout_correction rejects (and DARO's bins 0 and G) are holes in it, but still in the sequence,
+    and a trained token after a hole must stay in the micro-batch."""
+    P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
+    return batch["attention_mask"][rows, P:].sum(-1)
+
+
 def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
     """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
     length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt + longest
@@ -1012,7 +1020,7 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
         return [index[s:s + size] for s in range(0, len(index), size)]
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
-    completion_len = batch["mask"][index].sum(-1).tolist()
+    completion_len = completion_lengths(batch, index).tolist()
     order = sorted(range(len(index)), key=lambda i: -(prompt_len[i] + completion_len[i]))
     chunks, width = [], (0, 0)  # width: the longest prompt and completion of the current chunk
     for i in order:
@@ -1035,7 +1043,7 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
     away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
-        T = int(mb["mask"].sum(-1).max().clamp(min=2))  # longest completion, at least 2 (see _predicting_outputs)
+        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest completion, >= 2 (_predicting_outputs)
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
         first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left padding shared by all rows
         for k in ("input_ids", "attention_mask"):
