@@ -22,6 +22,7 @@ import inspect
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -1002,6 +1003,14 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 
     return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
 
 
+def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
+    """Each row's completion length (len(rows),): its real tokens, counted on the attention mask. Not on the loss
+    mask: the tokens rollout_correction rejects (and DARO's bins 0 and G) are holes in it, but still in the sequence,
+    and a trained token after a hole must stay in the micro-batch."""
+    P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
+    return batch["attention_mask"][rows, P:].sum(-1)
+
+
 def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
     """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
     length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt + longest
@@ -1012,7 +1021,7 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
         return [index[s:s + size] for s in range(0, len(index), size)]
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
-    completion_len = batch["mask"][index].sum(-1).tolist()
+    completion_len = completion_lengths(batch, index).tolist()
     order = sorted(range(len(index)), key=lambda i: -(prompt_len[i] + completion_len[i]))
     chunks, width = [], (0, 0)  # width: the longest prompt and completion of the current chunk
     for i in order:
@@ -1035,7 +1044,7 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
     away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
-        T = int(mb["mask"].sum(-1).max().clamp(min=2))  # longest completion, at least 2 (see _predicting_outputs)
+        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest completion, >= 2 (_predicting_outputs)
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
         first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left padding shared by all rows
         for k in ("input_ids", "attention_mask"):
@@ -1542,15 +1551,17 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
 
 class Logger:
     """metrics.jsonl, samples.jsonl, config.json and the console lines of rank 0, and with --report_to a tracker with
-    the same records under the same names. On --resume the records after the checkpoint are dropped (written again)."""
+    the same records under the same names. On --resume the records after the checkpoint's step `resumed_step` are
+    dropped (the run writes them again), all of them when --resume found no checkpoint (resumed_step -1: the run
+    starts over), so every step and evaluation has exactly one record."""
 
-    def __init__(self, cfg, dist_info: DistInfo, resume_step: int = -1):
+    def __init__(self, cfg, dist_info: DistInfo, resumed_step: int = -1):
         self.enabled, self.out_dir, self.tracker = dist_info.is_main, cfg.out_dir, None
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
-            if resume_step >= 0:
+            if cfg.resume:
                 for name in ("metrics.jsonl", "samples.jsonl"):
-                    _truncate_jsonl(os.path.join(cfg.out_dir, name), resume_step)
+                    _truncate_jsonl(os.path.join(cfg.out_dir, name), resumed_step)
             config = config_dict(cfg, dist_info.world_size)
             print0("config: " + " ".join(f"{k}={v}" for k, v in config.items()))
             with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -1651,29 +1662,69 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
 # 12. Checkpoints: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM), the
 #     optimizer in torch.distributed.checkpoint's sharded format (resumable on any number of ranks), trainer.pt (the
 #     step, scheduler, data position, the algorithm's state) and one rank<r>.pt per rank (its RNG states and, after a
-#     stop in the middle of a step, that step's remaining work). Written under a temporary name, then renamed.
+#     stop in the middle of a step, that step's remaining work: a PendingStep). Written under a temporary name, then
+#     renamed. trainer.pt and rank<r>.pt hold tensors and plain types only and are read with torch's safe loader, so
+#     a checkpoint from elsewhere cannot run code on --resume (the optimizer's metadata is still a pickle: dcp's own).
 def rng_state() -> dict:
-    """This rank's RNG states: Python's, numpy's, torch's (CPU and GPUs)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """This rank's RNG states, as tensors and plain types: Python's, numpy's, torch's (CPU and GPUs)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)  # no ndarray in a safe load
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict):
     """Inverse of rng_state."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _to(obj, device):
-    """Every tensor in nested dicts, lists and tuples moved to `device` (an unfinished step's work, kept on the CPU)."""
+    """Every tensor in nested dicts, lists and tuples moved to `device`."""
     if isinstance(obj, dict):
         return {k: _to(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to(v, device) for v in obj)
     return obj.to(device) if torch.is_tensor(obj) else obj
+
+
+@dataclass
+class PendingStep:
+    """What a stop between two updates leaves of its step on this rank; the resumed run finishes the step from it.
+    Only `batch` lives on the training device; everything else stays where the loop keeps it (the CPU)."""
+    step: int  # the unfinished step
+    record: dict  # its metrics record so far (rollout, advantages, pi_old)
+    groups: list  # its first group on this rank (samples.jsonl)
+    update_rows: list  # the rows of each of its updates (tensors)
+    batch: dict  # the batch's tensors (common section 7)
+    next_update: int  # the first update not yet applied
+    sums: dict  # Sums.sums of its updates so far
+    algo: dict  # the algorithm's own sums over the step (algo.step_state(): DARO's per-bin sums)
+
+    def plain(self) -> dict:
+        """Tensors and plain types on the CPU, for torch's safe loader."""
+        return _to(asdict(self), "cpu")
+
+    def resume(self, sums, algo) -> tuple:
+        """Put the step's sums back (the loop's Sums, the algorithm's own); returns (record, groups, update_rows,
+        batch, next_update), where the loop goes on."""
+        sums.sums = self.sums
+        algo.load_step_state(self.algo)
+        return self.record, self.groups, self.update_rows, self.batch, self.next_update
+
+
+def _load_plain(path: str):
+    """torch.load with torch's safe loader (tensors and plain types only): a file that holds anything else (a pickled
+    object, which could run code when unpickled) is refused with one line."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded (unpickling it could "
+            f"run code; torch says: {str(e).splitlines()[0][:100]}...)")
 
 
 def seed_everything(seed: int):
@@ -1692,18 +1743,18 @@ def full_state_dict(model) -> dict:
 
 
 def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream, extra: dict,
-                    keep: int = 2, pending: dict | None = None) -> str:
+                    keep: int = 2, pending: PendingStep | None = None) -> str:
     """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step; with `pending`
-    ({"step": an unfinished step, "work": what remains of it on this rank}) the folder takes the unfinished step's
-    number. The model goes through an empty (meta-device) copy of its architecture, so no second full copy exists under
-    FSDP; the optimizer through torch.distributed.checkpoint, each rank its shards, keyed by parameter name (a run
-    saved on N ranks resumes on M); `extra` is the algorithm's state (the same on every rank). Every rank then checks
-    that it sees the whole checkpoint: several nodes need an --out_dir they all share."""
+    (what remains of an unfinished step on this rank) the folder takes the unfinished step's number. The model goes
+    through an empty (meta-device) copy of its architecture, so no second full copy exists under FSDP; the optimizer
+    through torch.distributed.checkpoint, each rank its shards, keyed by parameter name (a run saved on N ranks
+    resumes on M); `extra` is the algorithm's state (the same on every rank). Every rank then checks that it sees the
+    whole checkpoint: several nodes need an --out_dir they all share."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
     rank, world = (dist.get_rank(), dist.get_world_size()) if is_dist() else (0, 1)
-    path = os.path.join(out_dir, f"step_{pending['step'] if pending else step:06d}")  # unfinished: its own step
+    path = os.path.join(out_dir, f"step_{pending.step if pending else step:06d}")  # unfinished: its own step
     tmp = path + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1711,17 +1762,23 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         dist.barrier()
     os.makedirs(tmp, exist_ok=True)
     state_dict = full_state_dict(model)
+    # An optimizer that has not stepped yet (a stop in step 1) has no state; torch's optimizer state dict gives it
+    # one with a zero-lr step of its own (Adam's step count 1): saved as "fresh" and undone below, so that the first
+    # real update, resumed or not, is Adam's step 1. (Every rank agrees: they step together.)
+    fresh = not opt.state
     if rank == 0:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(model.config)
         skeleton.generation_config = model.generation_config
         skeleton.save_pretrained(tmp, state_dict=state_dict)
         tok.save_pretrained(tmp)
-        torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
+        torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(), "optimizer_fresh": fresh,
                     "data_position": stream.position, **extra}, os.path.join(tmp, "trainer.pt"))
     dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=os.path.join(tmp, "optimizer"),
              no_dist=not is_dist())
-    torch.save({"rng": rng_state(), "pending": _to(pending, "cpu")}, os.path.join(tmp, f"rank{rank}.pt"))
+    if fresh:
+        opt.state.clear()  # the zero-lr step's state, gone: the optimizer is as it was
+    torch.save({"rng": rng_state(), "pending": pending and pending.plain()}, os.path.join(tmp, f"rank{rank}.pt"))
     if is_dist():
         dist.barrier()
     if rank == 0:
@@ -1770,24 +1827,27 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
     of ranks than the checkpoint's, the RNGs are seeded afresh from (seed, rank, step) (the saved streams belong to
     the old ranks), and a checkpoint of an unfinished step is refused (its work is split by rank). Returns (the step to
     continue after, the saved state: the algorithm's entries, "eval_due", and "pending": this rank's unfinished step
-    or None)."""
+    (a PendingStep) or None)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     if ckpt is None:
         seed_everything(seed + dist_info.rank)
         return 0, {"pending": None}
-    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
-    optim = {"optimizer": get_optimizer_state_dict(model, opt)}  # this run's layout (creates the state to fill)
-    dcp.load(optim, checkpoint_id=os.path.join(ckpt, "optimizer"), no_dist=not is_dist())
-    set_optimizer_state_dict(model, opt, optim["optimizer"])
+    state = _load_plain(os.path.join(ckpt, "trainer.pt"))
+    if not state.get("optimizer_fresh"):  # (a fresh one stays as it is: see save_checkpoint)
+        optim = {"optimizer": get_optimizer_state_dict(model, opt)}  # this run's layout (creates the state to fill)
+        dcp.load(optim, checkpoint_id=os.path.join(ckpt, "optimizer"), no_dist=not is_dist())
+        set_optimizer_state_dict(model, opt, optim["optimizer"])
     sched.load_state_dict(state["scheduler"])
     stream.position = state["data_position"]
     if state["world_size"] == dist_info.world_size:
-        mine = torch.load(os.path.join(ckpt, f"rank{dist_info.rank}.pt"), weights_only=False)
+        mine = _load_plain(os.path.join(ckpt, f"rank{dist_info.rank}.pt"))
         set_rng_state(mine["rng"])
-        state["pending"] = _to(mine["pending"], dist_info.device)
+        state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
+        if state["pending"]:  # its batch to the training device; the rest stays on the CPU, where the loop keeps it
+            state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     else:
-        if any(torch.load(f, weights_only=False)["pending"] is not None
+        if any(_load_plain(f)["pending"] is not None
                for f in glob.glob(os.path.join(ckpt, "rank*.pt"))):
             die(f"--resume: {ckpt} was saved in the middle of a step on {state['world_size']} ranks; resume it on "
                 f"{state['world_size']} ranks (the step's work is split by rank), then change")

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (BASELINES, TRAIN_SUMS, Logger, PromptStream, StepTimer, Sums, TrainConfig, UpdateGuard,
-                    all_reduce_max, all_reduce_sum, check_config, cleanup_dist, die, dynamic_sampling,
-                    evaluate_and_log, find_checkpoint, format_step, group_advantages, handle_stop_signals,
-                    load_checkpoint, load_datasets, load_model, loss_weights, make_batch, micro_batches, model_path,
-                    old_logprobs, parse_config, plan_updates, prepare_models, presets, print0, rng_state,
-                    save_checkpoint, set_rng_state, setup_dist, stop_requested, stop_run, token_losses,
-                    tokenize_datasets, train_metrics)
+from common import (BASELINES, TRAIN_SUMS, Logger, PendingStep, PromptStream, StepTimer, Sums, TrainConfig,
+                    UpdateGuard, all_reduce_max, all_reduce_sum, check_config, cleanup_dist, die,
+                    dynamic_sampling, evaluate_and_log, find_checkpoint, format_step, group_advantages,
+                    handle_stop_signals, load_checkpoint, load_datasets, load_model, loss_weights, make_batch,
+                    micro_batches, model_path, old_logprobs, parse_config, plan_updates, prepare_models,
+                    presets, print0, rng_state, save_checkpoint, set_rng_state, setup_dist, stop_requested,
+                    stop_run, token_losses, tokenize_datasets, train_metrics)
 from engine import make_rollout, rollout_correction
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -166,6 +166,12 @@ class DAA:
     def state_dict(self) -> dict:
         return {"pass_counts": self.pass_counts}
 
+    def step_state(self) -> dict:  # sums over the step that a stop between two updates must keep: none
+        return {}
+
+    def load_step_state(self, state: dict):
+        pass
+
     def count_passes(self, generated: list[dict]):
         if self.cfg.p_estimate == "running":  # every generated group, kept or not, on every rank
             count_passes(self.pass_counts, generated)
@@ -214,12 +220,13 @@ def main(cfg: Config):
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
     algo = DAA(cfg, state)  # the paper's part of the step (above), and its state in checkpoints
-    save = lambda step, eval_due=False, pending=None: save_checkpoint(  # noqa: E731
-        cfg.out_dir, step, model, tok, opt, sched, stream, {**algo.state_dict(), "eval_due": eval_due},
-        cfg.keep_last, pending)
-    logger = Logger(cfg, dist_info, resume_step=start_step if cfg.resume else -1)
-    first_eval = None  # at the start, and on resume the evaluation a stop left due
-    if start_step == 0 or state.get("eval_due") or cfg.eval_only:
+
+    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last one finished
+        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream,
+                        {**algo.state_dict(), "eval_due": eval_due}, cfg.keep_last, pending)
+    logger = Logger(cfg, dist_info, start_step if resume_from else -1)
+    first_eval = None  # at the start of a fresh run (a checkpoint at step 0 has it), and the one a stop left due
+    if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
         first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
     guard, pending = UpdateGuard(cfg.max_bad_updates), state["pending"]  # pending: a step a stop interrupted
@@ -227,7 +234,8 @@ def main(cfg: Config):
                      disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
         timer, sums, my_groups, update_rows, first = StepTimer(), Sums(*TRAIN_SUMS), [], [], 0
         if pending:  # the rest of a step that a stop interrupted between two updates
-            (record, my_groups, update_rows, batch, first, sums.sums), pending = pending["work"], None
+            record, my_groups, update_rows, batch, first = pending.resume(sums, algo)
+            pending = None
         else:
             # 1) roll out G completions per prompt, verify and reward them; dynamic sampling keeps the mixed groups
             start = (stream.position, rng_state())
@@ -258,8 +266,8 @@ def main(cfg: Config):
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(first, len(update_rows)):
                     if u > first and stop_requested():  # a stop between updates: the checkpoint keeps the rest
-                        work = (record, my_groups[:1], update_rows, batch, u, sums.sums)
-                        save(step - 1, pending={"step": step, "work": work})
+                        save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
+                                                           sums.sums, algo.step_state()))
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
@@ -283,7 +291,8 @@ def main(cfg: Config):
         if cfg.sample_every and step % cfg.sample_every == 0 and my_groups:
             logger.samples(step, my_groups[0])
         # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due evaluation runs on resume)
-        stopping, eval_due = stop_requested(), cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+        stopping = stop_requested()  # (every rank: an all-reduce)
+        eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
         if eval_due and not stopping:
             evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping:

@@ -119,6 +119,24 @@ def test_rollout_is_mask_leaves_the_denominator():
     assert torch.allclose(w[0], torch.full((3,), 1 / 3, dtype=torch.float64)) and w[1].sum() == 0
 
 
+@pytest.mark.parametrize("max_tokens", [0, 64], ids=["fixed", "token-budget"])
+def test_a_hole_in_the_mask_keeps_the_tokens_after_it(max_tokens):
+    """Issue 28, defect 1: rows of 6 and 3 completion tokens, the 3rd token of the first rejected (a hole in the loss
+    mask, as --rollout_is_mask makes). Its 4th-6th tokens are still trained, so every micro-batch keeps the row's 6
+    columns: the micro-batches carry the update's whole token weight, 1.000 (trimming on the mask's row sums kept 5
+    columns and carried 0.875)."""
+    ids, attn, mask = common.pad_prompt_completion([[5, 6], [7]], [[1, 2, 3, 4, 5, 6], [1, 2, 3]], 0)
+    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "group": torch.tensor([0, 1])}
+    batch["mask"][0, 2] = 0  # rejected
+    batch["weight"] = common.loss_weights(batch["mask"].double(), "token-mean", 8)  # 1/8 per kept token
+    assert batch["weight"].sum().item() == pytest.approx(1.0)
+    carried, widths = 0.0, []
+    for _, mb in common.micro_batches(batch, torch.arange(2), 2, max_tokens):
+        carried += mb["weight"].sum().item()
+        widths.append(mb["mask"].shape[1])
+    assert carried == pytest.approx(1.0, abs=1e-12) and max(widths) == 6, (carried, widths)
+
+
 class MismatchedRollout(eng.HFRollout):
     """A deliberately mismatched engine: it samples at 2 x the temperature it is asked for and reports the log-probs
     of what it really sampled from, as an engine with other kernels or precision would differ from the trainer."""

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import common
 import engine as eng
@@ -130,3 +131,115 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, first, then):
         for k in x:
             if not k.startswith("perf/"):  # (padding depends on how the rows are split into micro-batches)
                 assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-6), (x["step"], k)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Stops everywhere (issue 28): every point where the loop can stop is a call of stop_requested(); a run is stopped at
+# each call in turn and resumed, so a stop point added later is covered without a new test.
+EVERYWHERE = ["--steps", "2", "--eval_every", "1", "--max_gen_batches", "3", "--updates_per_step", "3",
+              "--prompts_per_step", "6", "--eval_size", "8", "--eval_samples", "2", "--sample_every", "1"]
+
+
+def stop_at_call(monkeypatch, script, k):
+    """A stop request (as SIGTERM's handler sets it) at the k-th call of stop_requested, wherever it is called (the
+    loop in the script, dynamic sampling in common). Returns the call counter."""
+    real, calls = common.stop_requested, [0]
+
+    def counted():
+        calls[0] += 1
+        if calls[0] == k:
+            common._stop_signal = signal.SIGTERM
+        return real()
+    monkeypatch.setattr(common, "stop_requested", counted)
+    monkeypatch.setattr(script, "stop_requested", counted)
+    return calls
+
+
+@pytest.mark.parametrize("script", [da3po, daro], ids=["da3po", "daro"])
+def test_a_stop_at_every_point_resumes_exactly(tmp_path, monkeypatch, script):
+    """2 steps (up to 3 generation batches and 3 updates each; an eval due at step 1; the last step): the run is
+    stopped at each point it checks for a stop (between generation batches and updates, after each step; in step 1
+    and later ones), then resumed. Each resumed run's metrics.jsonl equals the uninterrupted one's: every step and
+    every evaluation exactly once, with the same numbers (a stop in step 1 once repeated the step-0 evaluation)."""
+    def run(out, *flags):
+        script.main(common.parse_config(script.Config, ["--out_dir", str(out), *EVERYWHERE, *flags], script.PRESETS))
+
+    with monkeypatch.context() as m:
+        calls = stop_at_call(m, script, 0)  # counts the checks of an uninterrupted run
+        run(tmp_path / "straight")
+    straight = records(tmp_path / "straight" / "metrics.jsonl")
+    points = calls[0]
+    assert [r["step"] for r in straight] == [0, 1, 1, 2, 2] and points >= 6  # 3 per step at least
+    assert any(r.get("train/num_gen_batches", 0) > 1 for r in straight)  # a stop between generation batches
+    for k in range(1, points + 1):
+        out = tmp_path / f"stop{k}"
+        with monkeypatch.context() as m:
+            stop_at_call(m, script, k)
+            run(out)
+        assert common.latest_checkpoint(str(out)) is not None, k
+        common._stop_signal = None
+        run(out, "--resume")
+        assert records(out / "metrics.jsonl") == straight, f"stopped at check {k} of {points}"
+
+
+def test_resume_without_a_checkpoint_starts_the_records_over(tmp_path, monkeypatch):
+    """A run killed before its first checkpoint leaves metrics.jsonl with its step-0 evaluation; --resume finds no
+    checkpoint and starts over: one step-0 evaluation in the file, not two."""
+    flags = ["--steps", "1", "--eval_size", "8", "--eval_samples", "2"]
+    run(da3po, tmp_path / "straight", *flags)
+    out = tmp_path / "killed"
+    with monkeypatch.context() as m:  # killed (no checkpoint, no clean exit) in step 1's updates
+        m.setattr(common.UpdateGuard, "step", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            run(da3po, out, *flags)
+    assert [r["step"] for r in records(out / "metrics.jsonl")] == [0] and common.latest_checkpoint(str(out)) is None
+    run(da3po, out, *flags, "--resume")
+    assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
+
+
+def test_daro_pending_work_restores_on_the_training_device_and_the_rest_on_the_cpu(tmp_path, monkeypatch, demo_dir):
+    """Issue 28, defect 3: a DARO checkpoint taken between two updates, loaded for another device than the CPU (the
+    meta device stands in for a GPU): the batch goes to that device, DARO's per-bin sums stay on the CPU, where
+    `self.bins[0] += (...).cpu()` adds to them (moved to the device with the rest, that add failed on a GPU)."""
+    stop_when(monkeypatch, common.UpdateGuard, "step", lambda n: n == 1)  # after step 1's first update
+    run(daro, tmp_path, "--steps", "2")
+    ckpt = common.latest_checkpoint(str(tmp_path))
+    model, _ = common.load_model(ckpt)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    meta = common.DistInfo(device=torch.device("meta"))
+    _, state = common.load_checkpoint(ckpt, model, opt, sched, common.PromptStream([], 0), 0, meta)
+    pending = state["pending"]
+    assert pending is not None and pending.step == 1 and pending.next_update == 1
+    assert {v.device.type for v in pending.batch.values()} == {"meta"}
+    assert all(r.device.type == "cpu" for r in pending.update_rows) and pending.algo["bins"].device.type == "cpu"
+    cfg = common.parse_config(daro.Config, ["--device", "meta"], daro.PRESETS)
+    algo = daro.DARO(cfg, torch.device("cpu"), state)
+    algo.load_step_state(pending.algo)
+    algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what step_weights does
+
+
+class RunsCode:
+    """Unpickling this runs a shell command (what a malicious checkpoint would carry)."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("name", ["trainer.pt", "rank0.pt"])
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, name):
+    """Issue 28, defect 6: trainer.pt and rank<r>.pt are read with torch's safe loader; a crafted one that would run
+    code when unpickled is refused with one line naming the file (exit 2), and its code does not run."""
+    run(da3po, tmp_path, "--steps", "1", "--eval_size", "8", "--eval_samples", "2")
+    path = os.path.join(common.latest_checkpoint(str(tmp_path)), name)
+    saved = torch.load(path, weights_only=True)  # a real checkpoint loads safely (tensors and plain types)
+    marker = tmp_path / "ran"
+    torch.save({**saved, "extra": RunsCode(marker)}, path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(da3po, tmp_path, "--steps", "2", "--eval_size", "8", "--eval_samples", "2", "--resume")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and name in err[0] and "not loaded" in err[0], err
+    assert not marker.exists()
