@@ -50,7 +50,8 @@ def random_case(seed: int, model, script: str | None = None, **fixed) -> dict:
     flags["micro_batch_tokens"] = rng.choice([0, rng.randint(4, 60)])  # small: packs few rows, one row may exceed it
     if script == "da3po":
         flags.update(lam=rng.choice([1.0, 2.0, 3.0]), tau=rng.choice([0.25, 0.5, 0.75, 1.0]),
-                     daa_scope=rng.choice(["correct", "correct", "all"]))
+                     daa_scope=rng.choice(["correct", "correct", "all"]),
+                     p_estimate=rng.choice(["group", "group", "running"]))
     else:
         flags.update(weighting=rng.choice(["learned", "learned", "uniform", "var", "none"]),
                      daro_delta=rng.choice([1e-3, 0.1]), daro_literal=rng.random() < 0.3, w_min=0.1, w_max=10.0,
@@ -67,8 +68,10 @@ def random_case(seed: int, model, script: str | None = None, **fixed) -> dict:
         completions = [[rng.randint(10, 40) for _ in range(rng.randint(1, T))] for _ in range(G)]
         # DAPO's reward with a shaping step now and then (dyadic values: exact in any float format)
         reward = [(1.0 if c else -1.0) - rng.choice([0.0, 0.0, 0.25, 0.5]) for c in correct]
+        n_before = rng.choice([0, G, 3 * G])  # samples of this prompt in earlier steps (--p_estimate running)
         groups.append({"id": gid, "prompt_ids": [rng.randint(10, 40) for _ in range(rng.randint(1, 6))],
-                       "completions": completions, "reward": reward, "correct": correct})
+                       "completions": completions, "reward": reward, "correct": correct,
+                       "prompt": f"problem {gid}", "answer": "42", "prior": [rng.randint(0, n_before), n_before]})
     with torch.no_grad():  # pi_old near the model's own log-probs, pi_rollout near pi_old
         for g in groups:
             g["old_logp"], g["rollout_logp"] = [], []
@@ -86,6 +89,8 @@ def describe(case: dict) -> str:
     """The flags that select a code path, in one short string (the sweep's key)."""
     f = case["flags"]
     parts = [case["script"], f["loss_agg"] if f.get("weighting", "none") == "none" else f"daro-{f['weighting']}"]
+    if f.get("p_estimate") == "running":
+        parts.append("running-p")
     if f["rollout_is"] != "none":
         parts.append(f"is-{f['rollout_is']}" + ("-mask" if f["rollout_is_mask"] else ""))
     parts += [name for name, on in [("gspo", f["seq_ratio"]), ("dual", f["clip_ratio_c"] > 1), ("kl", f["kl_coef"]),
@@ -124,6 +129,9 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
         if case["script"] == "da3po":
             cfg = da3po.Config(**f)
             algo = da3po.DAA(cfg, {})
+            if cfg.p_estimate == "running":  # the earlier steps' counts, then this step's
+                algo.pass_counts = {da3po.pass_key(g): list(g["prior"]) for g in case["groups"]}
+                algo.count_passes(case["groups"])  # as main: every group generated, on every rank
         else:
             cfg = daro.Config(**f)
             algo = daro.DARO(cfg, torch.device("cpu"), {})
@@ -209,7 +217,7 @@ def compare(model, ref_model, case: dict, results: list[dict]) -> dict[str, floa
             for j, c in enumerate(g["completions"]):
                 index[(gid, j)] = len(seqs)
                 seqs.append(Seq(g["prompt_ids"], c, gid, g["reward"][j], g["correct"][j], g["old_logp"][j],
-                                g["rollout_logp"][j]))
+                                g["rollout_logp"][j], tuple(g.get("prior", (0, 0)))))
         ref = update(model, seqs, f, ref_model, adam.s)
         for (key, A, mask, weight, carried) in r["rows"]:
             i = index[tuple(key)]

@@ -10,7 +10,9 @@ Used by: python -m pytest -q tests/test_reference.py
 The update (one optimizer step) is a list of Seq, every G-sized group of one prompt complete, and the flags:
   advantage  A_i = (R_i - mean_j R_j) / (std_j R_j + 1e-6), std unbiased (GRPO); R_i - mean_j R_j (Dr. GRPO)
   DAA        p_hat = #correct / G; in a group with p_hat < tau (strict): A_i <- lam * A_i for the correct
-             completions with A_i > 0 (scope correct), or for every completion (scope all)
+             completions with A_i > 0 (scope correct), or for every completion (scope all). --p_estimate running:
+             p = (#correct / #samples of the prompt over every step so far, this one included) in place of p_hat;
+             --adaptive_lam: lam = min(lam_max, (1 - p^(G-1)) / (1 - (1-p)^(G-1))), p kept inside [1e-6, 1 - 1e-6]
   rollout IS token: w_t = pi_old_t / pi_rollout_t; sequence: w_i = prod_t pi_old_t / pi_rollout_t on each token;
              truncated w <- min(w, C); or with --rollout_is_mask a token (sequence) with w outside [1/C, C] is not
              trained at all (it leaves the loss and every denominator) and the others keep w untruncated
@@ -47,6 +49,7 @@ class Seq:
     correct: bool
     old_logp: list[float]
     rollout_logp: list[float] | None = None
+    prior: tuple[int, int] = (0, 0)  # the prompt's #correct and #samples in the steps before (--p_estimate running)
 
 
 @dataclass
@@ -68,6 +71,9 @@ class Flags:
     lam: float = 1.0  # DAA (da3po.py)
     tau: float = 0.5
     daa_scope: str = "correct"
+    p_estimate: str = "group"
+    adaptive_lam: bool = False
+    lam_max: float = 4.0
     weighting: str = "none"  # DARO (daro.py): none (no bins: loss_agg) | learned | uniform | var
     daro_delta: float = 1e-3
     daro_literal: bool = False
@@ -107,12 +113,22 @@ def advantages(seqs: list[Seq], f: Flags) -> list[float]:
         R = [seqs[i].reward for i in members]
         mean = math.fsum(R) / len(R)
         std = math.sqrt(math.fsum((r - mean) ** 2 for r in R) / (len(R) - 1))  # unbiased, as torch.std
-        p_hat = sum(seqs[i].correct for i in members) / len(members)
+        c, n = sum(seqs[i].correct for i in members), len(members)
+        if f.p_estimate == "running":
+            c, n = c + seqs[members[0]].prior[0], n + seqs[members[0]].prior[1]
+        p = c / n
+        lam = adaptive_lam(p, f.G, f.lam_max) if f.adaptive_lam else f.lam
         for i, r in zip(members, R):
             A[i] = (r - mean) / (std + ADV_EPS) if f.std_norm else r - mean
-            if p_hat < f.tau and (f.daa_scope == "all" or (seqs[i].correct and A[i] > 0)):
-                A[i] = f.lam * A[i]
+            if p < f.tau and (f.daa_scope == "all" or (seqs[i].correct and A[i] > 0)):
+                A[i] = lam * A[i]
     return A
+
+
+def adaptive_lam(p: float, G: int, lam_max: float) -> float:
+    """The factor that undoes dynamic sampling's tilt, 1 / gamma = alpha- / alpha+, capped at lam_max."""
+    p = min(max(p, 1e-6), 1 - 1e-6)
+    return min(lam_max, (1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1)))
 
 
 def bin_of(seqs: list[Seq], i: int) -> int:

@@ -60,11 +60,12 @@ def test_ci_cases_cover_every_flag(float64_model):
                  f"updates{f['updates_per_step']}", f"chunk{f['logprob_chunk']}"}
         seen |= {name for name, on in [("gspo", f["seq_ratio"]), ("dual", f["clip_ratio_c"] > 1), ("kl", f["kl_coef"]),
                                        ("packed", f["micro_batch_tokens"]), ("dr_grpo", not f["std_norm"]),
-                                       ("scope_all", f.get("daa_scope") == "all"), ("literal", f.get("daro_literal"))]
+                                       ("scope_all", f.get("daa_scope") == "all"), ("literal", f.get("daro_literal")),
+                                       ("running", f.get("p_estimate") == "running")]
                  if on}
     wanted = {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "learned", "uniform", "var", "updates1",
               "updates2", "chunk0", "chunk7", "chunk1024", "gspo", "dual", "kl", "packed", "dr_grpo", "scope_all",
-              "literal"}
+              "literal", "running"}
     assert wanted <= seen, wanted - seen
 
 
@@ -181,19 +182,30 @@ def _flags(cfg) -> Flags:
     return f
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_daa_advantages_and_token_weights(seed):
-    """DAA.advantages (GRPO / Dr. GRPO advantages, then DAA with p_hat < tau strict, scope correct or all) and
-    DAA.token_weights (every --loss_agg over an update with holes and a rejected row) equal the reference's."""
+    """DAA.advantages (GRPO / Dr. GRPO advantages, then DAA with p < tau strict, scope correct or all, p = p_hat or
+    --p_estimate running over earlier steps' counts, lam fixed or --adaptive_lam) and DAA.token_weights (every
+    --loss_agg over an update with holes and a rejected row) equal the reference's. The adaptive factor is computed
+    in float32 (from correct.float()), even for a float64 batch: (G - 1) roundings of 2^-24 in p^(G-1) and a few
+    more, so it agrees to 1e-6 relative there; every other number to harness.TOL."""
     rng = random.Random(seed)
     G = rng.choice([2, 4, 8])
     cfg = _config("da3po", group_size=G, lam=rng.choice([1.0, 2.0, 3.0]), tau=rng.choice([0.25, 0.5, 1.0]),
                   daa_scope=rng.choice(["correct", "all"]), std_norm=rng.random() < 0.5, max_new_tokens=6,
-                  loss_agg=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"][seed % 3])
+                  loss_agg=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"][seed % 3],
+                  adaptive_lam=seed % 2 == 1, p_estimate="running" if seed >= 4 else "group", lam_max=2.5)
     batch, seqs, trained = _random_batch(rng, G, 6)
-    algo, f = da3po.DAA(cfg, {}), _flags(cfg)
-    A = algo.advantages(batch, [{}] * 6, {})
-    assert torch.allclose(A, torch.tensor(reference.advantages(seqs, f), dtype=A.dtype), rtol=0, atol=harness.TOL)
+    priors = [(c, n) for n in (rng.choice([0, G, 5 * G]) for _ in range(6)) for c in [rng.randint(0, n)]]
+    seqs = [Seq(s.prompt, s.completion, s.group, s.reward, s.correct, s.old_logp, prior=priors[s.group])
+            for s in seqs]
+    groups = [{"prompt": f"problem {i}", "answer": "7", "correct": batch["correct"][i * G:(i + 1) * G].tolist()}
+              for i in range(6)]
+    algo, f = da3po.DAA(cfg, {"pass_counts": {da3po.pass_key(g): list(p) for g, p in zip(groups, priors)}}), _flags(cfg)
+    algo.count_passes(groups)  # this step's samples join the running counts before the advantages, as in main
+    A = algo.advantages(batch, groups, {})
+    A_ref = torch.tensor(reference.advantages(seqs, f), dtype=A.dtype)
+    assert torch.allclose(A, A_ref, rtol=1e-6 if cfg.adaptive_lam else 0, atol=harness.TOL)
     rows = torch.arange(len(seqs))
     coef, _ = reference.coefficients(seqs, trained, f)
     expected = torch.tensor([c + [0.0] * (6 - len(c)) for c in coef], dtype=torch.float64)
