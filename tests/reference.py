@@ -5,7 +5,7 @@ sequence runs alone through the model's plain forward, and every formula is writ
 README's algorithm section) state it. It shares no code with common.py, da3po.py, daro.py or engine.py: it is what
 their fast, batched, split and distributed arithmetic must agree with (tests/test_reference.py,
 bench/reference_sweep.py).
-Used by: python -m pytest -q tests/test_reference.py
+Run: python -m pytest -q tests/test_reference.py          (its users: tests/harness.py and the tests there)
 
 The update (one optimizer step) is a list of Seq, every G-sized group of one prompt complete, and the flags:
   advantage  A_i = (R_i - mean_j R_j) / (std_j R_j + 1e-6), std unbiased (GRPO); R_i - mean_j R_j (Dr. GRPO)
