@@ -786,7 +786,7 @@ class Sums:
 
 
 TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff", "kl_k1",
-              "kl_k3", "forward_tokens", "real_tokens")
+              "kl_k3", "compared", "boundary", "forward_tokens", "real_tokens")
 
 
 class StepTimer:
@@ -1067,6 +1067,10 @@ def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     return logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
 
 
+OUTSIDE_NUCLEUS = -1e4  # the nucleus log-prob of a token outside the nucleus: not -inf, so that a masked-out
+#   padding token multiplies to 0, not NaN; mismatch_sums leaves such tokens out of the engine/trainer gap
+
+
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool, top_p: float = 1.0):
     """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and a second (B, t) output (no grad):
     the token entropy with with_entropy, else with top_p < 1 the targets' log-probs renormalised over the top_p
@@ -1081,10 +1085,10 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
     if with_entropy:  # H = lse - sum_v p_v logit_v, the sum as a batched dot: one (B, t, V) tensor less than p * logits
         with torch.no_grad():
             entropy = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]  # (B, t)
-    elif top_p < 1:  # a target outside the nucleus gets -1e4, not -inf (masked padding must multiply to 0, not NaN)
+    elif top_p < 1:  # a target outside the nucleus gets OUTSIDE_NUCLEUS
         with torch.no_grad():
             entropy = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-            entropy = entropy.clamp(min=-1e4)
+            entropy = entropy.clamp(min=OUTSIDE_NUCLEUS)
     return logp, entropy
 
 
@@ -1420,6 +1424,22 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
     return token_loss, stats
 
 
+def mismatch_sums(mb: dict) -> dict:
+    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of |log r|
+    and of the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and
+    the count of `boundary` tokens: in the engine's top_p nucleus (it drew them) but outside pi_old's own, where pi_old
+    puts no mass and log r is OUTSIDE_NUCLEUS. Those are a share of their own (rollout/nucleus_boundary_frac), not
+    a ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    old = mb.get("old_logp_nucleus", mb["old_logp"])
+    mask = mb["mask"].to(old.dtype)
+    boundary = mask * (old <= OUTSIDE_NUCLEUS)
+    compared = mask - boundary
+    log_r = (old - mb["rollout_logp"]) * compared
+    return {"logprob_diff": log_r.abs().sum().item(), "kl_k1": -log_r.sum().item(),
+            "kl_k3": ((torch.exp(log_r) - 1 - log_r) * compared).sum().item(),
+            "compared": compared.sum().item(), "boundary": boundary.sum().item()}
+
+
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
     """Forward one micro-batch: each token's loss (B, T) (policy_loss, with the KL anchor's log-probs and
     --rollout_is's weights when asked), for the script to weigh and sum; its entropy, clipped-token counts, tokens,
@@ -1431,10 +1451,8 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
             with torch.no_grad():
                 ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
             reshard(ref_model)
-    if "rollout_logp" in mb:  # the engine vs the trainer, same weights: log r = log pi_old - log pi_rollout
-        log_r = (mb.get("old_logp_nucleus", mb["old_logp"]) - mb["rollout_logp"]) * mb["mask"]
-        sums.add(logprob_diff=log_r.abs().sum().item(), kl_k1=-log_r.sum().item(),
-                 kl_k3=((torch.exp(log_r) - 1 - log_r) * mb["mask"]).sum().item())
+    if "rollout_logp" in mb:  # the engine vs the trainer, same weights
+        sums.add(**mismatch_sums(mb))
     token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
                                       clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
                                       kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
@@ -1543,9 +1561,11 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
               "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
               "train/num_updates": num_updates, "train/lr": lr,
               "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the forwards
-    if mismatch:  # the rollout engine vs the trainer on the trained tokens: mean |log r|, KL(rollout || old)
-        record.update({"rollout/logprob_diff": totals["logprob_diff"] / tokens,
-                       "rollout/kl_k1": totals["kl_k1"] / tokens, "rollout/kl_k3": totals["kl_k3"] / tokens})
+    if mismatch:  # the engine vs the trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
+        compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
+        record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
+                       "rollout/kl_k1": totals["kl_k1"] / compared, "rollout/kl_k3": totals["kl_k3"] / compared,
+                       "rollout/nucleus_boundary_frac": totals["boundary"] / tokens})
     return record
 
 
