@@ -969,8 +969,9 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
     mine = [kept[j].get("group", kept[j]) for j in plan[rank]]  # (a test may plan whole groups, for any rank)
     if is_dist():  # from each rank in turn, the groups it generated to the ranks that train them
         for src in range(world):
-            send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src] for r in range(world)] \
-                if rank == src else None
+            send = None  # what src sends each rank: the groups src generated that the rank trains
+            if rank == src:
+                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src] for r in range(world)]
             got = [None]
             dist.scatter_object_list(got, send, src=src)
             arrived = iter(got[0])
@@ -1081,15 +1082,15 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
         logits = logits / temperature
     lse = logits.logsumexp(-1)  # (B, t)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, t)
-    entropy = None
+    entropy_or_nucleus_logp = None
     if with_entropy:  # H = lse - sum_v p_v logit_v, the sum as a batched dot: one (B, t, V) tensor less than p * logits
         with torch.no_grad():
-            entropy = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]  # (B, t)
+            entropy_or_nucleus_logp = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]
     elif top_p < 1:  # a target outside the nucleus gets OUTSIDE_NUCLEUS
         with torch.no_grad():
-            entropy = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-            entropy = entropy.clamp(min=OUTSIDE_NUCLEUS)
-    return logp, entropy
+            nucleus_logp = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1)  # (B, t, V)
+            entropy_or_nucleus_logp = nucleus_logp.gather(-1, targets[..., None])[..., 0].clamp(min=OUTSIDE_NUCLEUS)
+    return logp, entropy_or_nucleus_logp
 
 
 def _softcap(logits, cap):
@@ -1240,16 +1241,16 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     with _head_inputs_as_logits(model, head):
         hidden = _predicting_outputs(model, input_ids, attention_mask, T, groups)  # (B, T, H)
     step = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
-    logps, entropies = [], []
+    logps, seconds = [], []  # seconds: the chunks' entropies, or nucleus log-probs, or Nones
     for s in range(0, T, step):
         args = (model, head, hidden[:, s:s + step], targets[:, s:s + step], temperature, with_entropy, top_p)
         if torch.is_grad_enabled():  # recompute this chunk's logits in the backward instead of keeping them
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            logp, second = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(*args)
+            logp, second = _chunk_logprobs(*args)
         logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps, 1), torch.cat(entropies, 1) if with_entropy or top_p < 1 else None
+        seconds.append(second)
+    return torch.cat(logps, 1), torch.cat(seconds, 1) if with_entropy or top_p < 1 else None
 
 
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):

@@ -134,6 +134,10 @@ class DARO:
                     s.copy_(saved)
             self.weight_opt.load_state_dict(state["weight_optimizer"])
         self.bins = torch.zeros(3, self.G + 1)
+        # the current update's (set by token_weights): tokens per bin, w_mu, this rank's share of each L_mu
+        self.bin_tokens = torch.zeros(self.G + 1, device=device)
+        self.w = bin_weights(self.neg_log_w, cfg.weighting)
+        self.bin_loss = torch.zeros(self.G + 1, device=device)
 
     def state_dict(self) -> dict:
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
