@@ -48,7 +48,11 @@ class Config(TrainConfig):
     out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     wandb_project: str = "daro"  # wandb project of --report_to wandb
     weighting: str = "learned"  # w_mu: learned (DARO) | uniform (1) | var (sqrt(mu(1-mu))) | none (no bins, loss_agg)
-    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu, the weights' parameters (paper: 1e-3)
+    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu, the weights' parameters (paper: 1e-3).
+    #   Adam moves each s_mu by about weight_lr per update whatever its gradient, so ln w_mu travels at most ~weight_lr
+    #   x (weight updates): 0.12 in the demo's 120 (w <= 1.13), 0.6 in the paper's 600 (w <= 1.8), while the fixed
+    #   points 1 / (|L_mu| + delta) lie at ~5 to 200 (clamped at --w_max); until a bin reaches its own, all bins rise
+    #   together at the same rate: a loss-scale ramp, not yet a reweighting
     daro_delta: float = 1e-3  # delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]
     daro_literal: bool = False  # fit the weights to L_mu itself, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
     w_min: float = 0.1  # lower clamp of every w_mu, applied after each weight step [dev 1]
