@@ -5,7 +5,6 @@ README's snippet runs as written. Skips without TRL (pip install -r requirements
 import copy
 import json
 import os
-import re
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements-
 import common  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
-from conftest import ROOT, run_script  # noqa: E402
+from conftest import ROOT, readme_block, run_script  # noqa: E402
 from integrations import golden  # noqa: E402
 from integrations.trl_trainers import (ALGO_STATE, DA3POConfig, DA3POTrainer, DAROConfig,  # noqa: E402
                                        DAROTrainer)
@@ -243,14 +242,6 @@ def test_clear_errors(demo_dir, tmp_path):
                 correct_func=lambda completions, **kw: [True])
     with pytest.raises(ValueError, match="correct_func returned 1 values for 16 completions"):
         t.train()
-
-
-def readme_block(marker: str) -> str:
-    """The README's ```python block that contains `marker`."""
-    blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "README.md")).read(), re.S)
-    found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"one README python block with {marker!r}, found {len(found)}"
-    return found[0]
 
 
 def test_readme_snippet_runs_as_written(tmp_path):
