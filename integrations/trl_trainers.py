@@ -71,8 +71,8 @@ class _CorrectAndState:
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            torch.save(self.algo_state_dict(), os.path.join(folder, ALGO_STATE))
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder the Trainer just wrote
+            torch.save(self.algo_state_dict(), os.path.join(self._get_output_dir(trial=trial), folder, ALGO_STATE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # the Trainer's resume hook (TRL restores its own here)

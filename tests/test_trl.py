@@ -244,11 +244,8 @@ def test_clear_errors(demo_dir, tmp_path):
         t.train()
 
 
-def test_readme_snippet_runs_as_written(tmp_path):
-    code = readme_block("DA3POTrainer")
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
-    out = run_script([str(script)], cwd=ROOT, timeout=600)
+def test_readme_snippet_runs_as_written():
+    out = run_script(["-c", readme_block("DA3POTrainer")], cwd=ROOT, timeout=600)  # pasted, in the repository root
     assert out.returncode == 0, out.stderr[-3000:]
     assert "daa/amplified_frac" in out.stdout + out.stderr and "daro/w_0.500" in out.stdout + out.stderr
 
