@@ -207,7 +207,8 @@ class DAROTrainer(_CorrectAndState, GRPOTrainer):
                              f"support {[k for k, v in unsupported.items() if v]}")
         self._check_correct_func(correct_func)
         G = self.G = self.num_generations
-        self.neg_log_w = [torch.zeros((), requires_grad=True) for _ in range(1, G)]  # s_mu, Eq. (3): w = 1 at start
+        # s_mu, Eq. (3): w = 1 at start; float64 (seven scalars on the CPU), so that w_mu is exact in a float64 loss
+        self.neg_log_w = [torch.zeros((), dtype=torch.float64, requires_grad=True) for _ in range(1, G)]
         self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=a.weight_lr)  # own optimizer: no decay, no clipping
         if self.num_generations_eval not in (None, G):
             raise ValueError(f"DAROTrainer needs num_generations_eval = num_generations ({G}): the bins are 0..G")
@@ -242,12 +243,10 @@ class DAROTrainer(_CorrectAndState, GRPOTrainer):
             logp, old_logp, inputs["advantages"], mask, self.epsilon_low, self.epsilon_high,
             seq_ratio=self.importance_sampling_level == "sequence", ref_logp=inputs.get("ref_per_token_logps"),
             kl_coef=self.beta, is_weight=is_weight)
-        weight, bins = inputs["daro_weight"].to(token_loss.dtype), inputs["daro_bin"]
-        w = daro.bin_weights(self.neg_log_w, self.args.weighting).to(token_loss.device, token_loss.dtype)
+        loss, shares = self.daro_loss(token_loss, inputs["daro_weight"].to(token_loss.dtype), inputs["daro_bin"])
         mode = "train" if self.model.training else "eval"
         if mode == "train":  # this micro-batch's share of each L_mu, for the weights' step
-            self.bin_loss += torch.zeros(self.G + 1, dtype=torch.float64).index_add_(
-                0, bins.cpu(), (token_loss.detach() * weight).sum(-1).double().cpu())
+            self.bin_loss += shares.cpu()
         n_tokens = self.accelerator.gather(mask.sum()).sum().clamp(min=1)
         self._metrics[mode]["entropy"].append((self.accelerator.gather((entropy * mask).sum()).sum() / n_tokens)
                                               .item())
@@ -255,7 +254,15 @@ class DAROTrainer(_CorrectAndState, GRPOTrainer):
             self._metrics[mode][f"clip_ratio/{side}_mean"].append(
                 (self.accelerator.gather(clipped[f"clip_{side}"]).sum() / n_tokens).item())
         # the processes' gradients are averaged (DDP), the weights' denominators are global: scale back to a sum
-        return (token_loss * weight * w[bins].unsqueeze(-1)).sum() * self.accelerator.num_processes
+        return loss * self.accelerator.num_processes
+
+    def daro_loss(self, token_loss: torch.Tensor, weight: torch.Tensor, bins: torch.Tensor):
+        """These rows' share of sum_mu w_mu L_mu (theta's side of Eq. 1; w_mu a constant) and of each L_mu
+        (detached, float64): token losses (B, T), their Eq. (2) weights (B, T), bins (B,)."""
+        w = daro.bin_weights(self.neg_log_w, self.args.weighting).to(token_loss.device, token_loss.dtype)
+        shares = torch.zeros(self.G + 1, dtype=torch.float64, device=token_loss.device).index_add_(
+            0, bins, (token_loss.detach() * weight).sum(-1).double())
+        return (token_loss * weight * w[bins].unsqueeze(-1)).sum(), shares
 
     def step_weights(self):
         """After an update: L_mu summed over the update's micro-batches and the processes, one step of s (learned
@@ -263,7 +270,7 @@ class DAROTrainer(_CorrectAndState, GRPOTrainer):
         bin_loss = self.accelerator.reduce(self.bin_loss.to(self.accelerator.device), "sum").cpu()
         present = self.bin_tokens > 0
         if self.args.weighting == "learned":
-            daro.update_weights(self.neg_log_w, self.weight_opt, bin_loss.float(), present, self.args)
+            daro.update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.args)
         w = daro.bin_weights(self.neg_log_w, self.args.weighting)
         for i in range(1, self.G):
             self._metrics["train"][f"daro/w_{i / self.G:.3f}"].append(w[i].item())

@@ -102,6 +102,8 @@ def test_da3po_advantages_are_daa_of_trls(demo_dir, tmp_path, knobs):
         ref_after, amplified = da3po.daa(before.double(), correct, factor, 0.5, p, "correct")
         assert after.dtype == torch.float64 and torch.equal(after, ref_after)
         assert torch.equal(out["advantages"], ref_after.flatten().float())  # what the loss was given
+        uniform = ((correct.sum(-1) == 0) | (correct.sum(-1) == G)).repeat_interleave(G)  # DAPO's filter, no refill
+        assert out["completion_mask"][uniform].sum() == 0 and out["num_items_in_batch"] == out["completion_mask"].sum()
         amplified_total += (amplified & (ref_after != before.double())).sum().item()
     assert amplified_total > 0  # level-3 sums (pass rates 25-50%): some hard groups had correct answers
     assert "daa/amplified_frac" in t.state.log_history[0]
@@ -148,7 +150,7 @@ def test_daro_loss_gradient_and_weight_step_match_daro_py(float64_model, tmp_pat
     token_loss, _ = common.policy_loss(logp, logp.detach(), batch["advantages"], mask, 0.2, 0.28)
     weight, tokens = daro.bin_token_weights(mask, bins, G)
     s_ref = [s.clone().requires_grad_() for s in s0]
-    w = daro.bin_weights(s_ref, "learned").double()
+    w = daro.bin_weights(s_ref, "learned")
     ref_loss = (token_loss * weight * w[bins].unsqueeze(-1)).sum()
     ref_grads = torch.autograd.grad(ref_loss, list(t.model.parameters()))
     # float64, the same functions on the same tensors but through TRL's batching: ~1e-16 relative per term; the loss
@@ -162,7 +164,7 @@ def test_daro_loss_gradient_and_weight_step_match_daro_py(float64_model, tmp_pat
     assert (t.last_bin_loss - ref_L).abs().max() <= 1e-12 * ref_L.abs().max()
     cfg = DAROConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", weight_lr=0.05)
     opt = torch.optim.Adam(s_ref, lr=0.05)
-    daro.update_weights(s_ref, opt, ref_L.float(), tokens > 0, cfg)
+    daro.update_weights(s_ref, opt, ref_L, tokens > 0, cfg)
     assert all(torch.equal(a, b) for a, b in zip(t.neg_log_w, s_ref))
     assert any(not torch.equal(a, b) for a, b in zip(t.neg_log_w, s0))  # it moved
 
@@ -248,6 +250,27 @@ def test_readme_snippet_runs_as_written():
     out = run_script(["-c", readme_block("DA3POTrainer")], cwd=ROOT, timeout=600)  # pasted, in the repository root
     assert out.returncode == 0, out.stderr[-3000:]
     assert "daa/amplified_frac" in out.stdout + out.stderr and "daro/w_0.500" in out.stdout + out.stderr
+
+
+def test_daro_golden_vectors_through_the_drop_in(demo_dir, tmp_path):
+    """DAROTrainer's loss path (daro_loss, with Eq. 2's weights from daro.bin_token_weights as the trainer computes
+    them) on the golden DARO cases: the model loss and L_mu, float64. (The weights' objective and step are
+    daro.weight_objective / daro.update_weights themselves, checked by tests/test_golden.py.)"""
+    model, tok = common.load_model(demo_dir)
+    trainers = {G_: trainer(DAROTrainer, config(DAROConfig, str(tmp_path), num_generations=G_,
+                                                per_device_train_batch_size=2 * G_), model, tok) for G_ in (4, 8)}
+
+    def via_trainer(inp):
+        t = trainers[inp["G"]]
+        with torch.no_grad():
+            for s, value in zip(t.neg_log_w, inp["neg_log_w"]):
+                s.fill_(value)
+        mask, bins = torch.tensor(inp["mask"], dtype=torch.float64), torch.tensor(inp["bins"])
+        weight, _ = daro.bin_token_weights(mask, bins, inp["G"])
+        loss, shares = t.daro_loss(torch.tensor(inp["token_loss"], dtype=torch.float64), weight, bins)
+        return {"model_loss": loss, "bin_loss": shares}
+    report = golden.check(daro=via_trainer)
+    assert report["mismatches"] == [] and report["cases"] == 5
 
 
 def test_golden_vectors_through_the_drop_in():
