@@ -29,14 +29,19 @@ F64 = torch.float64
 # The project's functions as golden-file callables: inputs (lists) -> outputs (float64 tensors)
 
 
+def shaped_rewards(correct, lengths, max_new_tokens: int, overlong_buffer: int, overlong_penalty: float):
+    """DAPO's reward of each completion (common.shaped_reward), as nested lists (N, G)."""
+    return [[common.shaped_reward(bool(c), n, max_new_tokens, overlong_buffer, overlong_penalty)
+             for c, n in zip(cs, ns)] for cs, ns in zip(correct, lengths)]
+
+
 def project_advantages(inp: dict) -> dict:
     """DAPO's shaped rewards, GRPO's advantages, then DAA (da3po.daa; da3po.adaptive_lam for --adaptive_lam)."""
     correct = torch.tensor(inp["correct"], dtype=torch.bool)  # (N, G)
     if correct.shape[-1] != inp["G"]:
         raise ValueError(f"G = {inp['G']} but the groups have {correct.shape[-1]} completions")
-    rewards = torch.tensor([[common.shaped_reward(bool(c), n, inp["max_new_tokens"], inp["overlong_buffer"],
-                                                  inp["overlong_penalty"]) for c, n in zip(cs, ns)]
-                            for cs, ns in zip(inp["correct"], inp["lengths"])], dtype=F64)
+    rewards = torch.tensor(shaped_rewards(inp["correct"], inp["lengths"], inp["max_new_tokens"], inp["overlong_buffer"],
+                                          inp["overlong_penalty"]), dtype=F64)
     before = common.group_advantages(torch.tensor(inp["rewards"], dtype=F64), inp["std_norm"], inp["eps"])
     p = (correct.to(F64).mean(-1) if inp["p"] is None else torch.tensor(inp["p"], dtype=F64)).unsqueeze(-1)
     factor = da3po.adaptive_lam(p, inp["G"], inp["lam_max"]) if inp["adaptive_lam"] else inp["lam"]
@@ -81,8 +86,7 @@ PROJECT = {"advantages": project_advantages, "daro": project_daro, "loss_agg": p
 
 def advantage_case(name, correct, lengths, lam=2.0, tau=0.5, p=None, scope="correct", adaptive_lam=False,
                    lam_max=4.0, std_norm=True, max_new_tokens=16, overlong_buffer=4, overlong_penalty=1.0):
-    rewards = [[common.shaped_reward(bool(c), n, max_new_tokens, overlong_buffer, overlong_penalty)
-                for c, n in zip(cs, ns)] for cs, ns in zip(correct, lengths)]
+    rewards = shaped_rewards(correct, lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     return {"name": name, "inputs": {
         "G": len(correct[0]), "correct": correct, "lengths": lengths, "max_new_tokens": max_new_tokens,
         "overlong_buffer": overlong_buffer, "overlong_penalty": overlong_penalty, "rewards": rewards,

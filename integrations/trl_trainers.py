@@ -55,14 +55,16 @@ class _CorrectAndState:
             raise ValueError(f"correct_func returned {len(correct)} values for {len(prompts)} completions")
         local = torch.tensor([bool(c) for c in correct], device=self.accelerator.device)
         self._correct = self.accelerator.gather(local)  # (all completions,), the rows of rewards_per_func
-        self._keys = gather_object([da3po.pass_key({"prompt": str(x["prompt"]), "answer": str(x.get("answer", ""))})
-                                    for x in inputs])  # which prompt each completion answers (--p_estimate running)
+        # which problem each completion answers, for --p_estimate running (da3po.pass_key: prompt and answer)
+        self._problems = gather_object([{"prompt": str(x["prompt"]), "answer": str(x.get("answer", ""))}
+                                        for x in inputs])
         return rewards_per_func
 
     def _groups(self, G: int):
-        """The step's groups, all processes: (correct (N, G) bool, the prompt key of each group)."""
+        """The step's groups, all processes: (correct (N, G) bool, one dict per group as da3po's functions take it:
+        prompt, answer, correct)."""
         correct = self._correct.view(-1, G)
-        return correct, self._keys[::G]
+        return correct, [{**p, "correct": c.tolist()} for p, c in zip(self._problems[::G], correct)]
 
     def _local_rows(self, n_local: int) -> slice:
         i = self.accelerator.process_index
@@ -128,8 +130,7 @@ class DA3POTrainer(_CorrectAndState, GRPOTrainer):
             return out
         G, n_local = self.num_generations, len(out["advantages"])
         before = self.accelerator.gather(out["advantages"]).view(-1, G)  # TRL's group advantages, every process
-        correct, keys = self._groups(G)
-        groups = [{"prompt": k, "answer": "", "correct": c.tolist()} for k, c in zip(keys, correct)]
+        correct, groups = self._groups(G)
         if self.args.p_estimate == "running":  # every generated group, before DAA uses the counts
             da3po.count_passes(self.pass_counts, groups)
         after, metrics = da3po.amplify(before.double(), correct, groups, self.pass_counts, self.args)

@@ -93,7 +93,7 @@ def test_da3po_advantages_are_daa_of_trls(demo_dir, tmp_path, knobs):
         # DAA on them, float64, from da3po.py's functions on the same inputs: exactly
         p = correct.double().mean(-1, keepdim=True)  # p_hat
         if knobs.get("p_estimate") == "running":  # the test's own running counts, per prompt, across the steps
-            prompts = [str(x) for x in out["prompt_ids"][::G].tolist()]
+            prompts = [str(x) for x in out["prompt_ids"][::G].tolist()]  # the test's own key: the prompt's tokens
             for key, c in zip(prompts, correct):
                 counts[key] = [counts.get(key, [0, 0])[0] + c.sum().item(), counts.get(key, [0, 0])[1] + G]
             p = torch.tensor([counts[key] for key in prompts], dtype=torch.float64)
