@@ -137,8 +137,9 @@ class DA3POTrainer(_CorrectAndState, GRPOTrainer):
         self.last_daa = {"before": before, "after": after, "correct": correct}
         out["advantages"] = after.flatten()[self._local_rows(n_local)].to(out["advantages"].dtype)
         if self.args.mask_uniform_groups:  # DAPO's filter without the refill: uniform groups leave the token mean
-            mixed = ((correct.sum(-1) > 0) & (correct.sum(-1) < G)).repeat_interleave(G)[self._local_rows(n_local)]
-            out["completion_mask"] = out["completion_mask"] * mixed.unsqueeze(-1).to(out["completion_mask"].dtype)
+            mixed = (correct.sum(-1) > 0) & (correct.sum(-1) < G)  # (N,), all processes' groups
+            keep = mixed.repeat_interleave(G)[self._local_rows(n_local)].unsqueeze(-1)
+            out["completion_mask"] = out["completion_mask"] * keep.to(out["completion_mask"].dtype)
             out["num_items_in_batch"] = self.accelerator.gather(out["completion_mask"].sum()).sum()
             metrics["daa/kept_groups_frac"] = mixed.float().mean().item()
         for key, value in metrics.items():
