@@ -283,8 +283,9 @@ _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "
 
 BASELINES = {
     "dapo": _DAPO,
-    # GRPO as verl runs it: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic
-    # sampling, no KL (DeepSeekMath's beta 0.04: --kl_coef 0.04)
+    # GRPO: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic sampling. No KL
+    # term, as in DAPO, Dr. GRPO and GSPO, so that GRPO vs DAPO changes nothing else; verl's GRPO examples add a k3
+    # KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
     "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
     # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
