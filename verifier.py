@@ -1472,10 +1472,11 @@ def verify_batch(completions: list[str], golds: list[str], answer_format: str = 
 
 def majority_vote(answers: list, timeout: float = 1.0, num_workers: int = 0) -> tuple[int | None, int]:
     """The majority answer of one problem's samples (maj@k, DAPO's cons@k): `answers` are extracted final answers
-    (None = no answer, which never votes); answers equivalent under math_equal count as one. Returns (the index of
-    the winner's first occurrence, its votes), or (None, 0) when no sample has an answer. Ties go to the answer seen
-    first, a rule fixed in advance that needs no random draw (verl's maj@N keeps the first of equally voted answers
-    too). Example: ["1/2", "3", "0.5", "3", None, "\\frac12"] -> (0, 3): 1/2 = 0.5 = \\frac12 has three votes."""
+    (None, or one that normalises to nothing, never votes); answers equivalent under math_equal count as one.
+    Returns (the index of the winner's first occurrence, its votes), or (None, 0) when no sample has an answer. Ties
+    go to the answer seen first, a rule fixed in advance that needs no random draw (verl's maj@N keeps the first of
+    equally voted answers too). Example: ["1/2", "3", "0.5", "3", None, "\\frac12"] -> (0, 3): 1/2 = 0.5 = \\frac12
+    has three votes."""
     keys: dict[str, int] = {}  # normalised spelling -> its first index; one vote per sample
     votes: dict[int, int] = {}
     for i, answer in enumerate(answers):
