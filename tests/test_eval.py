@@ -86,6 +86,13 @@ def test_bad_eval_data_exits_2_in_one_line(eval_data, message, capsys):
     assert "\n" not in err and message in err
 
 
+def test_bad_eval_data_stops_the_script_before_loading(tmp_path):
+    r = run_script(["daro.py", "--eval_data", "arith@4,aime24.jsonl@x", "--out_dir", str(tmp_path)], timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "metrics.jsonl").exists()
+    assert r.stderr.strip() == ("error: --eval_data 'aime24.jsonl@x': the k after '@' must be a whole number >= 1 "
+                                "(e.g. aime24.jsonl@32)")
+
+
 def test_help_shows_the_set_at_k_syntax(capsys):
     with pytest.raises(SystemExit):
         common.parse_config(Config, ["--help"], PRESETS)
