@@ -112,12 +112,16 @@ def test_memory_figures_agree_with_bench_memory(recipes):
     rows = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| Qwen")]
     rows = {tuple(r[:2]): r for r in rows}  # (model, machine) -> model, machine, peak, spare, resident, u, ..., verdict
     doc = " ".join(open(DOC).read().replace("\n# ", "\n").split())  # comments in code blocks wrap too
+    usable = {label: f"{(1 - memory.MARGIN) * gb:.1f}" for _, gb, label in memory.MACHINES}  # 75.7, 133.4 GiB
     h200_4b, h200_daro = rows["Qwen3-4B-Base", "1 x 141 GB (H200)"], rows["Qwen2.5-Math-7B", "1 x 141 GB (H200)"]
-    assert f"update peak {h200_4b[2]} GiB of 133.4 usable, vLLM's share {h200_4b[5]}" in doc
-    assert f"update peak {h200_daro[2]} GiB of 133.4 usable: {h200_daro[3]} GiB to spare" in doc
+    h200 = usable["1 x 141 GB (H200)"]
+    assert f"update peak {h200_4b[2]} GiB of {h200} usable, vLLM's share {h200_4b[5]}" in doc
+    assert f"update peak {h200_daro[2]} GiB of {h200} usable: {h200_daro[3]} GiB to spare" in doc
     assert "--micro_batch_tokens 13312" in h200_daro[-1]
     offload = [rows[m, "1 x 80 GB"] for m in ("Qwen3-4B-Base", "Qwen3-8B-Base")]
     assert all("--cpu_offload" in r[-1] for r in offload)
-    assert f"update peak {offload[0][2]} / {offload[1][2]} GiB of 75.7 usable" in doc
+    assert f"update peak {offload[0][2]} / {offload[1][2]} GiB of {usable['1 x 80 GB']} usable" in doc
+    shares = [rows[m, "8 x 80 GB"][5] for m in ("Qwen3-4B-Base", "Qwen3-8B-Base")]  # --vllm_gpu_memory 0's choice
+    assert f"{shares[0]} for Qwen3-4B and {shares[1]} for Qwen3-8B on 8 x 80 GB" in doc
     one_gpu = {(s, c.cpu_offload): c for s, w, c, _ in recipes if w == 1}
     assert one_gpu["daro.py", False].micro_batch_tokens == 13312 and one_gpu["da3po.py", True].prompts_per_step == 64
