@@ -15,7 +15,8 @@ Deviations [dev N]: 1) the paper's text does not settle the sign of L_mu: at rat
 advantage per token, negative when the bin's correct completions are the longer ones, and Eq. (1) then has no minimum
 in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the model's gradient is the same); --daro_literal
 fits L_mu. 2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO preset, as in
-DAPO. 4) DAPO's dynamic sampling is on (not known for the paper).
+DAPO. 4) The presets keep DAPO's dynamic sampling on (the CPU demos and bench/learning.py were measured so); the
+paper sets DARO's reweighting against DAPO's resampling, so docs/gpu.md's paper runs pass --no-dynamic_sampling.
 
 Run:  python daro.py                                                    # the built-in demo, about a minute on a CPU
       python daro.py --algo var --steps 3 --out_dir /tmp/x              # a static weighting, a smoke test
