@@ -40,7 +40,7 @@ import torch.utils.checkpoint
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from verifier import verify_batch
+from verifier import extract_answer, majority_vote, verify_batch
 
 hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our one line per step
 # torch.distributed.checkpoint warns on every save and load of a plain run that it works in one process: it should
@@ -208,7 +208,8 @@ class TrainConfig:
     #   the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags: common.DEMOS)
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
-    eval_data: str = "arith"  # same choices, comma-separated for several sets; 'arith': 200 held-out sums
+    eval_data: str = "arith"  # same choices, comma-separated for several sets, each with its own k as set@k
+    #   (aime24.jsonl@32,math500.jsonl@8; a set without @k gets --eval_samples); 'arith': 200 held-out sums
     out_dir: str = ""  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
     steps: int = 60  # RL steps (one rollout batch each)
@@ -260,7 +261,7 @@ class TrainConfig:
     logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
-    eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k)
+    eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k
     eval_size: int = 0  # eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all
     eval_temperature: float = 1.0  # eval sampling temperature
     eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
@@ -283,8 +284,9 @@ _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "
 
 BASELINES = {
     "dapo": _DAPO,
-    # GRPO as verl runs it: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic
-    # sampling, no KL (DeepSeekMath's beta 0.04: --kl_coef 0.04)
+    # GRPO: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic sampling. No KL
+    # term, as in DAPO, Dr. GRPO and GSPO, so that GRPO vs DAPO changes nothing else; verl's GRPO examples add a k3
+    # KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
     "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
     # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
@@ -386,6 +388,24 @@ def config_dict(cfg, world_size: int = 1) -> dict:
             "_transformers": transformers.__version__, "_git_commit": commit}
 
 
+def parse_eval_data(eval_data: str, eval_samples: int) -> list[tuple[str, int]]:
+    """--eval_data as (set, k) pairs: comma-separated sets, each optionally `@k`, its own samples per problem (avg@k,
+    pass@k, maj@k); a set without `@k` gets --eval_samples. What follows the last '@' is a k unless it holds a '/' or
+    a file extension ('x@y.jsonl' is a file). Example: 'aime24.jsonl@32,math500.jsonl', 4 -> [('aime24.jsonl', 32),
+    ('math500.jsonl', 4)]."""
+    out = []
+    for item in (i.strip() for i in eval_data.split(",")):
+        spec, at, suffix = item.rpartition("@")
+        if not at or "/" in suffix or re.search(r"\.[A-Za-z]", suffix):
+            spec, at, suffix = item, "", ""
+        if not spec:
+            die(f"--eval_data {eval_data!r}: an empty set name (write sets as a.jsonl,b.jsonl@32)")
+        if at and not (suffix.isdigit() and int(suffix) >= 1):
+            die(f"--eval_data {item!r}: the k after '@' must be a whole number >= 1 (e.g. aime24.jsonl@32)")
+        out.append((spec, int(suffix) if at else eval_samples))
+    return out
+
+
 def check_config(cfg, world_size: int):
     """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded."""
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
@@ -428,6 +448,7 @@ def check_config(cfg, world_size: int):
         die(f"--oversample must be >= 1, got {cfg.oversample}")
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
         die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
+    parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -727,7 +748,7 @@ def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
     """--train_data and every --eval_data set (named by eval_set_names, --eval_size of them spread over the set), not
     yet tokenized: a bad file fails here, in a second, before any model is loaded."""
     train = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
-    specs = cfg.eval_data.split(",")
+    specs = [spec for spec, _ in parse_eval_data(cfg.eval_data, cfg.eval_samples)]  # names leave out the @k
     evals = {name: spread(load_data(spec, "eval", cfg.prompt_key, cfg.answer_key), cfg.eval_size)
              for name, spec in zip(eval_set_names(specs), specs)}
     return train, evals
@@ -738,7 +759,7 @@ def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg)
     resolves --max_model_len 0 to the longest prompt + --max_new_tokens."""
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train = tokenize_problems(train, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
-    specs = cfg.eval_data.split(",")
+    specs = [spec for spec, _ in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
     evals = {name: tokenize_problems(problems, tok, cfg.prompt_template, cfg.max_prompt_length, spec)
              for (name, problems), spec in zip(evals.items(), specs)}
     longest = max(len(p["prompt_ids"]) for problems in (train, *evals.values()) for p in problems)
@@ -786,7 +807,7 @@ class Sums:
 
 
 TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff", "kl_k1",
-              "kl_k3", "forward_tokens", "real_tokens")
+              "kl_k3", "compared", "boundary", "forward_tokens", "real_tokens")
 
 
 class StepTimer:
@@ -969,8 +990,9 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
     mine = [kept[j].get("group", kept[j]) for j in plan[rank]]  # (a test may plan whole groups, for any rank)
     if is_dist():  # from each rank in turn, the groups it generated to the ranks that train them
         for src in range(world):
-            send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src] for r in range(world)] \
-                if rank == src else None
+            send = None  # what src sends each rank: the groups src generated that the rank trains
+            if rank == src:
+                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src] for r in range(world)]
             got = [None]
             dist.scatter_object_list(got, send, src=src)
             arrived = iter(got[0])
@@ -1067,6 +1089,10 @@ def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     return logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
 
 
+OUTSIDE_NUCLEUS = -1e4  # the nucleus log-prob of a token outside the nucleus: not -inf, so that a masked-out
+#   padding token multiplies to 0, not NaN; mismatch_sums leaves such tokens out of the engine/trainer gap
+
+
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool, top_p: float = 1.0):
     """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and a second (B, t) output (no grad):
     the token entropy with with_entropy, else with top_p < 1 the targets' log-probs renormalised over the top_p
@@ -1077,15 +1103,15 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
         logits = logits / temperature
     lse = logits.logsumexp(-1)  # (B, t)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, t)
-    entropy = None
+    entropy_or_nucleus_logp = None
     if with_entropy:  # H = lse - sum_v p_v logit_v, the sum as a batched dot: one (B, t, V) tensor less than p * logits
         with torch.no_grad():
-            entropy = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]  # (B, t)
-    elif top_p < 1:  # a target outside the nucleus gets -1e4, not -inf (masked padding must multiply to 0, not NaN)
+            entropy_or_nucleus_logp = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]
+    elif top_p < 1:  # a target outside the nucleus gets OUTSIDE_NUCLEUS
         with torch.no_grad():
-            entropy = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-            entropy = entropy.clamp(min=-1e4)
-    return logp, entropy
+            nucleus_logp = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1)  # (B, t, V)
+            entropy_or_nucleus_logp = nucleus_logp.gather(-1, targets[..., None])[..., 0].clamp(min=OUTSIDE_NUCLEUS)
+    return logp, entropy_or_nucleus_logp
 
 
 def _softcap(logits, cap):
@@ -1236,16 +1262,16 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     with _head_inputs_as_logits(model, head):
         hidden = _predicting_outputs(model, input_ids, attention_mask, T, groups)  # (B, T, H)
     step = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
-    logps, entropies = [], []
+    logps, seconds = [], []  # seconds: the chunks' entropies, or nucleus log-probs, or Nones
     for s in range(0, T, step):
         args = (model, head, hidden[:, s:s + step], targets[:, s:s + step], temperature, with_entropy, top_p)
         if torch.is_grad_enabled():  # recompute this chunk's logits in the backward instead of keeping them
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            logp, second = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(*args)
+            logp, second = _chunk_logprobs(*args)
         logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps, 1), torch.cat(entropies, 1) if with_entropy or top_p < 1 else None
+        seconds.append(second)
+    return torch.cat(logps, 1), torch.cat(seconds, 1) if with_entropy or top_p < 1 else None
 
 
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
@@ -1420,6 +1446,22 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
     return token_loss, stats
 
 
+def mismatch_sums(mb: dict) -> dict:
+    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of |log r|
+    and of the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and
+    the count of `boundary` tokens: in the engine's top_p nucleus (it drew them) but outside pi_old's own, where pi_old
+    puts no mass and log r is OUTSIDE_NUCLEUS. Those are a share of their own (rollout/nucleus_boundary_frac), not
+    a ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    old = mb.get("old_logp_nucleus", mb["old_logp"])
+    mask = mb["mask"].to(old.dtype)
+    boundary = mask * (old <= OUTSIDE_NUCLEUS)
+    compared = mask - boundary
+    log_r = (old - mb["rollout_logp"]) * compared
+    return {"logprob_diff": log_r.abs().sum().item(), "kl_k1": -log_r.sum().item(),
+            "kl_k3": ((torch.exp(log_r) - 1 - log_r) * compared).sum().item(),
+            "compared": compared.sum().item(), "boundary": boundary.sum().item()}
+
+
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
     """Forward one micro-batch: each token's loss (B, T) (policy_loss, with the KL anchor's log-probs and
     --rollout_is's weights when asked), for the script to weigh and sum; its entropy, clipped-token counts, tokens,
@@ -1431,10 +1473,8 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
             with torch.no_grad():
                 ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
             reshard(ref_model)
-    if "rollout_logp" in mb:  # the engine vs the trainer, same weights: log r = log pi_old - log pi_rollout
-        log_r = (mb.get("old_logp_nucleus", mb["old_logp"]) - mb["rollout_logp"]) * mb["mask"]
-        sums.add(logprob_diff=log_r.abs().sum().item(), kl_k1=-log_r.sum().item(),
-                 kl_k3=((torch.exp(log_r) - 1 - log_r) * mb["mask"]).sum().item())
+    if "rollout_logp" in mb:  # the engine vs the trainer, same weights
+        sums.add(**mismatch_sums(mb))
     token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
                                       clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
                                       kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
@@ -1478,7 +1518,8 @@ class UpdateGuard:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# 10. Evaluation: avg@k (mean accuracy over k samples per problem) and unbiased pass@k, per difficulty level too.
+# 10. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority answer's
+#     accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
     if n - c < k:
@@ -1489,11 +1530,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prod
 
 
+def majority_correct(group: dict, answer_format: str) -> bool:
+    """maj@k of one group: is the answer most of its samples give (equivalent answers counted as one; ties: the
+    first seen, verifier.majority_vote) correct? The winner's own verdict answers it, so nothing is verified twice."""
+    index, _ = majority_vote([extract_answer(t, answer_format) for t in group["texts"]])
+    return index is not None and bool(group["correct"][index])
+
+
 @torch.no_grad()
-def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1) -> dict:
-    """cfg.eval_samples completions per problem (each rank its stride) from a private seeded stream: the same weights
-    always get the same score, and the training stream is untouched (our sampler: torch's RNG, forked; vLLM: seeded
-    requests). Returns eval/acc (avg@k), eval/pass@k for k = 1, 2, 4, ... up to eval_samples, eval/acc_level<l>."""
+def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1, k: int = 0) -> dict:
+    """k completions per problem (0: cfg.eval_samples; each rank its stride) from a private seeded stream: the same
+    weights always get the same score, and the training stream is untouched (our sampler: torch's RNG, forked; vLLM:
+    seeded requests). Returns eval/acc (avg@k), eval/pass@j for j = 1, 2, 4, ... up to k, eval/maj@k and
+    eval/acc_level<l>."""
+    n = k or cfg.eval_samples
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
     with torch.random.fork_rng(devices=devices):  # our sampler draws from torch's RNG; vLLM seeds each request
@@ -1501,30 +1551,34 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
         for s in range(0, len(mine), cfg.eval_batch_size):
-            groups += roll_groups(engine, tok, mine[s:s + cfg.eval_batch_size], cfg, cfg.eval_samples,
+            groups += roll_groups(engine, tok, mine[s:s + cfg.eval_batch_size], cfg, n,
                                   cfg.eval_temperature, cfg.eval_top_p, seed=1_000_003 * seed + s)[0]
-    results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"]) for g in groups])
-    n = cfg.eval_samples
-    out = {"eval/acc": sum(c for _, c, _ in results) / sum(m for m, _, _ in results)}
-    k = 1
-    while k <= n:
-        out[f"eval/pass@{k}"] = sum(pass_at_k(m, c, k) for m, c, _ in results) / len(results)
-        k *= 2
-    for level in sorted({lv for _, _, lv in results}):
-        sel = [(m, c) for m, c, lv in results if lv == level]
+    results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"],
+                                majority_correct(g, cfg.answer_format)) for g in groups])
+    out = {"eval/acc": sum(c for _, c, _, _ in results) / sum(m for m, _, _, _ in results)}
+    j = 1
+    while j <= n:
+        out[f"eval/pass@{j}"] = sum(pass_at_k(m, c, j) for m, c, _, _ in results) / len(results)
+        j *= 2
+    out[f"eval/maj@{n}"] = sum(maj for *_, maj in results) / len(results)
+    for level in sorted({lv for _, _, lv, _ in results}):
+        sel = [(m, c) for m, c, lv, _ in results if lv == level]
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
     return out
 
 
 def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0, world_size: int = 1) -> dict:
-    """evaluate() on each named eval set: keys eval/<set>/acc, eval/<set>/pass@k, ...; and eval/acc, eval/pass@k (the
-    mean over sets) and eval/acc_level<l> (over all sets), the run's headline."""
+    """evaluate() on each named eval set, with its own k (--eval_data set@k, else --eval_samples): keys
+    eval/<set>/acc, eval/<set>/pass@j, eval/<set>/maj@k, ...; and the run's headline: eval/acc, eval/pass@j,
+    eval/maj@k and eval/acc_level<l>, each the mean over the sets that have it (a set with another k does not enter
+    eval/maj@k)."""
+    ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
     out, per_set = {}, []
-    for name, problems in eval_sets.items():
-        scores = evaluate(engine, tok, problems, cfg, rank, world_size)
+    for (name, problems), k in zip(eval_sets.items(), ks):
+        scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
         per_set.append(scores)
-        out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in scores.items()})
-    for key in per_set[0]:
+        out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
+    for key in dict.fromkeys(key for scores in per_set for key in scores):  # every key, in first-seen order
         values = [s[key] for s in per_set if key in s]
         out[key] = sum(values) / len(values)
     return out
@@ -1543,9 +1597,11 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
               "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
               "train/num_updates": num_updates, "train/lr": lr,
               "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the forwards
-    if mismatch:  # the rollout engine vs the trainer on the trained tokens: mean |log r|, KL(rollout || old)
-        record.update({"rollout/logprob_diff": totals["logprob_diff"] / tokens,
-                       "rollout/kl_k1": totals["kl_k1"] / tokens, "rollout/kl_k3": totals["kl_k3"] / tokens})
+    if mismatch:  # the engine vs the trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
+        compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
+        record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
+                       "rollout/kl_k1": totals["kl_k1"] / compared, "rollout/kl_k3": totals["kl_k3"] / compared,
+                       "rollout/nucleus_boundary_frac": totals["boundary"] / tokens})
     return record
 
 
@@ -1643,14 +1699,14 @@ def format_step(step: int, steps: int, record: dict) -> str:
 
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int) -> dict:
-    """evaluate_sets at `step`: one metrics.jsonl record, and avg@k, pass@1..k and per-level accuracy printed, a line
-    per eval set."""
+    """evaluate_sets at `step`: one metrics.jsonl record, and avg@k, pass@1..k, maj@k and per-level accuracy printed,
+    a line per eval set."""
     record = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
     logger.log(record)
     for name in eval_sets:
         prefix = f"eval/{name}/"
         scores = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
-        passes = " | ".join(f"{k} {v:.3f}" for k, v in scores.items() if k.startswith("pass@"))
+        passes = " | ".join(f"{k} {v:.3f}" for k, v in scores.items() if k.startswith(("pass@", "maj@")))
         levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in scores.items()
                           if k.startswith("acc_level") and k != "acc_level0")
         label = f" [{name}]" if len(eval_sets) > 1 else ""

@@ -109,9 +109,9 @@ def count_passes(counts: dict, groups: list[dict]):
 def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], pass_counts: dict, cfg: Config):
     """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for. advantage, correct: (N, G).
     Returns (the amplified advantages (N, G), the daa/* metrics over all ranks)."""
-    p = correct.float().mean(-1, keepdim=True)  # p_hat (N, 1)
+    p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), float64 with float64 advantages
     if cfg.p_estimate == "running":
-        counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=torch.float, device=p.device)  # (N, 2)
+        counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=p.dtype, device=p.device)  # (N, 2)
         p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
     factor = adaptive_lam(p, cfg.group_size, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
     advantage, amplified = daa(advantage, correct, factor, cfg.tau, p, cfg.daa_scope)

@@ -15,7 +15,8 @@ Deviations [dev N]: 1) the paper's text does not settle the sign of L_mu: at rat
 advantage per token, negative when the bin's correct completions are the longer ones, and Eq. (1) then has no minimum
 in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the model's gradient is the same); --daro_literal
 fits L_mu. 2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO preset, as in
-DAPO. 4) DAPO's dynamic sampling is on (not known for the paper).
+DAPO. 4) The presets keep DAPO's dynamic sampling on (the CPU demos and bench/learning.py were measured so); the
+paper sets DARO's reweighting against DAPO's resampling, so docs/gpu.md's paper runs pass --no-dynamic_sampling.
 
 Run:  python daro.py                                                    # the built-in demo, about a minute on a CPU
       python daro.py --algo var --steps 3 --out_dir /tmp/x              # a static weighting, a smoke test
@@ -48,7 +49,11 @@ class Config(TrainConfig):
     out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     wandb_project: str = "daro"  # wandb project of --report_to wandb
     weighting: str = "learned"  # w_mu: learned (DARO) | uniform (1) | var (sqrt(mu(1-mu))) | none (no bins, loss_agg)
-    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu, the weights' parameters (paper: 1e-3)
+    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu, the weights' parameters (paper: 1e-3).
+    #   Adam moves each s_mu by about weight_lr per update whatever its gradient, so ln w_mu travels at most ~weight_lr
+    #   x (weight updates): 0.12 in the demo's 120 (w <= 1.13), 0.6 in the paper's 600 (w <= 1.8), while the fixed
+    #   points 1 / (|L_mu| + delta) lie at ~5 to 200 (clamped at --w_max); until a bin reaches its own, all bins rise
+    #   together at the same rate: a loss-scale ramp, not yet a reweighting
     daro_delta: float = 1e-3  # delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]
     daro_literal: bool = False  # fit the weights to L_mu itself, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
     w_min: float = 0.1  # lower clamp of every w_mu, applied after each weight step [dev 1]
@@ -134,6 +139,10 @@ class DARO:
                     s.copy_(saved)
             self.weight_opt.load_state_dict(state["weight_optimizer"])
         self.bins = torch.zeros(3, self.G + 1)
+        # the current update's (set by token_weights): tokens per bin, w_mu, this rank's share of each L_mu
+        self.bin_tokens = torch.zeros(self.G + 1, device=device)
+        self.w = bin_weights(self.neg_log_w, cfg.weighting)
+        self.bin_loss = torch.zeros(self.G + 1, device=device)
 
     def state_dict(self) -> dict:
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),

@@ -77,8 +77,8 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
             cache.batch_repeat_interleave(n)
             attn = attn.repeat_interleave(n, 0)  # (B, P + t)
             rows = torch.arange(len(chunk) * n, device=device)  # the output row of each row still generating
-            tokens, logps, ended = [[] for _ in range(len(chunk) * n)], [[] for _ in range(len(chunk) * n)], \
-                [False] * (len(chunk) * n)
+            tokens, logps = [[] for _ in range(len(chunk) * n)], [[] for _ in range(len(chunk) * n)]
+            ended = [False] * (len(chunk) * n)
             for t in range(max_new_tokens):
                 new, logp = sample_token(logits, temperature, top_p)  # (b,), (b,)
                 for r, token, lp in zip(rows.tolist(), new.tolist(), logp.tolist()):

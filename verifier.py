@@ -13,6 +13,9 @@ Public API:
   verify_batch(completions, golds, answer_format="auto", timeout=1.0, num_workers=0) -> (list[bool], dict)
       extract and compare every pair; the dict counts what happened in this call: timeouts, symbolic (pairs sent to
       the workers), cached, inline, crashed, no_answer
+  majority_vote(answers, timeout=1.0, num_workers=0) -> (index | None, votes)
+      the most frequent of a problem's extracted answers, equivalent answers counted as one (maj@k); ties: the
+      answer seen first
   close_verifier_pool()                                            stop the workers (also done at exit)
 
 Safety model. Model output is untrusted input, and nothing here executes it: no eval, exec, sympify or parse_expr;
@@ -1465,6 +1468,44 @@ def verify_batch(completions: list[str], golds: list[str], answer_format: str = 
     verdicts = _verify_pairs(preds, list(golds), timeout, workers, info)
     info["no_answer"] = sum(p is None for p in preds)
     return verdicts, info
+
+
+def majority_vote(answers: list, timeout: float = 1.0, num_workers: int = 0) -> tuple[int | None, int]:
+    """The majority answer of one problem's samples (maj@k, DAPO's cons@k): `answers` are extracted final answers
+    (None, or one that normalises to nothing, never votes); answers equivalent under math_equal count as one.
+    Returns (the index of the winner's first occurrence, its votes), or (None, 0) when no sample has an answer. Ties
+    go to the answer seen first, a rule fixed in advance that needs no random draw (verl's maj@N keeps the first of
+    equally voted answers too). Example: ["1/2", "3", "0.5", "3", None, "\\frac12"] -> (0, 3): 1/2 = 0.5 = \\frac12
+    has three votes."""
+    keys: dict[str, int] = {}  # normalised spelling -> its first index; one vote per sample
+    votes: dict[int, int] = {}
+    for i, answer in enumerate(answers):
+        try:
+            key = _normalize(answer) if answer is not None else ""
+        except Exception:
+            key = ""
+        if key:
+            first = keys.setdefault(key, i)
+            votes[first] = votes.get(first, 0) + 1
+    firsts = list(votes)  # in order of first occurrence
+    # Spellings that normalise differently can still be equal (0.5 and \frac{1}{2}): compare every later spelling
+    # with every earlier one in one batch (fast paths and cache inline, the rest on the pool); each joins the group
+    # of the first earlier spelling it equals.
+    pairs = [(j, i) for n, j in enumerate(firsts) for i in firsts[:n]]
+    workers = num_workers if num_workers > 0 else _default_workers()
+    equal = _verify_pairs([answers[j] for j, _ in pairs], [answers[i] for _, i in pairs], timeout, workers,
+                          _new_info()) if pairs else []
+    root = {i: i for i in firsts}
+    for (j, i), same in zip(pairs, equal):
+        if same and root[j] == j:
+            root[j] = root[i]
+    total: dict[int, int] = {}
+    for i in firsts:
+        total[root[i]] = total.get(root[i], 0) + votes[i]
+    if not total:
+        return None, 0
+    best = max(total.values())
+    return next(i for i in total if total[i] == best), best  # dicts keep insertion order: the first seen wins a tie
 
 
 # -----------------------------------------------------------------------------------------------------------------

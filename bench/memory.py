@@ -1,4 +1,4 @@
-"""Per-GPU memory arithmetic behind the README's GPU recipes: why a recipe fits, or which flag to change.
+"""Per-GPU memory arithmetic behind docs/gpu.md's recipes: why a recipe fits, or which flag to change.
 Usage: python bench/memory.py [--model all|Qwen3-4B-Base|Qwen3-8B-Base|Qwen2.5-Math-7B] [--gpus 8 --gpu_gb 79.6]
        [--markdown]   (writes bench/results/memory.md)
 
@@ -19,11 +19,12 @@ MODELS = {
                           qkv_bias=False, qk_norm=True),
     "Qwen2.5-Math-7B": dict(H=3584, L=28, heads=28, kv=4, hd=128, I=18944, V=152064, tied=False, max_pos=4096,
                             qkv_bias=True, qk_norm=False)}
-# The README's recipes. The DARO command sets no --max_prompt_length, so daro.py's default 1024 applies.
-DAPO = dict(name="DA3PO/DAPO/GRPO", prompt=2048, completion=20480, prompts_per_gpu=64, updates=16)
-DARO = dict(name="DARO", prompt=1024, completion=3000, prompts_per_gpu=16, updates=2)
+# docs/gpu.md's recipes: --max_prompt_length, --max_new_tokens, --prompts_per_step / 8 GPUs, --updates_per_step,
+# --group_size. G sets only the sequences per step (the update's memory is per micro-batch of --micro_batch_tokens).
+DAPO = dict(name="DA3PO/DAPO/GRPO", prompt=2048, completion=20480, prompts_per_gpu=64, updates=16, G=16)
+DARO = dict(name="DARO", prompt=1096, completion=3000, prompts_per_gpu=16, updates=2, G=8)
 RECIPE = {"Qwen3-4B-Base": DAPO, "Qwen3-8B-Base": DAPO, "Qwen2.5-Math-7B": DARO}
-G, MICRO_BATCH_TOKENS, LOGPROB_CHUNK = 8, 24576, 1024  # --group_size, --micro_batch_tokens, --logprob_chunk
+MICRO_BATCH_TOKENS, LOGPROB_CHUNK = 24576, 1024  # --micro_batch_tokens, --logprob_chunk
 # GPU totals as torch.cuda.mem_get_info reports them: an "80 GB" H100/A100 has 81,559 MiB, a 141 GB H200 143,771 MiB
 MACHINES = [(8, 81559 / 1024, "8 x 80 GB"), (1, 81559 / 1024, "1 x 80 GB"), (1, 143771 / 1024, "1 x 141 GB (H200)")]
 MARGIN = 0.05             # of the GPU's total, kept free in every budget below
@@ -161,8 +162,9 @@ def report(name: str, gpus: int, total: float, label: str) -> tuple[list[str], l
     act, upd, max_len, N, f = p["act"], p["upd"], p["max_len"], p["N"], p["fixed"]
     off, usable = " (--cpu_offload: on the host)" if p["offload"] else "", (1 - MARGIN) * total
     ok_len = max_len <= m["max_pos"]
-    lines = [f"{name} on {label} ({total / GiB:.1f} GiB each), {recipe['name']}: G = {G}, "
-             f"{recipe['prompts_per_gpu']} prompts = {recipe['prompts_per_gpu'] * G} sequences per GPU per step, "
+    lines = [f"{name} on {label} ({total / GiB:.1f} GiB each), {recipe['name']}: G = {recipe['G']}, "
+             f"{recipe['prompts_per_gpu']} prompts = {recipe['prompts_per_gpu'] * recipe['G']} sequences per GPU "
+             f"per step, "
              f"{recipe['updates']} updates",
              f"  length: prompt {recipe['prompt']} + completion {recipe['completion']} = {max_len} tokens "
              f"{'<=' if ok_len else '>'} max_position_embeddings {m['max_pos']}: " + (
@@ -209,11 +211,11 @@ def report(name: str, gpus: int, total: float, label: str) -> tuple[list[str], l
                      "--cpu_offload, and without it computes under autocast from float32 weights")
     flags = [f"--vllm_gpu_memory {p['u']:.2f}"] + (["--cpu_offload"] if p["offload"] else []) + \
         ([f"--micro_batch_tokens {p['mbt']}"] if p["mbt"] != MICRO_BATCH_TOKENS else [])
+    slack = usable - upd["peak"]  # what the update leaves beyond the margin: said in every verdict
     if p["fits"]:
-        slack = usable - upd["peak"]
         verdict = f"fits with {launch}{' '.join(flags)}"
-        lines.append(f"  verdict: {verdict}" + (f" (tight: {slack / GiB:.1f} GiB above the margin)"
-                                                  if slack < TIGHT else ""))
+        lines.append(f"  verdict: {verdict} (update peak {upd['peak'] / GiB:.1f} of {usable / GiB:.1f} GiB usable: "
+                     f"{slack / GiB:.1f} GiB to spare" + (", tight" if slack < TIGHT else "") + ")")
         alt = plan(m, recipe, gpus, total, True, MICRO_BATCH_TOKENS)
         if not p["offload"] and p["mbt"] != MICRO_BATCH_TOKENS and alt["fits"]:
             lines.append(f"  or, keeping --micro_batch_tokens {MICRO_BATCH_TOKENS}: {launch}--vllm_gpu_memory "
@@ -223,8 +225,9 @@ def report(name: str, gpus: int, total: float, label: str) -> tuple[list[str], l
             ([f"vLLM's KV {max(0, p['kv']) / GiB:.1f} GiB < {need / GiB:.1f}"] if not p["start_ok"] else [])
         verdict = f"DOES NOT FIT even with {' '.join(flags[1:])}: {'; '.join(why)}"
         lines.append(f"  verdict: {verdict}")
-    row = [name, label, f"{upd['peak'] / GiB:.1f}", f"{p['resident'] / GiB:.1f}", f"{p['u']:.2f}",
-           f"{max(0, p['kv']) / GiB:.1f}", f"{p['kv_tokens']:,}", str(p["kv_tokens"] // max_len), verdict]
+    row = [name, label, f"{upd['peak'] / GiB:.1f}", f"{slack / GiB:.1f}", f"{p['resident'] / GiB:.1f}",
+           f"{p['u']:.2f}", f"{max(0, p['kv']) / GiB:.1f}", f"{p['kv_tokens']:,}", str(p["kv_tokens"] // max_len),
+           verdict]
     return lines, row
 
 
@@ -247,15 +250,17 @@ def main():
     text, rows = "\n\n".join("\n".join(lines) for lines, _ in out), [row for _, row in out]
     print(text)
     if args.markdown:
-        head = ["model", "machine", "update peak GiB", "rollout resident GiB", "u", "KV GiB", "KV tokens",
-                "full-length seqs", "verdict"]
+        head = ["model", "machine", "update peak GiB", "spare GiB", "rollout resident GiB", "u", "KV GiB",
+                "KV tokens", "full-length seqs", "verdict"]
         table = ["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows]]
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory.md")
         with open(path, "w") as fh:
-            fh.write(f"Per-GPU memory of the README's GPU recipes (`python bench/memory.py {' '.join(sys.argv[1:])}`): "
+            fh.write(f"Per-GPU memory of docs/gpu.md's recipes (`python bench/memory.py {' '.join(sys.argv[1:])}`): "
                      f"arithmetic, "
                      f"not a measurement; activations, vLLM's workspace, CUDA graphs and context are estimates with "
-                     f"the margins stated in the script. G = {G}, --logprob_chunk {LOGPROB_CHUNK}, bf16 compute, "
+                     f"the margins stated in the script. G = {DAPO['G']} (DA3PO/DAPO/GRPO) and {DARO['G']} (DARO), "
+                     f"spare = usable ({1 - MARGIN:.0%} of the GPU) - update peak, --logprob_chunk {LOGPROB_CHUNK}, "
+                     f"bf16 compute, "
                      f"gradient checkpointing, FSDP2, vLLM colocated with sleep level 2.\n\n"
                      + "\n".join(table) + "\n\n```\n" + text + "\n```\n")
         print(f"\nwrote {path}")

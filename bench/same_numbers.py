@@ -3,6 +3,7 @@
 
   python bench/same_numbers.py --save /tmp/before      # on the old code
   python bench/same_numbers.py --compare /tmp/before   # on the new code: prints each run's first difference, exit 1
+Keys the new code adds (a new metric) are listed but are not a difference; every old key must keep its value.
 
 The reference runs: da3po.py and daro.py, 12 steps, seed 3; a 2-rank torchrun of da3po.py (FSDP2 on gloo); a
 da3po.py run with --rollout vllm (skipped with a note when vLLM is not installed). One thread each.
@@ -72,16 +73,19 @@ def main():
             print(f"{name}: saved {len(got)} records to {path}")
             continue
         want = json.load(open(path))
+        # a key the new code adds (a new metric) is listed, not a difference; a changed or missing value is one
         diffs = [(i, k, w.get(k), g.get(k)) for i, (w, g) in enumerate(zip(want, got))
-                 for k in sorted(set(w) | set(g)) if w.get(k) != g.get(k)]
+                 for k in sorted(set(w) | set(g)) if k in w and w.get(k) != g.get(k)]
+        added = sorted({k for w, g in zip(want, got) for k in set(g) - set(w)})
         if len(want) != len(got):
             diffs.append((min(len(want), len(got)), "<records>", len(want), len(got)))
+        new = f"; new keys: {', '.join(added)}" if added else ""
         if diffs:
             differ += 1
             i, k, w, g = diffs[0]
-            print(f"{name}: DIFFERENT in {len(diffs)} values; first: record {i} {k}: {w} -> {g}")
+            print(f"{name}: DIFFERENT in {len(diffs)} values; first: record {i} {k}: {w} -> {g}{new}")
         else:
-            print(f"{name}: identical ({len(got)} records, every key but time/*)")
+            print(f"{name}: identical ({len(got)} records, every key but time/*{new})")
     sys.exit(1 if differ else 0)
 
 

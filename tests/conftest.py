@@ -56,3 +56,12 @@ def weighted_loss(logp, old_logp, advantages, weights, *args, **kwargs):
     import common
     token_loss, stats = common.policy_loss(logp, old_logp, advantages, weights > 0, *args, **kwargs)
     return (token_loss * weights).sum(), stats
+
+
+def readme_block(marker: str) -> str:
+    """The README's ```python block that contains `marker` (the snippets a user pastes, tested as written)."""
+    import re
+    blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "README.md")).read(), re.S)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"one README python block with {marker!r}, found {len(found)}"
+    return found[0]

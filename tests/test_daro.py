@@ -312,3 +312,18 @@ def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys)
         key = f"daro/w_{i / G:.3f}"
         assert resumed[-1][key] == pytest.approx(straight[key], rel=1e-5, abs=1e-7), key
     assert resumed[-1]["train/loss"] == pytest.approx(straight["train/loss"], rel=1e-4, abs=1e-7)
+
+
+def test_weight_lr_bounds_how_far_the_weights_travel():
+    """What daro.py --help says of --weight_lr, checked on the real weight step: Adam moves ln w by ~weight_lr per
+    update whatever the bin's loss, so after 120 updates at 1e-3 every bin's w is ~exp(0.12) = 1.13, for a loss scale
+    of 0.1 (fixed point 9.9) and of 0.004 (fixed point 200) alike: the bins rise together."""
+    cfg = common.parse_config(daro.Config, ["--group_size", "4"], daro.PRESETS)
+    neg_log_w = [torch.zeros((), requires_grad=True) for _ in range(3)]
+    opt = torch.optim.Adam(neg_log_w, lr=cfg.weight_lr)
+    bin_loss = torch.tensor([0.0, 0.1, 0.004, -0.05, 0.0])  # per bin mu = 0, 1/4, .., 1; |L_mu| is what the weights fit
+    for _ in range(120):
+        daro.update_weights(neg_log_w, opt, bin_loss, torch.tensor([False, True, True, True, False]), cfg)
+    travel = [-s.item() for s in neg_log_w]
+    assert all(abs(t - 120 * cfg.weight_lr) < 2e-3 for t in travel), travel
+    assert "travels at most ~weight_lr" in " ".join(common._field_comments(daro.Config)["weight_lr"].split())

@@ -41,10 +41,14 @@ def test_script_prints_the_hand_worked_figures():
     # the sharded optimizer state: 8 * 4,022,468,096 / 8 bytes = 3.7 GiB; resident during rollouts 12N/8 = 5.6 GiB
     assert "AdamW moments fp32 8N/W       3.7 GiB" in r.stdout and "trainer resident    5.6 GiB" in r.stdout
     assert "verdict: fits with --vllm_gpu_memory" in r.stdout
+    assert "G = 16, 64 prompts = 1024 sequences per GPU per step" in r.stdout  # the DA3PO recipes' G = 16
     r = run_script(["bench/memory.py", "--model", "Qwen2.5-Math-7B"], timeout=60)  # all three machines
     assert r.returncode == 0 and r.stdout.count("verdict:") == 3
-    # 1024 + 3000 = 4024 <= 4096, and 4096 - 3000 = 1096 tokens of prompt would fit
-    assert "4024 tokens <= max_position_embeddings 4096: ok (prompts up to 1096 tokens fit)" in r.stdout
+    # the DARO recipe's --max_prompt_length 1096 + --max_new_tokens 3000 fill the model's 4096 positions exactly
+    assert "4096 tokens <= max_position_embeddings 4096: ok (prompts up to 1096 tokens fit)" in r.stdout
+    # every verdict says what the update leaves: DARO on one 141 GB GPU fits with 2.0 GiB to spare, no more
+    assert "(update peak 131.3 of 133.4 GiB usable: 2.0 GiB to spare)" in r.stdout
+    assert "G = 8, 16 prompts = 128 sequences per GPU per step" in r.stdout
 
 
 def test_bad_flags_exit_2():

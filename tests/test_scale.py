@@ -137,6 +137,24 @@ def test_a_hole_in_the_mask_keeps_the_tokens_after_it(max_tokens):
     assert carried == pytest.approx(1.0, abs=1e-12) and max(widths) == 6, (carried, widths)
 
 
+def test_mismatch_metrics_leave_nucleus_boundary_tokens_out():
+    """Issue 28, defect 4: 1,000 trained tokens with a small engine/trainer gap (log r ~ N(0, 0.0187^2): KL ~ 1.75e-4)
+    and one more the engine drew from its top_p nucleus but outside pi_old's (OUTSIDE_NUCLEUS): the gap is measured on
+    the 1,000 (kl_k3 ~ 1.75e-4, not ~10.5) and the boundary token is a share of its own, 1/1001."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(1, 1001, generator=g, dtype=torch.float64) - 2.0
+    log_r = 0.0187 * torch.randn(1, 1001, generator=g, dtype=torch.float64)
+    mb = {"mask": torch.ones(1, 1001, dtype=torch.long), "old_logp": old, "old_logp_nucleus": old.clone(),
+          "rollout_logp": old - log_r}
+    mb["old_logp_nucleus"][0, 500] = common.OUTSIDE_NUCLEUS
+    totals = {**dict.fromkeys(common.TRAIN_SUMS, 0.0), **common.mismatch_sums(mb), "tokens": 1001.0}
+    m = common.train_metrics(totals, 1, 1e-4, True)
+    inside = torch.cat([log_r[0, :500], log_r[0, 501:]])
+    assert m["rollout/kl_k3"] == pytest.approx((inside.exp() - 1 - inside).mean().item(), rel=1e-12)
+    assert 1e-4 < m["rollout/kl_k3"] < 3e-4 and m["rollout/logprob_diff"] < 0.03
+    assert m["rollout/nucleus_boundary_frac"] == pytest.approx(1 / 1001)
+
+
 class MismatchedRollout(eng.HFRollout):
     """A deliberately mismatched engine: it samples at 2 x the temperature it is asked for and reports the log-probs
     of what it really sampled from, as an engine with other kernels or precision would differ from the trainer."""
