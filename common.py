@@ -1779,8 +1779,9 @@ def _load_plain(path: str):
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded (unpickling it could "
-            f"run code; torch says: {str(e).splitlines()[0][:100]}...)")
+        die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded: unpickling it could "
+            f"run code (a checkpoint written before this format, by an older version of this code, lands here too: "
+            f"resume it with that version, or start from its model with --model). torch: {str(e).splitlines()[0][:80]}")
 
 
 def seed_everything(seed: int):
