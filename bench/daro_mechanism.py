@@ -13,7 +13,8 @@ DARO is, for its first hundreds of updates, a global loss-scale ramp, not a rewe
 
 Usage: python bench/daro_mechanism.py                         # both tasks, seeds 0 and 1 (~10 CPU-minutes)
        python bench/daro_mechanism.py --tasks reasoning --seeds 0 --steps 4 --out /tmp/m    # a smoke run
-Writes <out>.json (every update's record), <out>.md (the summary) and, with matplotlib, <out>.png."""
+Writes <out>.json (every update's record), <out>.md (the summary) and, with matplotlib, <out>.png; --replot
+writes the last two again from the first."""
 import argparse
 import json
 import os
@@ -182,7 +183,13 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the task's own, as bench/learning.py)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "daro_mechanism"),
                    help="output path without extension (.json, .md, .png)")
+    p.add_argument("--replot", action="store_true", help="no runs: <out>.md and <out>.png again from <out>.json")
     a = p.parse_args(argv)
+    if a.replot:
+        runs = json.load(open(a.out + ".json"))
+        with open(a.out + ".md", "w") as f:
+            f.write(summary(runs) + "\n")
+        return plot(runs, a.out + ".png")
     tasks = a.tasks.split(",")
     bad = [t for t in tasks if t not in TASKS or "daro" not in TASKS[t]["arms"]]
     if bad:
