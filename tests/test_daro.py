@@ -327,3 +327,21 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
     travel = [-s.item() for s in neg_log_w]
     assert all(abs(t - 120 * cfg.weight_lr) < 2e-3 for t in travel), travel
     assert "travels at most ~weight_lr" in " ".join(common._field_comments(daro.Config)["weight_lr"].split())
+
+
+def test_mechanism_trace_records_every_update_and_bin(tmp_path):
+    """bench/daro_mechanism.py on one step of the hard task: a record per update with every present bin; Adam's first
+    step moves each bin's ln w by lr exactly (then its gradient's size no longer matters), the loss and gradient
+    shares sum to 1 over the bins, and every w sits at or below its fixed point at the start."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import daro_mechanism
+    out = str(tmp_path / "m")
+    daro_mechanism.main(["--tasks", "hard", "--seeds", "0", "--steps", "1", "--out", out])
+    updates = json.load(open(out + ".json"))["hard"]["0"]
+    assert len(updates) == 4 and all(u["step"] == 1 and u["bins"] for u in updates)  # 4 updates per step
+    first = updates[0]["bins"].values()
+    assert all(abs(b["moved_lr"] - 1.0) < 1e-4 and b["w"] == 1.0 <= b["fixed"] for b in first)
+    for u in updates:
+        assert sum(b["loss_share"] for b in u["bins"].values()) == pytest.approx(1.0)
+        assert sum(b["grad_share"] for b in u["bins"].values()) == pytest.approx(1.0)
+    assert "| step | bins |" in open(out + ".md").read() and daro.DARO is daro_mechanism.TracedDARO.__bases__[0]
