@@ -1715,7 +1715,7 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# 12. Checkpoints: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM), the
+# 12a. Checkpoints, what they hold: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained and vLLM), the
 #     optimizer in torch.distributed.checkpoint's sharded format (resumable on any number of ranks), trainer.pt (the
 #     step, scheduler, data position, the algorithm's state) and one rank<r>.pt per rank (its RNG states and, after a
 #     stop in the middle of a step, that step's remaining work: a PendingStep). Written under a temporary name, then
@@ -1799,6 +1799,8 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# 12b. Checkpoints, written and read: atomically, by every rank, on any number of ranks; --resume's choice of one.
 def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream, extra: dict,
                     keep: int = 2, pending: PendingStep | None = None) -> str:
     """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step; with `pending`
