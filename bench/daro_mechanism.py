@@ -35,6 +35,7 @@ class TracedDARO(daro.DARO):
     """daro.DARO, recording what each update does per bin (the model's and the weights' arithmetic unchanged)."""
     model = None  # the trained model (set by the prepare_models wrapper below)
     updates: list = []  # every update's record, appended to by every instance
+    step_ends: list = []  # len(updates) at the end of each RL step (metrics() is called once per step)
 
     def token_weights(self, batch, rows):
         self.grads = {}  # bin index -> this update's gradient of w_mu * L_mu, flattened, summed over micro-batches
