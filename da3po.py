@@ -26,14 +26,16 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (BASELINES, TRAIN_SUMS, Logger, PendingStep, PromptStream, StepTimer, Sums, TrainConfig,
-                    UpdateGuard, all_reduce_max, all_reduce_sum, check_config, cleanup_dist, die,
-                    dynamic_sampling, evaluate_and_log, find_checkpoint, format_step, group_advantages,
-                    handle_stop_signals, load_checkpoint, load_datasets, load_model, loss_weights, make_batch,
-                    micro_batches, model_path, old_logprobs, parse_config, plan_updates, prepare_models,
-                    presets, print0, rng_state, save_checkpoint, set_rng_state, setup_dist, stop_requested,
-                    stop_run, token_losses, tokenize_datasets, train_metrics)
+from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
+                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state)
+from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateGuard, dynamic_sampling,
+                    group_advantages, loss_weights, make_batch, micro_batches, old_logprobs, plan_updates,
+                    presets, token_losses, train_metrics)
+from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
+from modeling import load_model, model_path, prepare_models
+from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals, print0, setup_dist,
+                   stop_requested, stop_run)
 
 # -----------------------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DAA's

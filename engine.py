@@ -17,8 +17,9 @@ import os
 
 import torch
 
-from common import (DistInfo, all_reduce_max, all_reduce_sum, autocast, die, full_tensor, is_dist, nucleus,
-                    pad_prompt_completion, print0, reshard, token_logprobs)
+from common import pad_prompt_completion
+from modeling import autocast, full_tensor, nucleus, reshard, token_logprobs
+from ranks import DistInfo, all_reduce_max, all_reduce_sum, die, is_dist, print0
 
 
 # -----------------------------------------------------------------------------------------------------------------

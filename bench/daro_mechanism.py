@@ -26,7 +26,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-import common  # noqa: E402
+import bookkeeping  # noqa: E402
+import ranks  # noqa: E402
 import daro  # noqa: E402
 from learning import ARMS, PROTOCOL, TASKS  # noqa: E402  (the benchmark's own task definitions)
 
@@ -57,7 +58,7 @@ class TracedDARO(daro.DARO):
     def step_weights(self):
         w_used, s_before = self.w.clone(), torch.stack(self.neg_log_w).detach().clone()
         present = self.bin_tokens > 0
-        L = common.all_reduce_sum(self.bin_loss).abs()  # |L_mu| (G+1,)
+        L = ranks.all_reduce_sum(self.bin_loss).abs()  # |L_mu| (G+1,)
         super().step_weights()
         moved = (s_before - torch.stack(self.neg_log_w).detach()) / self.cfg.weight_lr  # ln w's step, in lr units
         cfg, loss_terms = self.cfg, {}
@@ -86,7 +87,7 @@ def trace(task: str, seed: int, steps: int, out_dir: str) -> list[dict]:
              "--seed", str(seed), "--steps", str(steps), "--eval_every", "0", "--eval_size", "4",
              "--eval_samples", "1", "--updates_per_step", str(PROTOCOL["updates_per_step"]), "--sample_every", "0",
              *t["flags"], "--out_dir", out_dir]
-    cfg = common.parse_config(daro.Config, flags, daro.PRESETS)
+    cfg = bookkeeping.parse_config(daro.Config, flags, daro.PRESETS)
     real_prepare = daro.prepare_models
 
     def prepare(*args, **kwargs):

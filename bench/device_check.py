@@ -18,12 +18,12 @@ with --device cpu). Exit status 0 when nothing failed, 1 when an item failed, 2 
 
 The model is Qwen3-shaped and built in code (no download): by default hidden 1024, 12 layers, 16 heads of 128, 8 KV
 heads, vocabulary 151,936 (so the real vocabulary's memory shows), tied embeddings, ~345M parameters, saved in the
-compute dtype with save_pretrained beside a tokenizer built in code (common.build_demo_tokenizer's characters, padded
-to the vocabulary with tokens no text encodes to), and loaded back with common.load_model as the trainer loads any
+compute dtype with save_pretrained beside a tokenizer built in code (modeling.build_demo_tokenizer's characters, padded
+to the vocabulary with tokens no text encodes to), and loaded back with modeling.load_model as the trainer loads any
 model. Its final norm is scaled so that the logits have a standard deviation of about --logit_std (GPU 5: a sampling
 entropy of about 3.5 nats, logits of magnitude ~20 like a trained model's, not the near-uniform ~12 nats of a fresh
 one), so the bf16 rounding gaps below are of a realistic size. (CPU 2: the smoke run is float32, where
-common.check_chunked_logprobs' tolerance refuses peakier logits.)
+modeling.check_chunked_logprobs' tolerance refuses peakier logits.)
 
 Checks (sections of the report):
  1. Environment: versions, the GPU, eng.vllm_usable, vLLM's model runner (V1 or V2), a bf16 matmul ceiling.
@@ -114,7 +114,7 @@ def one_line(e: BaseException) -> str:
 
 class StderrTail:
     """sys.stderr during an item: passes everything on (any other attribute too: fileno, isatty) and keeps the last
-    line that began with 'error:' (what common.die printed before its SystemExit)."""
+    line that began with 'error:' (what ranks.die printed before its SystemExit)."""
 
     def __init__(self, stream):
         self.stream, self.error = stream, ""
@@ -137,7 +137,7 @@ class Report:
 
     def run(self, check: int, name: str, fn):
         """Run one item: fn() returns its figures (a string), raises Skip(reason), or fails (any exception,
-        SystemExit from common.die included). Returns whether it passed."""
+        SystemExit from ranks.die included). Returns whether it passed."""
         t0, tail = time.time(), StderrTail(sys.stderr)
         try:
             with contextlib.redirect_stderr(tail):
@@ -147,7 +147,7 @@ class Report:
             status, text = "SKIP", str(e)
         except KeyboardInterrupt:
             raise
-        except SystemExit as e:  # common.die: one line on stderr, then exit 2
+        except SystemExit as e:  # ranks.die: one line on stderr, then exit 2
             status, text = "FAIL", f"exit {e.code}: {tail.error or 'SystemExit'}"
         except BaseException as e:  # noqa: BLE001 (an item's failure must never stop the others)
             status, text = "FAIL", one_line(e)
@@ -201,15 +201,15 @@ class Report:
 
 
 def build_tokenizer(vocab_size: int):
-    """common.build_demo_tokenizer's character-level tokenizer, its vocabulary padded to vocab_size with tokens that
+    """modeling.build_demo_tokenizer's character-level tokenizer, its vocabulary padded to vocab_size with tokens that
     no text encodes to (every character is its own pre-token), so that len(tok) is the model's vocabulary: then no
     sampled id lies past the tokenizer (which VLLMRollout.generate would cut a completion at)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    import common
-    vocab = {t: i for i, t in enumerate(common.DEMO_SPECIALS)}
-    for c in common.DEMO_CHARS:
+    import modeling
+    vocab = {t: i for i, t in enumerate(modeling.DEMO_SPECIALS)}
+    for c in modeling.DEMO_CHARS:
         vocab.setdefault(c, len(vocab))
     assert vocab_size > len(vocab) + 1, f"--vocab must exceed {len(vocab) + 1}"
     for i in range(vocab_size - 1 - len(vocab)):  # the last id is `\boxed{`, added below
@@ -217,11 +217,11 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(common.DEMO_SPECIALS)
+    tok.add_special_tokens(modeling.DEMO_SPECIALS)
     tok.add_tokens([AddedToken("\\boxed{", normalized=False)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                  unk_token="<unk>", padding_side="left")
-    hf.chat_template = common.DEMO_CHAT_TEMPLATE
+    hf.chat_template = modeling.DEMO_CHAT_TEMPLATE
     assert len(hf) == vocab_size, (len(hf), vocab_size)
     return hf
 
@@ -294,14 +294,17 @@ def main(argv=None):
     t_start = time.time()
     sys.path.insert(0, ROOT)
     import common
+    import modeling
+    import dataset
+    import ranks
     import engine as eng
 
-    d = common.setup_dist(device_type)
+    d = ranks.setup_dist(device_type)
     if d.world_size > 1:
-        common.print0("bench/device_check.py: run it on one GPU (--nproc_per_node=1)")
+        ranks.print0("bench/device_check.py: run it on one GPU (--nproc_per_node=1)")
         raise SystemExit(2)
     on_gpu = d.device.type == "cuda"
-    launch = "torchrun, FSDP2 at world size 1" if common.is_dist() else "plain python, an unsharded trainer model"
+    launch = "torchrun, FSDP2 at world size 1" if ranks.is_dist() else "plain python, an unsharded trainer model"
     header = [f"# Device check ({'GPU' if on_gpu else 'CPU smoke run'})", "",
               (f"{datetime.datetime.now().isoformat(timespec='seconds')}; `{' '.join([sys.executable] + sys.argv)}`; "
                f"launch: {launch}; compute dtype {dtype}."),
@@ -404,18 +407,18 @@ def main(argv=None):
     def model_item():
         st.folder = tempfile.mkdtemp(prefix="device_check_model_")
         build_model_folder(a, st.folder, dtype)
-        st.model, st.tok = common.load_model(st.folder)  # float32 master weights, as the trainer holds them
+        st.model, st.tok = modeling.load_model(st.folder)  # float32 master weights, as the trainer holds them
         st.counts = param_counts(st.model)
-        st.prompts = [st.tok(common.format_prompt(st.tok, p["prompt"], "chat"), add_special_tokens=False)["input_ids"]
-                      for p in common.arith_problems(a.seed, 50, 10)[1][:max(a.gen_prompts, a.hf_prompts)]]
+        st.prompts = [st.tok(dataset.format_prompt(st.tok, p["prompt"], "chat"), add_special_tokens=False)["input_ids"]
+                      for p in dataset.arith_problems(a.seed, 50, 10)[1][:max(a.gen_prompts, a.hf_prompts)]]
         return (f"{st.counts['N_total'] / 1e6:.4g}M parameters ({st.counts['N_head'] / 1e6:.4g}M in the tied "
-                f"embedding / output layer), saved in {dtype} to {st.folder}, loaded with common.load_model; "
+                f"embedding / output layer), saved in {dtype} to {st.folder}, loaded with modeling.load_model; "
                 f"attention {st.model.config._attn_implementation}; prompts of "
                 f"{min(map(len, st.prompts))}-{max(map(len, st.prompts))} tokens")
 
     if not R.run(1, "model built and loaded", model_item):
         R.write(final=True)
-        common.print0(f"device_check: the model could not be built; report: {a.out}")
+        ranks.print0(f"device_check: the model could not be built; report: {a.out}")
         raise SystemExit(1)
 
     # ---- 2a. vLLM start and generation ---------------------------------------------------------------------------
@@ -475,11 +478,11 @@ def main(argv=None):
                                 clip_ratio_c=0.0, seq_ratio=False, kl_coef=0.0)
 
     def shard():
-        common.check_logprob_paths(st.model, cfg)  # the trainer's start-up checks (chunked log-probs, shared prompts)
+        modeling.check_logprob_paths(st.model, cfg)  # the trainer's start-up checks (chunked log-probs, shared prompts)
         st.hf = eng.HFRollout(st.model, st.tok, d, dtype)  # under FSDP an unsharded copy, as --rollout hf keeps
-        st.model = common.shard_model(st.model, d, dtype, grad_checkpointing=True)
+        st.model = modeling.shard_model(st.model, d, dtype, grad_checkpointing=True)
         return (f"check_logprob_paths passed (shares_prompts={getattr(st.model, 'shares_prompts', '?')}); "
-                f"{'FSDP2 (fully_shard per layer and root)' if common.is_dist() else 'plain module'} on "
+                f"{'FSDP2 (fully_shard per layer and root)' if ranks.is_dist() else 'plain module'} on "
                 f"{d.device}, gradient checkpointing on")
 
     if not R.run(5, "trainer model: start-up checks and sharding", shard):
@@ -563,8 +566,8 @@ def main(argv=None):
         ids, attn, mask = ids.to(d.device), attn.to(d.device), mask.to(d.device)
         loss = None
         for _ in range(steps):
-            with common.autocast(dtype, d.device):
-                logp, _ = common.token_logprobs(st.model, ids, attn, mask.shape[1], chunk_tokens=a.logprob_chunk)
+            with modeling.autocast(dtype, d.device):
+                logp, _ = modeling.token_logprobs(st.model, ids, attn, mask.shape[1], chunk_tokens=a.logprob_chunk)
             loss = -(logp.float() * mask).sum() / mask.sum().clamp(min=1)
             loss.backward()
             with torch.no_grad():
@@ -638,9 +641,9 @@ def main(argv=None):
         k, P = len(greedy[0]), len(prompts[0])
         was_training = st.model.training
         st.model.eval()
-        with torch.no_grad(), common.autocast(dtype, d.device):
+        with torch.no_grad(), modeling.autocast(dtype, d.device):
             logits = st.model(input_ids=ids, attention_mask=attn).logits[0, P - 1:P - 1 + k].float()
-        common.reshard(st.model)
+        modeling.reshard(st.model)
         st.model.train(was_training)
         top2 = logits.topk(2, -1)
         chosen = logits.gather(-1, torch.tensor(greedy[0], device=d.device)[:, None])[:, 0]
@@ -688,14 +691,14 @@ def main(argv=None):
         need_model()
         B, P, T = a.rows, a.prompt_len, a.completion_len
         g = torch.Generator().manual_seed(a.seed)
-        ids = torch.randint(len(common.DEMO_SPECIALS), a.vocab, (B, P + T), generator=g).to(d.device)
+        ids = torch.randint(len(modeling.DEMO_SPECIALS), a.vocab, (B, P + T), generator=g).to(d.device)
         attn = torch.ones_like(ids)
         mask = torch.ones(B, T, device=d.device)
         mb = {"input_ids": ids, "attention_mask": attn, "mask": mask,
               "advantage": torch.randn(B, generator=g).to(d.device), "group": torch.arange(B, device=d.device)}
-        with torch.no_grad(), common.autocast(dtype, d.device):  # pi_old, as the step computes it before its updates
-            mb["old_logp"] = common.token_logprobs(st.model, ids, attn, T, chunk_tokens=a.logprob_chunk)[0].float()
-        common.reshard(st.model)
+        with torch.no_grad(), modeling.autocast(dtype, d.device):  # pi_old, as the step computes it before its updates
+            mb["old_logp"] = modeling.token_logprobs(st.model, ids, attn, T, chunk_tokens=a.logprob_chunk)[0].float()
+        modeling.reshard(st.model)
         mb["weight"] = common.loss_weights(mask, "token-mean", T)
         opt = torch.optim.AdamW(st.model.parameters(), lr=1e-6, weight_decay=0.1, fused=True)
         guard = common.UpdateGuard(3)
@@ -735,7 +738,7 @@ def main(argv=None):
                 f"MFU {100 * model_f / step_s / peak:.2f}%, HFU {100 * hw_f / step_s / peak:.2f}% of "
                 f"{a.peak_tflops:g} TFLOP/s; {mem}; `{figures}`")
 
-    R.run(5, "FSDP2 update" if common.is_dist() else "update (plain module)", update)
+    R.run(5, "FSDP2 update" if ranks.is_dist() else "update (plain module)", update)
     R.note(5, "MFU counts model FLOPs: 6 N_body per token + 6 N_head per completion position (the trainer computes "
               "no logits for prompt tokens) + 6 x layers x attn_width x seq_len per token (PaLM's 12 L H Q T, "
               "arXiv:2204.02311 appendix B, halved for the causal mask; attn_width = heads x head_dim, which for "
@@ -756,7 +759,7 @@ def main(argv=None):
                     f"{torch.cuda.memory_reserved(d.device) / GiB:.1f} GiB, vLLM needing {st.engine.freed / GiB:.1f} "
                     f"GiB back; ")
         try:
-            m = st.engine.sync_weights(st.model)  # wake_up refuses (common.die) when the memory is not free
+            m = st.engine.sync_weights(st.model)  # wake_up refuses (ranks.die) when the memory is not free
         except SystemExit:
             if not on_gpu:
                 raise
@@ -785,7 +788,7 @@ def main(argv=None):
             need_model()
             need_time(20)
             B, P, L = a.rows, a.prompt_len, a.logprob_len
-            ids = torch.randint(len(common.DEMO_SPECIALS), a.vocab, (B, P + L), device=d.device)
+            ids = torch.randint(len(modeling.DEMO_SPECIALS), a.vocab, (B, P + L), device=d.device)
             if on_gpu:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(d.device)
@@ -793,15 +796,15 @@ def main(argv=None):
             sync()
             t0 = time.time()
             try:
-                with torch.no_grad(), common.autocast(dtype, d.device):
-                    logp, _ = common.token_logprobs(st.model, ids, torch.ones_like(ids), L, chunk_tokens=chunk)
+                with torch.no_grad(), modeling.autocast(dtype, d.device):
+                    logp, _ = modeling.token_logprobs(st.model, ids, torch.ones_like(ids), L, chunk_tokens=chunk)
                 sync()
                 result = f"{time.time() - t0:.2f} s"
                 assert bool(torch.isfinite(logp).all()), "non-finite log-probs"
             except torch.OutOfMemoryError:
                 result = "out of memory"
             finally:
-                common.reshard(st.model)
+                modeling.reshard(st.model)
             mem = (f"peak +{(torch.cuda.max_memory_allocated(d.device) - base) / GiB:.2f} GiB over the "
                    f"{base / GiB:.2f} GiB allocated before" if on_gpu and result != "out of memory" else
                    "" if on_gpu else "peak memory: GPU only")
@@ -824,7 +827,7 @@ def main(argv=None):
         sync()
         seconds = time.time() - t0
         tokens = sum(map(len, comps))
-        return (f"eng.hf_generate ({f'an unsharded {dtype} copy' if common.is_dist() else 'the trainer model'}): "
+        return (f"eng.hf_generate ({f'an unsharded {dtype} copy' if ranks.is_dist() else 'the trainer model'}): "
                 f"{len(prompts)} prompts x up to {a.hf_tokens} tokens, {tokens:,} tokens in {seconds:.2f} s = "
                 f"{tokens / seconds:,.0f} tokens/s")
 
@@ -834,7 +837,7 @@ def main(argv=None):
 
     # ---- the end ------------------------------------------------------------------------------------------------
     try:
-        common.cleanup_dist(st.engine)
+        ranks.cleanup_dist(st.engine)
     except Exception as e:  # noqa: BLE001
         R.note(2, f"closing the engine failed: {one_line(e)}")
     if st.folder:

@@ -81,10 +81,10 @@ def sha256(path: str) -> str:
 def candidates(seed: int, pool: dict) -> list[dict]:
     """Distinct sums of the pool's operand shapes, none of them a demo warm-start row, demo held-out sum or demo eval
     problem, in the order drawn."""
-    import common
-    train, held_out = common.arith_problems(seed=0)
+    import dataset
+    train, held_out = dataset.arith_problems(seed=0)
     seen = {p["prompt"] for p in train} | {p["prompt"] for p in held_out}
-    seen |= {json.loads(x)["problem"] for x in open(common.DEMO_EVAL)}
+    seen |= {json.loads(x)["problem"] for x in open(dataset.DEMO_EVAL)}
     rng, out = random.Random(seed), []
     for (da, db), n in pool.items():
         lo_a, lo_b = (10 ** (da - 1) if da > 1 else 0), (10 ** (db - 1) if db > 1 else 0)
@@ -147,9 +147,9 @@ def generate(out: str, seed: int) -> dict:
     import torch
     import transformers
 
-    import common
+    import modeling
     torch.set_num_threads(1)  # float sums depend on the thread count
-    model, tok = common.load_model(common.model_path("demo"), torch.device("cpu"))
+    model, tok = modeling.load_model(modeling.model_path("demo"), torch.device("cpu"))
     model.eval()
     t0 = time.time()
     pool = candidates(seed, POOL)
@@ -217,7 +217,8 @@ def generate(out: str, seed: int) -> dict:
         "command": "python bench/hard_prompts.py", "seed": seed, "pool": {f"{a}+{b}": n for (a, b), n in POOL.items()},
         "samples": {"calibration": CAL_SAMPLES, "check_train": CHECK_SAMPLES, "check_eval": CHECK_EVAL_SAMPLES},
         "bands": {"hard": HARD_BAND, "easy": EASY_BAND, "eval_levels": EVAL_LEVELS},
-        "depends_on": {"model.safetensors sha256": sha256(os.path.join(common.model_path("demo"), "model.safetensors")),
+        "depends_on": {"model.safetensors sha256": sha256(os.path.join(modeling.model_path("demo"),
+                                                                       "model.safetensors")),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "python": platform.python_version(), "cpu": cpu_name(),
                        "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", "(default)"), "threads": 1},
@@ -268,9 +269,9 @@ def main():
     if args.survey:
         import torch
 
-        import common
+        import modeling
         torch.set_num_threads(1)
-        model, tok = common.load_model(common.model_path("demo"), torch.device("cpu"))
+        model, tok = modeling.load_model(modeling.model_path("demo"), torch.device("cpu"))
         return survey(model.eval(), tok, args.seed)
     if not args.check:
         generate(args.out, args.seed)

@@ -99,7 +99,7 @@ def trainer_update_peak(m: dict, gpus: int, offload: bool, act: float) -> dict:
 def trainer_rollout_resident(m: dict, gpus: int, offload: bool) -> float:
     """Per-GPU bytes the trainer keeps beside the awake engine: master weights + AdamW, sharded (gradients are freed
     after every update: UpdateGuard), none with --cpu_offload. After its no-grad forwards (pi_old, the sync probe)
-    the trainer reshards FSDP2's root unit (common.reshard), so no gathered copy stays."""
+    the trainer reshards FSDP2's root unit (modeling.reshard), so no gathered copy stays."""
     shard = 0 if offload else param_count(m) / gpus
     return 12 * shard
 

@@ -25,6 +25,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import bookkeeping  # noqa: E402
+import modeling  # noqa: E402
 import engine as eng  # noqa: E402
 import da3po  # noqa: E402
 
@@ -49,8 +51,8 @@ class Clock:
 
 
 def build_25m(folder: str) -> str:
-    tok = common.build_demo_tokenizer()
-    model = common.build_demo_model(tok, hidden=512, layers=8)
+    tok = modeling.build_demo_tokenizer()
+    model = modeling.build_demo_model(tok, hidden=512, layers=8)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -67,13 +69,13 @@ def run(workload: str, steps: int, tmp: str):
         flags += ["--model", build_25m(os.path.join(tmp, "model25m")), "--prompt_template", "none",
                   "--prompts_per_step", "16", "--updates_per_step", "4", "--max_new_tokens", "128",
                   "--overlong_buffer", "32", "--no-dynamic_sampling"]
-    cfg = common.parse_config(da3po.Config, flags, da3po.PRESETS)
+    cfg = bookkeeping.parse_config(da3po.Config, flags, da3po.PRESETS)
     clock, prof, marks = Clock(), cProfile.Profile(), []
     patches = [(eng.HFRollout, "generate", "generate"), (common, "verify_batch", "verify"),
                (da3po, "old_logprobs", "old log-probs"), (da3po, "token_losses", "forward"),
                (torch.Tensor, "backward", "backward"), (common.UpdateGuard, "step", "optimizer"),
-               (eng.HFRollout, "sync_weights", "sync"), (common.Logger, "log", "logging"),
-               (common.Logger, "line", "logging")]
+               (eng.HFRollout, "sync_weights", "sync"), (bookkeeping.Logger, "log", "logging"),
+               (bookkeeping.Logger, "line", "logging")]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     real_eval, real_timer = da3po.evaluate_and_log, common.StepTimer.metrics
 

@@ -38,13 +38,16 @@ def lengths(args):
     import torch
     sys.path.insert(0, ROOT)
     import common
+    import modeling
+    import dataset
+    import ranks
     import engine as eng
     torch.set_num_threads(1)
-    model, tok = common.load_model(args.model, torch.device("cpu"))
-    problems = common.tokenize_problems(common.load_data(args.data, "eval"), tok, "none", 1024, args.data)
+    model, tok = modeling.load_model(args.model, torch.device("cpu"))
+    problems = dataset.tokenize_problems(dataset.load_data(args.data, "eval"), tok, "none", 1024, args.data)
     cfg = argparse.Namespace(max_new_tokens=args.max_new_tokens, overlong_buffer=args.overlong_buffer,
                              overlong_penalty=1.0, answer_format="auto")
-    engine = eng.HFRollout(model, tok, common.DistInfo(), batch_size=4096)
+    engine = eng.HFRollout(model, tok, ranks.DistInfo(), batch_size=4096)
     torch.manual_seed(args.seed)
     t0, groups = time.time(), []
     for s in range(0, len(problems), 128):

@@ -16,7 +16,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
-import common  # noqa: E402
+import modeling  # noqa: E402
 import harness  # noqa: E402
 from conftest import float64_norms  # noqa: E402
 
@@ -31,7 +31,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     float64_norms()  # the whole model in float64 (the exactness the tolerance assumes)
-    model, tok = common.load_model(common.model_path("demo"))
+    model, tok = modeling.load_model(modeling.model_path("demo"))
     model = model.double()
     ref_model = harness.ref_model_of(model)
     table, failed, start = {}, 0, time.time()

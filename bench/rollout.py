@@ -18,6 +18,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import modeling  # noqa: E402
+import ranks  # noqa: E402
 import engine as eng  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -41,10 +43,10 @@ tmp = tempfile.TemporaryDirectory()
 path = args.model
 if not path:
     path = tmp.name
-    tok = common.build_demo_tokenizer()
-    common.build_demo_model(tok, args.hidden, args.layers).save_pretrained(path)
+    tok = modeling.build_demo_tokenizer()
+    modeling.build_demo_model(tok, args.hidden, args.layers).save_pretrained(path)
     tok.save_pretrained(path)
-model, tok = common.load_model(path, device, args.dtype)
+model, tok = modeling.load_model(path, device, args.dtype)
 n_params = sum(p.numel() for p in model.parameters())
 problems = [f"{a}+{7 * a + 3}" for a in range(args.prompts)]
 texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -64,7 +66,7 @@ def best_of(fn):
 
 
 t0 = time.perf_counter()
-engine = eng.VLLMRollout(path, tok, common.DistInfo(device=device), args.dtype, seed=0, cpu_kv_cache_gb=1.0,
+engine = eng.VLLMRollout(path, tok, ranks.DistInfo(device=device), args.dtype, seed=0, cpu_kv_cache_gb=1.0,
                             max_num_seqs=len(prompts))
 startup = time.perf_counter() - t0
 hf_s, (hf_out, _, _) = best_of(lambda: eng.hf_generate(model, tok, prompts, args.max_new, 1.0, 1.0, len(prompts)))
@@ -78,7 +80,7 @@ ids, attn, mask = common.pad_prompt_completion(prompts, vllm_out, tok.pad_token_
 
 def update():
     for s in range(0, len(prompts), 64):  # micro-batches of 64 sequences
-        logp, _ = common.token_logprobs(model, ids[s:s + 64].to(device), attn[s:s + 64].to(device), mask.shape[1])
+        logp, _ = modeling.token_logprobs(model, ids[s:s + 64].to(device), attn[s:s + 64].to(device), mask.shape[1])
         (-(logp * mask[s:s + 64].to(device)).sum() / mask.sum()).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

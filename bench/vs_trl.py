@@ -50,9 +50,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import da3po  # noqa: E402
-from common import (DistInfo, format_prompt, group_advantages, load_data, load_model,  # noqa: E402
-                    loss_weights, make_batch, model_path, policy_loss, resolve_template, roll_groups, shaped_reward,
-                    token_logprobs, tokenize_problems)
+from common import (group_advantages, loss_weights, make_batch, policy_loss, roll_groups,  # noqa: E402
+                    shaped_reward)
+from modeling import load_model, model_path, token_logprobs  # noqa: E402
+from dataset import format_prompt, load_data, resolve_template, tokenize_problems  # noqa: E402
+from ranks import DistInfo  # noqa: E402
 from engine import HFRollout  # noqa: E402
 from verifier import verify_batch  # noqa: E402
 

@@ -52,6 +52,9 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import modeling  # noqa: E402
+import dataset  # noqa: E402
+import ranks  # noqa: E402
 import engine as eng  # noqa: E402
 
 # level -> [low, high) band of the demo model's pass rate at build time; level 1 is the easiest
@@ -76,7 +79,7 @@ def warm_start(model, tok, problems: list[dict], steps: int, batch_size: int = 6
     acc = 0.0
     for i in range(steps):
         batch = rng.sample(problems, batch_size)
-        prompts = [tok(common.format_prompt(tok, p["prompt"], "none"), add_special_tokens=False)["input_ids"]
+        prompts = [tok(dataset.format_prompt(tok, p["prompt"], "none"), add_special_tokens=False)["input_ids"]
                    for p in batch]
         if target is None:
             answers = [tok(f"\\boxed{{{p['answer']}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -118,7 +121,7 @@ def candidate_sums(train: list[dict], held_out: list[dict], seed: int = 1) -> li
             if f"{a}+{b}" not in seen:
                 seen.add(f"{a}+{b}")
                 extra.append({"prompt": f"{a}+{b}", "answer": str(a + b), "digits": f"{da}+{db}"})
-    digits = {level: f"{da}+{db}" for level, (da, db) in common.ARITH_LEVELS.items()}
+    digits = {level: f"{da}+{db}" for level, (da, db) in dataset.ARITH_LEVELS.items()}
     return [{**p, "digits": digits[p["level"]]} for p in held_out] + extra
 
 
@@ -128,8 +131,8 @@ def pass_rates(model, tok, problems: list[dict], samples: int, seed: int = 0,
     tokens (the RL runs' limit), through the real rollout and verifier (common.roll_groups)."""
     cfg = argparse.Namespace(max_new_tokens=max_new_tokens, overlong_buffer=0, overlong_penalty=1.0,
                              answer_format="auto")
-    problems = common.tokenize_problems(problems, tok, "none", 64, "calibration")
-    engine = eng.HFRollout(model, tok, common.DistInfo(), batch_size=4096)
+    problems = dataset.tokenize_problems(problems, tok, "none", 64, "calibration")
+    engine = eng.HFRollout(model, tok, ranks.DistInfo(), batch_size=4096)
     torch.manual_seed(seed)
     rates = []
     for s in range(0, len(problems), 128):
@@ -174,9 +177,9 @@ def save_model(model, tok, path: str, what: str, t0: float, acc: float):
 
 def build_arith(args):
     t0 = time.time()
-    tok = common.build_demo_tokenizer()
-    model = common.build_demo_model(tok, hidden=128, layers=2, seed=0)
-    train, held_out = common.arith_problems(seed=0)
+    tok = modeling.build_demo_tokenizer()
+    model = modeling.build_demo_model(tok, hidden=128, layers=2, seed=0)
+    train, held_out = dataset.arith_problems(seed=0)
     acc = warm_start(model, tok, train, steps=args.sft_steps)
     save_model(model, tok, os.path.join(args.out, "model"), f"{args.sft_steps} SFT steps", t0, acc)
 
@@ -193,8 +196,8 @@ def build_reasoning(args):
     from demo import reasoning_task as task
     cfg = REASONING
     t0 = time.time()
-    tok = common.build_demo_tokenizer()
-    model = common.build_demo_model(tok, hidden=128, layers=2, seed=0)
+    tok = modeling.build_demo_tokenizer()
+    model = modeling.build_demo_model(tok, hidden=128, layers=2, seed=0)
     sft, pool = task.problems(seed=0, n_pool=cfg["pool"])
 
     def target(p, rng):
@@ -202,7 +205,7 @@ def build_reasoning(args):
                                    cfg["late_rate"])
 
     if args.calibrate_only:  # the model as built before (the same weights: calibration gives the same rates)
-        model, tok = common.load_model(os.path.join(args.out, "model"), torch.device("cpu"))
+        model, tok = modeling.load_model(os.path.join(args.out, "model"), torch.device("cpu"))
     else:
         acc = warm_start(model, tok, sft, steps=args.sft_steps, target=target)
         os.makedirs(args.out, exist_ok=True)

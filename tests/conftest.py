@@ -17,8 +17,8 @@ torch.set_num_threads(1)  # the machine is shared: one thread keeps tests predic
 @pytest.fixture(scope="session")
 def demo_dir():
     """The shipped demo model's folder (demo/model, built by demo/build.py): what `--model demo` loads."""
-    import common
-    return common.model_path("demo")
+    import modeling
+    return modeling.model_path("demo")
 
 
 def run_script(args, cwd=ROOT, timeout=300):
@@ -42,11 +42,11 @@ def float64_norms():
 @pytest.fixture
 def float64_model(demo_dir, monkeypatch):
     """The demo model in float64, all of it (float64_norms, undone after the test)."""
-    import common
+    import modeling
     from transformers.models.qwen3 import modeling_qwen3
     monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", modeling_qwen3.Qwen3RMSNorm.forward)  # restored after
     float64_norms()
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     return model.double(), tok
 
 

@@ -11,15 +11,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 
-import common  # noqa: E402
+import modeling  # noqa: E402
+import ranks  # noqa: E402
 import harness  # noqa: E402
 from conftest import float64_norms  # noqa: E402
 
 torch.use_deterministic_algorithms(True)
 model_dir, out, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
-d = common.setup_dist("cpu")
+d = ranks.setup_dist("cpu")
 float64_norms()  # the whole model in float64, as the reference
-model, tok = common.load_model(model_dir, d.device)
+model, tok = modeling.load_model(model_dir, d.device)
 model.double()
 ref_model = harness.ref_model_of(model)  # the same perturbation on every rank (a seeded generator)
 cases = []
@@ -28,8 +29,8 @@ for spec in specs:  # drawn on the unsharded model, the same on every rank (pi_o
     fixed = dict((k, ast.literal_eval(v)) for k, v in (x.split("=", 1) for x in fixed))
     script = fixed.pop("script", None)
     cases.append(harness.random_case(int(seed), model, script, **fixed))
-model = common.shard_model(model, d, "float64")
-ref_model = common.shard_model(ref_model, d, "float64").eval()  # as prepare_models shards the KL anchor
+model = modeling.shard_model(model, d, "float64")
+ref_model = modeling.shard_model(ref_model, d, "float64").eval()  # as prepare_models shards the KL anchor
 results = []
 for case in cases:
     runs = harness.run_pipeline(model, ref_model if case["flags"]["kl_coef"] > 0 else None, case,
@@ -37,4 +38,4 @@ for case in cases:
     results.append((case, runs))
 if d.is_main:
     torch.save(results, out)
-common.cleanup_dist()
+ranks.cleanup_dist()

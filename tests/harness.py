@@ -20,6 +20,8 @@ import random
 import torch
 
 import common
+import modeling
+import ranks
 import da3po
 import daro
 import engine
@@ -124,7 +126,7 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
     """Each update of the case through the real code, on this rank's share. Returns per update (every rank gets the
     same): the group ids trained, each row's advantage, trained tokens and effective token weights (w_mu included),
     what the micro-batches carried per token, the loss, the full gradient, DARO's L_mu and s after the step."""
-    dist_info = dist_info or common.DistInfo()
+    dist_info = dist_info or ranks.DistInfo()
     f, default = case["flags"], torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # everything the pipeline creates (rewards, advantages, w_mu) in float64
     try:
@@ -168,15 +170,15 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
                 total += loss.item()
                 mb_w = mb["weight"] * (algo.w[mb["bin"]].unsqueeze(-1) if case["script"] == "daro" else 1.0)
                 carried[mb_rows, :mb_w.shape[1]] += mb_w  # the share of each token some micro-batch trained
-            grads = {n: (common.full_tensor(p.grad) if p.grad is not None else torch.zeros_like(
-                common.full_tensor(p.detach()))).clone() for n, p in model.named_parameters()}
+            grads = {n: (modeling.full_tensor(p.grad) if p.grad is not None else torch.zeros_like(
+                modeling.full_tensor(p.detach()))).clone() for n, p in model.named_parameters()}
             model.zero_grad(set_to_none=True)
-            record = {"loss": common.all_reduce_sum(torch.tensor(total)).item(), "grad": grads,
-                      "rows": common.all_gather_list([
+            record = {"loss": ranks.all_reduce_sum(torch.tensor(total)).item(), "grad": grads,
+                      "rows": ranks.all_gather_list([
                           (row_ids[r], batch["advantage"][r].item(), batch["mask"][r].tolist(),
                            effective[r].tolist(), carried[r].tolist()) for r in rows.tolist()])}
             if case["script"] == "daro":
-                record["bin_loss"] = common.all_reduce_sum(algo.bin_loss.clone()).tolist()
+                record["bin_loss"] = ranks.all_reduce_sum(algo.bin_loss.clone()).tolist()
                 algo.step_weights()
                 record["s"] = [s.item() for s in algo.neg_log_w]
             out.append(record)

@@ -30,6 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import bookkeeping  # noqa: E402
+import modeling  # noqa: E402
+import ranks  # noqa: E402
 
 out_dir, script_name, skew = sys.argv[1], sys.argv[2], sys.argv[3]
 script = __import__(script_name.removesuffix(".py"))
@@ -77,7 +80,7 @@ class ScriptedRollout:
         # after the updates and the no-grad passes, no rank may still hold the root's gathered parameters
         local["root_unsharded_at_sync"] += not hasattr(model.get_input_embeddings().weight, "full_tensor")
         for p in model.parameters():  # the same all-gathers a real engine's sync makes
-            common.full_tensor(p)
+            modeling.full_tensor(p)
         return {}
 
     def close(self):
@@ -102,7 +105,7 @@ updates_seen = [0]
 
 def token_losses(model, ref_model, mb, cfg, device, sums):
     token_loss = common.token_losses(model, ref_model, mb, cfg, device, sums)
-    if skew == "nan" and common.is_dist() and common.dist.get_rank() == 1 and updates_seen[0] == 1:
+    if skew == "nan" and ranks.is_dist() and common.dist.get_rank() == 1 and updates_seen[0] == 1:
         token_loss = token_loss * float("nan")
     return token_loss
 
@@ -116,19 +119,19 @@ class CountingGuard(common.UpdateGuard):
 def cleanup_dist(engine=None):
     """Dump this rank's Flight Recorder record before the process group goes."""
     import pickle
-    rank = common.dist.get_rank() if common.is_dist() else 0
-    entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"] if common.is_dist() else []
+    rank = common.dist.get_rank() if ranks.is_dist() else 0
+    entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"] if ranks.is_dist() else []
     # a scatter's inputs exist on its source rank only: compare what every rank receives
     record = [[e["process_group"][1], e["profiling_name"], *((e["output_sizes"], e["output_dtypes"])
                if "scatter" in e["profiling_name"] else (e["input_sizes"], e["input_dtypes"]))] for e in entries]
     json.dump(record, open(os.path.join(out_dir, f"collectives_rank{rank}.json"), "w"))
     json.dump(local, open(os.path.join(out_dir, f"data_rank{rank}.json"), "w"))
-    common.cleanup_dist(engine)
+    ranks.cleanup_dist(engine)
 
 
 if skew != "real":
     script.make_rollout = make_rollout
 script.micro_batches, script.token_losses = micro_batches, token_losses
 script.UpdateGuard, script.cleanup_dist = CountingGuard, cleanup_dist
-cfg = common.parse_config(script.Config, ["--out_dir", out_dir, *sys.argv[4:]], script.PRESETS)
+cfg = bookkeeping.parse_config(script.Config, ["--out_dir", out_dir, *sys.argv[4:]], script.PRESETS)
 script.main(cfg)

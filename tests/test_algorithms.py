@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import common
+import modeling
+import ranks
 import da3po
 from conftest import ROOT, weighted_loss
 from da3po import amplification_factors, daa, monte_carlo_factors
@@ -177,7 +179,7 @@ def test_microbatch_split_does_not_change_loss_or_gradient(float64_model, loss_a
     ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
     T = mask.shape[1]
     with torch.no_grad():
-        old = common.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(12, T, generator=g, dtype=torch.float64)
+        old = modeling.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(12, T, generator=g, dtype=torch.float64)
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old,
              "advantage": torch.randn(12, generator=g, dtype=torch.float64),
              "weight": common.loss_weights(mask.double(), loss_agg, 10)}
@@ -189,7 +191,7 @@ def test_microbatch_split_does_not_change_loss_or_gradient(float64_model, loss_a
             rows = torch.arange(start, start + size)
             start += size
             for _, mb in common.micro_batches(batch, rows, size):
-                logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+                logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
                 loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
                 loss.backward()
                 total += loss.item()
@@ -205,7 +207,7 @@ def test_microbatch_split_does_not_change_loss_or_gradient(float64_model, loss_a
 
 def test_token_logprobs_match_generate_scores(demo_dir):
     """The trainer's log-probs of sampled tokens equal the ones generate() sampled from (left padding included)."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     prompts = [tok("12+3", add_special_tokens=False)["input_ids"], tok("7+456", add_special_tokens=False)["input_ids"]]
     ids, attn, _ = common.pad_prompt_completion(prompts, [[]] * 2, tok.pad_token_id)
     ids, attn = ids[:, :-1], attn[:, :-1]
@@ -213,7 +215,7 @@ def test_token_logprobs_match_generate_scores(demo_dir):
                          return_dict_in_generate=True, min_new_tokens=5)
     gen_logp = torch.stack([s.log_softmax(-1) for s in out.logits], 1).gather(-1, out.sequences[:, -5:, None])[..., 0]
     full_attn = torch.cat([attn, torch.ones(2, 5, dtype=attn.dtype)], 1)
-    logp, entropy = common.token_logprobs(model, out.sequences, full_attn, 5, with_entropy=True)
+    logp, entropy = modeling.token_logprobs(model, out.sequences, full_attn, 5, with_entropy=True)
     assert torch.allclose(logp, gen_logp, atol=1e-4)
     assert (entropy >= 0).all()
 
@@ -263,7 +265,7 @@ def test_running_pass_counts():
 def test_plan_updates_trains_every_kept_group_once():
     groups = lambda n, G: [{"prompt_len": 1, "lengths": [1] * G, "correct": [True] * G, "id": i}  # noqa: E731
                            for i in range(n)]  # kept summaries (dynamic_sampling), here planned for any rank
-    one = common.DistInfo()
+    one = ranks.DistInfo()
     # 13 groups kept at the dynamic-sampling cap, 2 updates: 7 + 6 groups (the old split trained 96 of 104 rows)
     mine, updates = common.plan_updates(groups(13, 8), 2, one)
     assert [len(u) for u in updates] == [56, 48] and torch.equal(torch.cat(updates), torch.arange(104))
@@ -273,7 +275,7 @@ def test_plan_updates_trains_every_kept_group_once():
     # the README's 8-rank recipe at a cap of 120 groups: 15 per rank, so 15 updates of one group on every rank
     seen = []
     for rank in range(8):
-        mine, updates = common.plan_updates(groups(120, 2), 16, common.DistInfo(rank=rank, world_size=8))
+        mine, updates = common.plan_updates(groups(120, 2), 16, ranks.DistInfo(rank=rank, world_size=8))
         assert len(updates) == 15 and all(len(u) == 2 for u in updates)
         seen += [g["id"] for g in mine]
     assert sorted(seen) == list(range(120))  # every group on exactly one rank

@@ -2,35 +2,36 @@
 import pytest
 
 import common
+import bookkeeping
 from da3po import PRESETS, Config
 
 
 def test_flag_forms_and_presets(capsys):
-    cfg = common.parse_config(Config, ["--lr=1e-5", "--steps", "7", "--no-dynamic_sampling"], PRESETS)
+    cfg = bookkeeping.parse_config(Config, ["--lr=1e-5", "--steps", "7", "--no-dynamic_sampling"], PRESETS)
     assert cfg.lr == 1e-5 and cfg.steps == 7 and cfg.dynamic_sampling is False
     assert "--dynamic_sampling False overrides the da3po preset" in capsys.readouterr().out
-    cfg = common.parse_config(Config, ["--algo", "dr_grpo"], PRESETS)
+    cfg = bookkeeping.parse_config(Config, ["--algo", "dr_grpo"], PRESETS)
     assert cfg.std_norm is False and cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.lam == 1.0
     # an explicit flag beats the preset, and says so in one line
-    cfg = common.parse_config(Config, ["--algo=gspo", "--clip_high", "0.001"], PRESETS)
+    cfg = bookkeeping.parse_config(Config, ["--algo=gspo", "--clip_high", "0.001"], PRESETS)
     assert cfg.seq_ratio is True and cfg.clip_low == 3e-4 and cfg.clip_high == 0.001
     assert capsys.readouterr().out.strip() == "note: --clip_high 0.001 overrides the gspo preset's clip_high = 0.0004"
-    assert common.parse_config(Config, [], PRESETS) == Config()
+    assert bookkeeping.parse_config(Config, [], PRESETS) == Config()
     assert capsys.readouterr().out == ""  # no note without an override
 
 
 def test_demo_reasoning_stands_for_its_flags_which_presets_and_flags_override(capsys):
     import os
-    cfg = common.parse_config(Config, ["--demo", "reasoning"], PRESETS)
+    cfg = bookkeeping.parse_config(Config, ["--demo", "reasoning"], PRESETS)
     folder = os.path.join(os.path.dirname(common.__file__), "demo", "reasoning")
-    spelled = common.parse_config(Config, [
+    spelled = bookkeeping.parse_config(Config, [
         "--demo", "reasoning", "--model", os.path.join(folder, "model"), "--train_data",
         os.path.join(folder, "train.jsonl"), "--eval_data", os.path.join(folder, "eval.jsonl"), "--max_new_tokens",
         "72", "--overlong_buffer", "16", "--prompts_per_step", "16", "--steps", "20"], PRESETS)
     assert cfg == spelled and os.path.isfile(os.path.join(cfg.model, "config.json"))
     assert os.path.isfile(cfg.train_data) and os.path.isfile(cfg.eval_data)
-    assert common.parse_config(Config, ["--demo", "reasoning", "--steps", "3"], PRESETS).steps == 3
-    grpo = common.parse_config(Config, ["--demo", "reasoning", "--algo", "grpo"], PRESETS)
+    assert bookkeeping.parse_config(Config, ["--demo", "reasoning", "--steps", "3"], PRESETS).steps == 3
+    grpo = bookkeeping.parse_config(Config, ["--demo", "reasoning", "--algo", "grpo"], PRESETS)
     assert grpo.overlong_buffer == 0 and grpo.max_new_tokens == 72  # GRPO's recipe has no shaping
     assert capsys.readouterr().out == ""
 
@@ -42,23 +43,23 @@ def test_every_preset_writes_out_its_whole_recipe():
     for name, preset in PRESETS.items():
         assert knobs <= set(preset), (name, knobs - set(preset))
     scale = ["--prompts_per_step", "512", "--max_new_tokens", "20480", "--lr", "1e-6"]
-    gspo = common.parse_config(Config, ["--algo", "gspo", *scale], PRESETS)
+    gspo = bookkeeping.parse_config(Config, ["--algo", "gspo", *scale], PRESETS)
     assert gspo.updates_per_step == 4 and gspo.overlong_buffer == 0 and not gspo.dynamic_sampling
     assert gspo.lam == 1.0 and (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
     for algo in ("grpo", "dr_grpo", "gspo"):
-        cfg = common.parse_config(Config, ["--algo", algo, *scale], PRESETS)
+        cfg = bookkeeping.parse_config(Config, ["--algo", algo, *scale], PRESETS)
         assert cfg.overlong_buffer == 0 and cfg.dynamic_sampling is False and cfg.lam == 1.0, algo
-    da3po = common.parse_config(Config, scale, PRESETS)
+    da3po = bookkeeping.parse_config(Config, scale, PRESETS)
     assert da3po.lam == 2.0 and da3po.tau == 0.5 and da3po.dynamic_sampling and da3po.clip_high == 0.28
 
 
 def test_overriding_a_preset_prints_a_note(capsys):
-    cfg = common.parse_config(Config, ["--algo", "grpo", "--overlong_buffer", "4096", "--updates_per_step", "16"],
+    cfg = bookkeeping.parse_config(Config, ["--algo", "grpo", "--overlong_buffer", "4096", "--updates_per_step", "16"],
                               PRESETS)
     assert cfg.overlong_buffer == 4096
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["note: --overlong_buffer 4096 overrides the grpo preset's overlong_buffer = 0"]
-    common.parse_config(Config, ["--algo", "gspo", "--updates_per_step", "16"], PRESETS)
+    bookkeeping.parse_config(Config, ["--algo", "gspo", "--updates_per_step", "16"], PRESETS)
     assert "--updates_per_step 16 overrides the gspo preset's updates_per_step = 4" in capsys.readouterr().out
 
 
@@ -71,14 +72,14 @@ def test_overriding_a_preset_prints_a_note(capsys):
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        common.parse_config(Config, argv, PRESETS)
+        bookkeeping.parse_config(Config, argv, PRESETS)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_help_documents_every_field(capsys):
     with pytest.raises(SystemExit) as e:
-        common.parse_config(Config, ["--help"], PRESETS)
+        bookkeeping.parse_config(Config, ["--help"], PRESETS)
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     for name in Config.__dataclass_fields__:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import common
+import bookkeeping
+import modeling
 import daro
 from conftest import ROOT, weighted_loss
 from daro import PRESETS, Config, bin_token_weights, bin_weights, update_weights, weight_objective
@@ -113,7 +115,7 @@ def update_batch(float64_model):
     mask = mask.double()
     T = mask.shape[1]
     with torch.no_grad():
-        old = common.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(n, T, generator=g, dtype=torch.float64)
+        old = modeling.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(n, T, generator=g, dtype=torch.float64)
     bins = torch.tensor([1, 1, 2, 0, 3, 3, 3, 8, 5, 5, 7, 1, 0, 2, 7, 5])  # bins 4/8 and 6/8 empty
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old, "bin": bins,
              "advantage": torch.randn(n, generator=g, dtype=torch.float64),
@@ -138,7 +140,7 @@ def run_update(model, batch, log_w, sizes):
         rows = torch.arange(start, start + size)
         start += size
         for _, mb in common.micro_batches(batch, rows, size):
-            logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+            logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
             weight = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)
             loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], weight, 0.2, 0.28)
             loss.backward()
@@ -148,7 +150,7 @@ def run_update(model, batch, log_w, sizes):
 
 def direct_bin_losses(model, batch):
     """L_mu by the formula, Eq. (2), on the whole batch at once: the token mean of the clipped loss within each bin."""
-    logp, _ = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])
+    logp, _ = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])
     ratio = torch.exp(logp - batch["old_logp"])
     adv = batch["advantage"].unsqueeze(-1)
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28)) * batch["mask"]
@@ -218,7 +220,7 @@ def coin(demo_dir, tmp_path_factory):
     steps on the demo model), and a data file of that problem: nearly every group is mixed, so every preset trains in
     every step and many bins occur, which the demo model on the arith task (it solves few sums) does not guarantee."""
     folder = tmp_path_factory.mktemp("coin")
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     warm_start(model, tok, [{"prompt": "1+1", "answer": str(1 + i % 2)} for i in range(64)], steps=30)
     model.save_pretrained(folder / "model")
     tok.save_pretrained(folder / "model")
@@ -296,14 +298,14 @@ def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys)
     (main(parse_config(argv)), the script's own entry) to save two interpreter start-ups."""
     out = tmp_path / "run"
     args = daro_args(coin, out, "--steps", "3", "--save_every", "1", "--weight_lr", "0.2")[1:]
-    daro.main(common.parse_config(Config, args, PRESETS))
+    daro.main(bookkeeping.parse_config(Config, args, PRESETS))
     straight = train_records(out)[-1]
     state = torch.load(out / "step_000002" / "trainer.pt", weights_only=False)
     assert state["daro_neg_log_w"].shape == (G - 1,) and state["daro_neg_log_w"].abs().max() > 0.1
     assert len(state["weight_optimizer"]["state"]) > 0
     shutil.rmtree(out / "step_000003")
     capsys.readouterr()
-    daro.main(common.parse_config(Config, args + ["--resume"], PRESETS))
+    daro.main(bookkeeping.parse_config(Config, args + ["--resume"], PRESETS))
     stdout = capsys.readouterr().out
     assert "resumed from" in stdout and "(step 2)" in stdout
     resumed = train_records(out)
@@ -318,7 +320,7 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
     """What daro.py --help says of --weight_lr, checked on the real weight step: Adam moves ln w by ~weight_lr per
     update whatever the bin's loss, so after 120 updates at 1e-3 every bin's w is ~exp(0.12) = 1.13, for a loss scale
     of 0.1 (fixed point 9.9) and of 0.004 (fixed point 200) alike: the bins rise together."""
-    cfg = common.parse_config(daro.Config, ["--group_size", "4"], daro.PRESETS)
+    cfg = bookkeeping.parse_config(daro.Config, ["--group_size", "4"], daro.PRESETS)
     neg_log_w = [torch.zeros((), requires_grad=True) for _ in range(3)]
     opt = torch.optim.Adam(neg_log_w, lr=cfg.weight_lr)
     bin_loss = torch.tensor([0.0, 0.1, 0.004, -0.05, 0.0])  # per bin mu = 0, 1/4, .., 1; |L_mu| is what the weights fit
@@ -326,7 +328,7 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
         daro.update_weights(neg_log_w, opt, bin_loss, torch.tensor([False, True, True, True, False]), cfg)
     travel = [-s.item() for s in neg_log_w]
     assert all(abs(t - 120 * cfg.weight_lr) < 2e-3 for t in travel), travel
-    assert "travels at most ~weight_lr" in " ".join(common._field_comments(daro.Config)["weight_lr"].split())
+    assert "travels at most ~weight_lr" in " ".join(bookkeeping._field_comments(daro.Config)["weight_lr"].split())
 
 
 def test_mechanism_trace_records_every_update_and_bin(tmp_path):

@@ -6,6 +6,8 @@ from fractions import Fraction
 import pytest
 
 import common
+import modeling
+import dataset
 from conftest import run_script
 
 # A few rows per published schema; every one must load into the same {prompt, answer} records.
@@ -46,7 +48,7 @@ def test_every_schema_loads_into_the_same_records(name, tmp_path):
         import pyarrow as pa
         import pyarrow.parquet as pq
         pq.write_table(pa.Table.from_pylist(rows), path)
-    problems = common.load_data(str(path), "train")
+    problems = dataset.load_data(str(path), "train")
     assert [(p["prompt"], p["answer"]) for p in problems] == [("What is 2+3?", "5"), ("Half of 1?", "\\frac{1}{2}")]
     assert all(p["templated"] == name.startswith("dapo17k") for p in problems)
     if name == "math500.json":
@@ -56,7 +58,7 @@ def test_every_schema_loads_into_the_same_records(name, tmp_path):
 def test_field_names_can_be_given_by_flag(tmp_path):
     path = tmp_path / "custom.jsonl"
     path.write_text(json.dumps({"q": "1+1", "meta": {"gold": "2"}}) + "\n")
-    problems = common.load_data(str(path), "train", prompt_key="q", answer_key="meta.gold")
+    problems = dataset.load_data(str(path), "train", prompt_key="q", answer_key="meta.gold")
     assert problems[0]["prompt"] == "1+1" and problems[0]["answer"] == "2"
 
 
@@ -70,21 +72,21 @@ def test_field_names_can_be_given_by_flag(tmp_path):
 def test_malformed_files_name_the_file_and_line(name, content, message, tmp_path, capsys):
     (tmp_path / name).write_text(content)
     with pytest.raises(SystemExit) as e:
-        common.load_data(str(tmp_path / name), "train")
+        dataset.load_data(str(tmp_path / name), "train")
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
 
 
 def test_templates():
-    tok = common.build_demo_tokenizer()
-    assert common.resolve_template("auto", tok) == "none"  # the demo model was trained on bare sums
-    assert common.format_prompt(tok, "1+2", "none") == "<|user|>1+2<|assistant|>"
-    assert common.format_prompt(tok, "1+2", "plain") == f"Question: 1+2\n{common.BOXED_INSTRUCTION}\nAnswer:"
-    assert "Answer: $Answer" in common.format_prompt(tok, "1+2", "dapo")
-    assert common.format_prompt(tok, "1+2", "chat").endswith(f"1+2\n{common.BOXED_INSTRUCTION}<|assistant|>")
+    tok = modeling.build_demo_tokenizer()
+    assert dataset.resolve_template("auto", tok) == "none"  # the demo model was trained on bare sums
+    assert dataset.format_prompt(tok, "1+2", "none") == "<|user|>1+2<|assistant|>"
+    assert dataset.format_prompt(tok, "1+2", "plain") == f"Question: 1+2\n{dataset.BOXED_INSTRUCTION}\nAnswer:"
+    assert "Answer: $Answer" in dataset.format_prompt(tok, "1+2", "dapo")
+    assert dataset.format_prompt(tok, "1+2", "chat").endswith(f"1+2\n{dataset.BOXED_INSTRUCTION}<|assistant|>")
     tok.chat_template = None
-    assert common.resolve_template("auto", tok) == "plain"
+    assert dataset.resolve_template("auto", tok) == "plain"
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -113,7 +115,7 @@ def test_eval_only_prints_avg_and_pass_at_k(demo_dir, tmp_path):
 
 
 def test_eval_size_keeps_the_mix_of_levels():
-    problems = common.load_data("arith", "eval")  # sorted by level, 40 each
-    assert [p["level"] for p in common.spread(problems, 10)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
-    assert common.spread(problems, 0) == problems and common.spread(problems, 500) == problems
-    assert len({p["prompt"] for p in common.spread(problems, 199)}) == 199
+    problems = dataset.load_data("arith", "eval")  # sorted by level, 40 each
+    assert [p["level"] for p in dataset.spread(problems, 10)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert dataset.spread(problems, 0) == problems and dataset.spread(problems, 500) == problems
+    assert len({p["prompt"] for p in dataset.spread(problems, 199)}) == 199

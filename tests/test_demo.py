@@ -5,21 +5,25 @@ import json
 import torch
 
 import common
+import bookkeeping
+import modeling
+import dataset
+import ranks
 import engine as eng
 from demo.build import LEVEL_BANDS, candidate_sums, pass_rates, warm_start
 
 
 def test_eval_set_is_calibrated_and_disjoint_from_training():
-    rows = [json.loads(line) for line in open(common.DEMO_EVAL)]
+    rows = [json.loads(line) for line in open(dataset.DEMO_EVAL)]
     assert len(rows) == 200 and sorted({r["level"] for r in rows}) == [1, 2, 3, 4, 5]
     assert all(sum(r["level"] == level for r in rows) == 40 for level in LEVEL_BANDS)
     for r in rows:  # each row's build-time pass rate lies in its level's band, and its answer is the sum
         low, high = LEVEL_BANDS[r["level"]]
         assert low <= r["pass_rate_at_build"] < high
         assert int(r["answer"]) == sum(map(int, r["problem"].split("+")))
-    train = {p["prompt"] for p in common.load_data("arith", "train")}
+    train = {p["prompt"] for p in dataset.load_data("arith", "train")}
     assert not train & {r["problem"] for r in rows}
-    problems = common.load_data("arith", "eval")  # what --eval_data arith loads
+    problems = dataset.load_data("arith", "eval")  # what --eval_data arith loads
     assert [p["level"] for p in problems] == [r["level"] for r in rows]
 
 
@@ -27,7 +31,7 @@ def test_reasoning_demo_data_are_calibrated_right_and_disjoint():
     """--demo reasoning's files: 200 eval sums in 5 levels of 40 (each row in its band), every answer the sum, no eval
     problem a training row, and the weights demo/reasoning/README.md names by their sha256."""
     import hashlib
-    cfg = common.parse_config(__import__("da3po").Config, ["--demo", "reasoning"])
+    cfg = bookkeeping.parse_config(__import__("da3po").Config, ["--demo", "reasoning"])
     rows = [json.loads(line) for line in open(cfg.eval_data)]
     train = [json.loads(line) for line in open(cfg.train_data)]
     assert len(rows) == 200 and all(sum(r["level"] == level for r in rows) == 40 for level in LEVEL_BANDS)
@@ -44,12 +48,12 @@ def test_reasoning_demo_data_are_calibrated_right_and_disjoint():
 def test_shipped_model_starts_where_the_readme_says():
     """eval/acc at step 0 of `python da3po.py` (the whole eval set, 4 samples, seed 0): 0.445 on the machine that
     built it; another machine's kernels change a few samples, not the level structure."""
-    model, tok = common.load_model(common.model_path("demo"), torch.device("cpu"))
-    cfg = common.parse_config(__import__("da3po").Config, [])
-    cfg.prompt_template = common.resolve_template(cfg.prompt_template, tok)
+    model, tok = modeling.load_model(modeling.model_path("demo"), torch.device("cpu"))
+    cfg = bookkeeping.parse_config(__import__("da3po").Config, [])
+    cfg.prompt_template = dataset.resolve_template(cfg.prompt_template, tok)
     assert cfg.prompt_template == "none"  # the demo model is recognised by its chat template
-    problems = common.tokenize_problems(common.load_data("arith", "eval"), tok, "none", 64, "arith")
-    engine = eng.HFRollout(model, tok, common.DistInfo())
+    problems = dataset.tokenize_problems(dataset.load_data("arith", "eval"), tok, "none", 64, "arith")
+    engine = eng.HFRollout(model, tok, ranks.DistInfo())
     metrics = common.evaluate(engine, tok, problems, cfg)
     assert 0.42 <= metrics["eval/acc"] <= 0.47, metrics
     levels = [metrics[f"eval/acc_level{level}"] for level in LEVEL_BANDS]
@@ -59,16 +63,16 @@ def test_shipped_model_starts_where_the_readme_says():
 def test_build_path_in_code(tmp_path):
     """What demo/build.py does, in small: a model and tokenizer built in code, a few supervised steps, saved with
     save_pretrained, loaded back through load_model (the path a hub model takes), then calibrated."""
-    tok = common.build_demo_tokenizer()
-    model = common.build_demo_model(tok, hidden=64, layers=1)
-    train, held_out = common.arith_problems(seed=0)
+    tok = modeling.build_demo_tokenizer()
+    model = modeling.build_demo_model(tok, hidden=64, layers=1)
+    train, held_out = dataset.arith_problems(seed=0)
     before = [p.detach().clone() for p in model.parameters()]
     warm_start(model, tok, train, steps=5, batch_size=8)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    loaded, tok2 = common.load_model(str(tmp_path), torch.device("cpu"))
-    assert tok2.chat_template == common.DEMO_CHAT_TEMPLATE
+    loaded, tok2 = modeling.load_model(str(tmp_path), torch.device("cpu"))
+    assert tok2.chat_template == modeling.DEMO_CHAT_TEMPLATE
     pool = candidate_sums(train, held_out)
     assert not {p["prompt"] for p in pool} & {p["prompt"] for p in train}
     assert len({p["prompt"] for p in pool}) == len(pool)

@@ -5,6 +5,9 @@ import json
 import pytest
 
 import common
+import bookkeeping
+import modeling
+import dataset
 import verifier
 from conftest import run_script
 from da3po import PRESETS, Config
@@ -67,7 +70,7 @@ def test_evaluate_by_hand():
     ("AI-MO/aimo-validation-amc:train@32", [("AI-MO/aimo-validation-amc:train", 32)]),
     (" a.jsonl@8 , b.jsonl@1", [("a.jsonl", 8), ("b.jsonl", 1)])])
 def test_eval_data_with_k(eval_data, k):
-    assert common.parse_eval_data(eval_data, 4) == k
+    assert dataset.parse_eval_data(eval_data, 4) == k
 
 
 @pytest.mark.parametrize("eval_data, message", [
@@ -78,9 +81,9 @@ def test_eval_data_with_k(eval_data, k):
     ("a.jsonl,,b.jsonl", "--eval_data 'a.jsonl,,b.jsonl': an empty set name"),
     ("@8", "--eval_data '@8': an empty set name")])
 def test_bad_eval_data_exits_2_in_one_line(eval_data, message, capsys):
-    cfg = common.parse_config(Config, ["--eval_data", eval_data], PRESETS)
+    cfg = bookkeeping.parse_config(Config, ["--eval_data", eval_data], PRESETS)
     with pytest.raises(SystemExit) as e:
-        common.check_config(cfg, 1)
+        bookkeeping.check_config(cfg, 1)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
@@ -95,14 +98,14 @@ def test_bad_eval_data_stops_the_script_before_loading(tmp_path):
 
 def test_help_shows_the_set_at_k_syntax(capsys):
     with pytest.raises(SystemExit):
-        common.parse_config(Config, ["--help"], PRESETS)
+        bookkeeping.parse_config(Config, ["--help"], PRESETS)
     assert "aime24.jsonl@32,math500.jsonl@8" in " ".join(capsys.readouterr().out.split())
 
 
 def eval_file(tmp_path):
     """Ten sums from the demo's eval set as a plain problem/answer file (another set than the built-in one)."""
     path = tmp_path / "sums.jsonl"
-    rows = common.spread(common.load_data("arith", "eval"), 10)
+    rows = dataset.spread(dataset.load_data("arith", "eval"), 10)
     path.write_text("".join(json.dumps({"problem": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
     return str(path)
 
@@ -147,14 +150,14 @@ def test_the_dapo_wording_is_the_same_for_training_and_evaluation(tmp_path):
     problem/answer sets with --prompt_template dapo: a model sees the same text, token for token, in both."""
     problem = "What is 2+3?"
     train = tmp_path / "dapo17k.jsonl"
-    train.write_text(json.dumps({"prompt": [{"role": "user", "content": common.DAPO_TEMPLATE.format(problem=problem)}],
+    train.write_text(json.dumps({"prompt": [{"role": "user", "content": dataset.DAPO_TEMPLATE.format(problem=problem)}],
                                  "reward_model": {"ground_truth": "5"}}) + "\n")
     plain = tmp_path / "aime.jsonl"
     plain.write_text(json.dumps({"problem": problem, "answer": "5"}) + "\n")
     cfg = Config(train_data=str(train), eval_data=str(plain), prompt_template="dapo")
-    tok = common.build_demo_tokenizer()
-    train_set, eval_sets = common.tokenize_datasets(*common.load_datasets(cfg), tok, cfg)
+    tok = modeling.build_demo_tokenizer()
+    train_set, eval_sets = dataset.tokenize_datasets(*dataset.load_datasets(cfg), tok, cfg)
     assert train_set[0]["prompt_ids"] == eval_sets["aime"][0]["prompt_ids"]
     chat = Config(train_data=str(train), eval_data=str(plain), prompt_template="chat")  # what the recipes had
-    train_set, eval_sets = common.tokenize_datasets(*common.load_datasets(chat), tok, chat)
+    train_set, eval_sets = dataset.tokenize_datasets(*dataset.load_datasets(chat), tok, chat)
     assert train_set[0]["prompt_ids"] != eval_sets["aime"][0]["prompt_ids"]

@@ -8,7 +8,9 @@ import subprocess
 
 import pytest
 
-import common
+import bookkeeping
+import dataset
+import ranks
 import da3po
 import daro
 from conftest import ROOT
@@ -34,11 +36,11 @@ def run_config(argv: list[str], capsys, monkeypatch):
     script = next(a for a in argv if a.endswith(".py"))
     nproc = next(int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node="))
     nnodes = next((int(a.split("=")[1]) for a in argv if a.startswith("--nnodes=")), 1)
-    monkeypatch.setattr(common, "is_dist", lambda: True)  # as under torchrun, where --cpu_offload is allowed
+    monkeypatch.setattr(bookkeeping, "is_dist", lambda: True)  # as under torchrun, where --cpu_offload is allowed
     cls, presets = SCRIPTS[script]
     capsys.readouterr()
-    cfg = common.parse_config(cls, argv[argv.index(script) + 1:], presets)
-    common.check_config(cfg, nproc * nnodes)
+    cfg = bookkeeping.parse_config(cls, argv[argv.index(script) + 1:], presets)
+    bookkeeping.check_config(cfg, nproc * nnodes)
     notes = capsys.readouterr().out.strip().splitlines()
     return script, nproc * nnodes, cfg, notes
 
@@ -66,7 +68,7 @@ def test_the_da3po_papers_runs(recipes):
         assert notes == [], (algo, notes)  # nothing in the shared flags overrides a preset
         assert cfg.group_size == 16 and cfg.prompts_per_step == 512 and cfg.prompt_template == "dapo"
         assert (cfg.oversample, cfg.max_gen_batches) == (3, 10)  # verl's DAPO recipe: 3 x 512, at most 10 batches
-        assert common.parse_eval_data(cfg.eval_data, cfg.eval_samples) == [
+        assert dataset.parse_eval_data(cfg.eval_data, cfg.eval_samples) == [
             ("aime24.jsonl", 32), ("aime25.jsonl", 32), ("aime26.jsonl", 32), ("amc23.jsonl", 32),
             ("minerva.jsonl", 8), ("olympiad.jsonl", 8), ("math500.jsonl", 8)]
         assert cfg.updates_per_step == (4 if algo == "gspo" else 16)
@@ -83,7 +85,7 @@ def test_the_daro_papers_runs_change_one_thing_each(recipes):
         assert cfg.max_prompt_length + cfg.max_new_tokens == 4096 and cfg.overlong_buffer == 0
         assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.28) and cfg.weight_lr == 1e-3
         assert cfg.dynamic_sampling is (algo == "dapo")
-        assert common.parse_eval_data(cfg.eval_data, cfg.eval_samples) == [
+        assert dataset.parse_eval_data(cfg.eval_data, cfg.eval_samples) == [
             ("aime24.jsonl", 32), ("aime25.jsonl", 32), ("math500.jsonl", 8), ("gsm8k.jsonl", 8),
             ("minerva.jsonl", 8), ("olympiad.jsonl", 8)]
         # the deliberate overrides, and only those (docs/gpu.md, notes k and l)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-import common
+import modeling
 import da3po
 import daro
 import harness
@@ -118,7 +118,7 @@ def test_two_ranks_match_reference(models, tmp_path):
              "updates_per_step=2"]
     out = tmp_path / "dist.pt"
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/dist_reference.py",
-                    common.model_path("demo"), str(out), *specs])
+                    modeling.model_path("demo"), str(out), *specs])
     assert r.returncode == 0, r.stderr[-3000:]
     bad = []
     for case, results in torch.load(out, weights_only=False):

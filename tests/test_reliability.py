@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import common
+import bookkeeping
+import modeling
 import da3po
 from conftest import ROOT, run_script
 
@@ -53,24 +55,27 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path)
         import os, signal, sys, torch
         sys.path.insert(0, {ROOT!r})
         import common
-        model, tok = common.load_model({demo_dir!r}, torch.device("cpu"))
+        import bookkeeping
+        import modeling
+        import dataset
+        model, tok = modeling.load_model({demo_dir!r}, torch.device("cpu"))
         opt = torch.optim.AdamW(model.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-        stream = common.PromptStream([{{"prompt": "1+1", "answer": "2"}}], seed=0)
-        common.save_checkpoint({str(tmp_path)!r}, 1, model, tok, opt, sched, stream, {{}})
+        stream = dataset.PromptStream([{{"prompt": "1+1", "answer": "2"}}], seed=0)
+        bookkeeping.save_checkpoint({str(tmp_path)!r}, 1, model, tok, opt, sched, stream, {{}})
         torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die while writing the trainer state
         with torch.no_grad():
             next(model.parameters()).add_(1.0)
-        common.save_checkpoint({str(tmp_path)!r}, 2, model, tok, opt, sched, stream, {{}})
+        bookkeeping.save_checkpoint({str(tmp_path)!r}, 2, model, tok, opt, sched, stream, {{}})
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == -signal.SIGKILL
     assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002.tmp"]  # the interrupted write is visible
-    ckpt = common.latest_checkpoint(str(tmp_path))
+    ckpt = bookkeeping.latest_checkpoint(str(tmp_path))
     assert ckpt.endswith("step_000001")
-    model, _ = common.load_model(ckpt, torch.device("cpu"))
-    original, _ = common.load_model(demo_dir, torch.device("cpu"))
+    model, _ = modeling.load_model(ckpt, torch.device("cpu"))
+    original, _ = modeling.load_model(demo_dir, torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
     assert torch.load(os.path.join(ckpt, "trainer.pt"))["step"] == 1
 
@@ -114,7 +119,7 @@ def test_bad_input_stops_with_one_line_and_exit_2(flags, message, tmp_path, caps
     flags = [f.format(tmp=tmp_path) for f in flags]
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
-        da3po.main(common.parse_config(da3po.Config, ["--out_dir", str(tmp_path / "out"), *flags], da3po.PRESETS))
+        da3po.main(bookkeeping.parse_config(da3po.Config, ["--out_dir", str(tmp_path / "out"), *flags], da3po.PRESETS))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message.format(tmp=tmp_path) in err[0], err
@@ -136,15 +141,15 @@ def test_nan_loss_skips_the_update_and_leaves_parameters_unchanged(demo_dir, tmp
         return loss * float("nan"), stats
 
     monkeypatch.setattr(common, "policy_loss", nan_loss)
-    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path),
+    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path),
                                              "--max_bad_updates", "100", "--no-dynamic_sampling", *SMALL],
                               da3po.PRESETS)
     da3po.main(cfg)
     assert "non-finite loss or gradient; update skipped" in capsys.readouterr().out
     train = [x for x in records(tmp_path / "metrics.jsonl") if "train/loss" in x]
     assert [x["train/skipped_updates"] for x in train] == [2.0, 2.0]
-    trained, _ = common.load_model(str(tmp_path / "step_000002"), torch.device("cpu"))
-    original, _ = common.load_model(demo_dir, torch.device("cpu"))
+    trained, _ = modeling.load_model(str(tmp_path / "step_000002"), torch.device("cpu"))
+    original, _ = modeling.load_model(demo_dir, torch.device("cpu"))
     for (name, a), b in zip(trained.state_dict().items(), original.state_dict().values()):
         assert torch.equal(a, b), name
     # and when it keeps happening, the run stops with a clear message instead of training on garbage

@@ -7,6 +7,10 @@ import pytest
 import torch
 
 import common
+import bookkeeping
+import modeling
+import dataset
+import ranks
 import engine as eng
 from conftest import run_script
 from da3po import Config
@@ -14,7 +18,7 @@ from da3po import Config
 
 def test_demo_model_save_load_round_trip(demo_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     text = "<|user|>12+345<|assistant|>\\boxed{357}<eos>"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text and len(ids) == 14  # one token per character, `\boxed{` is one token
@@ -29,14 +33,14 @@ def test_demo_model_save_load_round_trip(demo_dir, tmp_path):
 
 def test_dynamic_sampling_cap_warns_instead_of_hanging(demo_dir, capsys):
     """A task the model always fails: every group is all-wrong, so nothing is kept; the cap ends the step."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     cfg = Config(group_size=4, max_new_tokens=4, prompt_template="none", prompts_per_step=8, oversample=0.75,
                  max_gen_batches=3)
-    impossible = common.tokenize_problems([{"prompt": f"{i}+{i}", "answer": "never", "level": 0} for i in range(50)],
+    impossible = dataset.tokenize_problems([{"prompt": f"{i}+{i}", "answer": "never", "level": 0} for i in range(50)],
                                           tok, "none", 64, "impossible")
-    stream = common.PromptStream(impossible, seed=0)
-    engine = eng.HFRollout(model, tok, common.DistInfo())
-    groups, generated, stats = common.dynamic_sampling(engine, tok, stream, cfg, common.DistInfo())
+    stream = dataset.PromptStream(impossible, seed=0)
+    engine = eng.HFRollout(model, tok, ranks.DistInfo())
+    groups, generated, stats = common.dynamic_sampling(engine, tok, stream, cfg, ranks.DistInfo())
     assert groups == [] and stats["train/num_gen_batches"] == 3 and stats["train/keep_rate"] == 0
     assert stream.position == 18 and len(generated) == 18  # 3 batches of 6 prompts (0.75 x 8)
     assert "dynamic sampling kept 0/8 groups after 3 generation batches" in capsys.readouterr().out
@@ -88,10 +92,10 @@ def test_steps_that_keep_no_group_are_logged_and_skipped(script, tmp_path):
 
 
 def test_eval_is_deterministic_for_the_same_weights(demo_dir):
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     cfg = Config(eval_samples=2, prompt_template="none")
-    problems = common.tokenize_problems(common.load_data("arith", "eval")[:24], tok, "none", 64, "arith")
-    engine = eng.HFRollout(model, tok, common.DistInfo())
+    problems = dataset.tokenize_problems(dataset.load_data("arith", "eval")[:24], tok, "none", 64, "arith")
+    engine = eng.HFRollout(model, tok, ranks.DistInfo())
     torch.manual_seed(1)
     a = common.evaluate(engine, tok, problems, cfg)
     torch.manual_seed(2)  # a different training RNG state must not change the score
@@ -100,7 +104,7 @@ def test_eval_is_deterministic_for_the_same_weights(demo_dir):
 
 
 def test_arith_splits_are_disjoint_and_graded():
-    train, evals = common.arith_problems(seed=0)
+    train, evals = dataset.arith_problems(seed=0)
     assert not {p["prompt"] for p in train} & {p["prompt"] for p in evals}
     assert {p["level"] for p in evals} == {1, 2, 3, 4}
     assert all(int(p["answer"]) == sum(map(int, p["prompt"].split("+"))) for p in train[:100] + evals)
@@ -113,7 +117,7 @@ SMALL = ["--prompts_per_step", "8", "--eval_size", "16", "--eval_samples", "2", 
 def run_main(demo_dir, tmp_path, *flags):
     """da3po.main in this process (so tests can wrap its functions); returns the train records of metrics.jsonl."""
     import da3po
-    cfg = common.parse_config(da3po.Config, ["--out_dir", str(tmp_path), *SMALL, *flags], da3po.PRESETS)
+    cfg = bookkeeping.parse_config(da3po.Config, ["--out_dir", str(tmp_path), *SMALL, *flags], da3po.PRESETS)
     da3po.main(cfg)
     return [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
 
@@ -156,8 +160,8 @@ def test_gradient_checkpointing_recomputes_activations(demo_dir):
     """The trainer's model is in training mode, so a checkpointed layer runs its forward again in the backward."""
     calls = {}
     for checkpointing in (False, True):
-        model, _ = common.load_model(demo_dir, torch.device("cpu"))
-        model = common.shard_model(model, common.DistInfo(), grad_checkpointing=checkpointing)
+        model, _ = modeling.load_model(demo_dir, torch.device("cpu"))
+        model = modeling.shard_model(model, ranks.DistInfo(), grad_checkpointing=checkpointing)
         mlp, count = model.model.layers[0].mlp, [0]
         real_forward = mlp.forward  # counted by wrapping forward: module hooks do not fire in the recomputation
 
@@ -166,7 +170,7 @@ def test_gradient_checkpointing_recomputes_activations(demo_dir):
             return real_forward(*args, **kwargs)
         mlp.forward = counted
         ids = torch.tensor([[4, 10, 11, 12, 5, 20, 21]])
-        logp, _ = common.token_logprobs(model, ids, torch.ones_like(ids), 3)
+        logp, _ = modeling.token_logprobs(model, ids, torch.ones_like(ids), 3)
         logp.sum().backward()
         calls[checkpointing] = count[0]
     assert calls == {False: 1, True: 2}
@@ -175,34 +179,34 @@ def test_gradient_checkpointing_recomputes_activations(demo_dir):
 def test_checkpoint_sampling_knobs_are_ignored(demo_dir, tmp_path):
     """A model folder whose generation_config.json sets repetition_penalty=5 and top_k=2 samples exactly what an
     untouched one samples: the flags alone define the rollout distribution the trainer's log-probs assume."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     model.generation_config.do_sample = True
     model.generation_config.repetition_penalty = 5.0
     model.generation_config.top_k = 2
     model.generation_config.min_new_tokens = 6
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    knobbed, _ = common.load_model(str(tmp_path), torch.device("cpu"))
+    knobbed, _ = modeling.load_model(str(tmp_path), torch.device("cpu"))
     assert knobbed.generation_config.repetition_penalty == 5.0  # the checkpoint really carries the knobs
-    plain, _ = common.load_model(demo_dir, torch.device("cpu"))
+    plain, _ = modeling.load_model(demo_dir, torch.device("cpu"))
     prompts = [tok(f"{a}+{b}", add_special_tokens=False)["input_ids"] for a in range(10, 90, 7) for b in (3, 45)] * 4
     out = []
     for m in (plain, knobbed):
         torch.manual_seed(0)
-        out.append(eng.HFRollout(m, tok, common.DistInfo()).generate(prompts, 12, temperature=1.0))
+        out.append(eng.HFRollout(m, tok, ranks.DistInfo()).generate(prompts, 12, temperature=1.0))
     assert out[0] == out[1]
     assert knobbed.generation_config.repetition_penalty == 5.0  # and the model's own config is left as it was
 
 
 def test_dropout_is_off_in_training_mode(demo_dir, tmp_path):
     from transformers import AutoConfig
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     config = AutoConfig.from_pretrained(tmp_path)
     config.attention_dropout = 0.5
     config.save_pretrained(tmp_path)
-    model, _ = common.load_model(str(tmp_path), torch.device("cpu"))
+    model, _ = modeling.load_model(str(tmp_path), torch.device("cpu"))
     ids = torch.tensor([[4, 10, 11, 12, 5, 20, 21]])
     model.train()
     a, b = model(ids).logits, model(ids).logits
@@ -223,8 +227,8 @@ def test_overlong_prompts_are_dropped_with_a_count(demo_dir, tmp_path, capsys):
 
 
 def test_eval_sets_with_the_same_file_name_keep_their_own_keys(demo_dir, tmp_path):
-    assert common.eval_set_names(["a/x.jsonl", "b/x.jsonl", "arith"]) == ["a-x", "b-x", "arith"]
-    assert common.eval_set_names(["x.jsonl", "x.jsonl"]) == ["x-0", "x-1"]
+    assert dataset.eval_set_names(["a/x.jsonl", "b/x.jsonl", "arith"]) == ["a-x", "b-x", "arith"]
+    assert dataset.eval_set_names(["x.jsonl", "x.jsonl"]) == ["x-0", "x-1"]
     for name, offset in (("a", 0), ("b", 1)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "x.jsonl").write_text("".join(json.dumps({"problem": f"{a}+{offset}", "answer": str(

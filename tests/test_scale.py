@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import common
+import bookkeeping
+import modeling
+import ranks
 import engine as eng
 import da3po
 from conftest import ROOT, weighted_loss
@@ -36,14 +39,14 @@ def test_chunked_logprobs_equal_the_plain_ones(demo_dir, chunk):
     recomputed in the backward) against the whole (B, T, V) logits at once; the demo model ties its output layer
     to its embedding, so both paths of the shared weight's gradient are exercised. In float64, so that 1e-6 measures
     the method, not float32's summation order."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     model.double().train()
     batch = random_batch(tok, 6)
     T = batch["mask"].shape[1]
     out = []
     for chunk_tokens in (0, chunk):
         model.zero_grad()
-        logp, entropy = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
+        logp, entropy = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
                                               chunk_tokens)
         (logp * batch["mask"] * torch.linspace(-1, 1, T)).sum().backward()
         out.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
@@ -52,7 +55,7 @@ def test_chunked_logprobs_equal_the_plain_ones(demo_dir, chunk):
     for a, b in zip(grads0, grads1):
         assert (a - b).abs().max() <= 1e-6 * max(1.0, a.abs().max().item())
     with torch.no_grad():  # the no-grad path (old log-probs) too
-        again, _ = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, False, chunk)
+        again, _ = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, False, chunk)
     assert torch.allclose(again, lp0, atol=1e-6, rtol=0)
 
 
@@ -69,7 +72,7 @@ def correction_batch():
 
 
 def cfg_for(level, cap=2.0, mask=False):
-    return common.parse_config(da3po.Config, ["--rollout_is", level, "--rollout_is_cap", str(cap)]
+    return bookkeeping.parse_config(da3po.Config, ["--rollout_is", level, "--rollout_is_cap", str(cap)]
                                + (["--rollout_is_mask"] if mask else []), da3po.PRESETS)
 
 
@@ -146,7 +149,7 @@ def test_mismatch_metrics_leave_nucleus_boundary_tokens_out():
     log_r = 0.0187 * torch.randn(1, 1001, generator=g, dtype=torch.float64)
     mb = {"mask": torch.ones(1, 1001, dtype=torch.long), "old_logp": old, "old_logp_nucleus": old.clone(),
           "rollout_logp": old - log_r}
-    mb["old_logp_nucleus"][0, 500] = common.OUTSIDE_NUCLEUS
+    mb["old_logp_nucleus"][0, 500] = modeling.OUTSIDE_NUCLEUS
     totals = {**dict.fromkeys(common.TRAIN_SUMS, 0.0), **common.mismatch_sums(mb), "tokens": 1001.0}
     m = common.train_metrics(totals, 1, 1e-4, True)
     inside = torch.cat([log_r[0, :500], log_r[0, 501:]])
@@ -171,7 +174,7 @@ class MismatchedRollout(eng.HFRollout):
 def test_rollout_is_with_a_mismatched_engine(tmp_path, monkeypatch, level):
     monkeypatch.setattr(da3po, "make_rollout", lambda cfg, model, tok, dist_info, path: MismatchedRollout(
         model, tok, dist_info))
-    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
                                              "--eval_size", "10", "--eval_samples", "2", "--rollout_is", level,
                                              "--rollout_is_cap", "1.05"], da3po.PRESETS)
     da3po.main(cfg)
@@ -186,9 +189,9 @@ def test_importance_weights_of_our_sampler_are_1_under_top_p(demo_dir):
     """Our sampler at top_p 0.7 returns the log-probs of the nucleus it sampled from, as vLLM does; the trainer's pi_old
     is then compared renormalised over its own nucleus: weights of 1 (float32, the same weights), token and sequence.
     Against the full softmax they would be below 1 on every token whose nucleus left mass out."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
-    cfg = common.parse_config(da3po.Config, ["--top_p", "0.7", "--rollout_is", "sequence"], da3po.PRESETS)
-    engine = eng.HFRollout(model, tok, common.DistInfo(), "float32", 512, cfg.top_p)
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
+    cfg = bookkeeping.parse_config(da3po.Config, ["--top_p", "0.7", "--rollout_is", "sequence"], da3po.PRESETS)
+    engine = eng.HFRollout(model, tok, ranks.DistInfo(), "float32", 512, cfg.top_p)
     assert not engine.exact_logprobs  # at top_p < 1 they are not pi_old: the trainer recomputes it
     problems = [{"prompt": p, "answer": "1", "prompt_ids": tok(p, add_special_tokens=False)["input_ids"]}
                 for p in ("12+7", "305+96", "4+4", "77+15")]
@@ -220,15 +223,15 @@ def test_bf16_sampler_log_probs_are_measured_not_assumed(tmp_path):
 def test_clip_fractions_count_only_the_tokens_the_loss_counts(demo_dir):
     """Half the rows rejected by --rollout_is_mask, every other token's ratio far above 1 + clip_high with A > 0: the
     clipped share is 1.0 (the rejected tokens are not in its denominator), not 0.5."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     batch = random_batch(tok, 6, seed=3)
     T = batch["mask"].shape[1]
     with torch.no_grad():
-        logp = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
+        logp = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
     batch["old_logp"] = logp - 5.0  # ratio e^5
     batch["rollout_logp"] = batch["old_logp"] + 5.0 * (torch.arange(6) % 2 == 1)[:, None]  # odd rows: w = e^-5
     batch["advantage"] = torch.ones(6)
-    cfg = common.parse_config(da3po.Config, ["--logprob_chunk", "0", "--rollout_is", "token", "--rollout_is_mask"],
+    cfg = bookkeeping.parse_config(da3po.Config, ["--logprob_chunk", "0", "--rollout_is", "token", "--rollout_is_mask"],
                               da3po.PRESETS)
     kept = int((batch["mask"] * (torch.arange(6) % 2 == 0)[:, None]).sum())
     eng.rollout_correction(batch, cfg)
@@ -248,12 +251,12 @@ def test_clip_fractions_count_only_the_tokens_the_loss_counts(demo_dir):
 def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir):
     """Packed by length vs fixed micro-batches of 6 rows: the same loss and gradient (float64, so 1e-6 measures the
     split, not float32's summation order), and far less padding on skewed lengths."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     model.double().train()
     batch = random_batch(tok, 24, seed=1, skew=True)
     T = batch["mask"].shape[1]
     with torch.no_grad():
-        batch["old_logp"] = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] - 0.05
+        batch["old_logp"] = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] - 0.05
     batch["weight"] = common.loss_weights(batch["mask"].double(), "token-mean", 40)
     batch["advantage"] = batch["advantage"].double()
     rows = torch.arange(24)
@@ -266,7 +269,7 @@ def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir
             padded += mb["attention_mask"].numel()
             real += mb["attention_mask"].sum().item()
             assert len(r) <= size and (max_tokens == 0 or len(r) == 1 or mb["attention_mask"].numel() <= max_tokens)
-            logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+            logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
             loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
             loss.backward()
             total += loss.item()
@@ -284,21 +287,21 @@ def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir
 def test_plan_updates_balances_tokens_over_ranks():
     groups = [{"prompt_len": 3, "lengths": [n] * 2, "correct": [True, False]}
               for n in (40, 1, 1, 30, 2, 2, 25, 3, 1, 1, 1, 1)]  # kept summaries (dynamic_sampling)
-    plans = [common.plan_updates(groups, 2, common.DistInfo(rank=r, world_size=2), balance=True) for r in (0, 1)]
+    plans = [common.plan_updates(groups, 2, ranks.DistInfo(rank=r, world_size=2), balance=True) for r in (0, 1)]
     for u in range(2):  # each update: the 6 groups shared 3 and 3, heavy ones on different ranks
         shares = [[id(g) for g in plan[0][u * 3:(u + 1) * 3]] for plan in plans]
         assert len(set(shares[0]) | set(shares[1])) == 6
         loads = [sum(common.group_tokens(g) for g in plan[0][u * 3:(u + 1) * 3]) for plan in plans]
         assert max(loads) - min(loads) <= max(common.group_tokens(g) for g in groups[u * 6:(u + 1) * 6])
-    strided = common.plan_updates(groups, 2, common.DistInfo(rank=0, world_size=2))
+    strided = common.plan_updates(groups, 2, ranks.DistInfo(rank=0, world_size=2))
     loads = [sum(common.group_tokens(g) for g in strided[0][:3])]
     assert loads[0] > sum(common.group_tokens(g) for g in plans[0][0][:3])  # without balance rank 0 gets 40, 30 (+2)
-    mine, updates = common.plan_updates(groups, 5, common.DistInfo(rank=1, world_size=2))
+    mine, updates = common.plan_updates(groups, 5, ranks.DistInfo(rank=1, world_size=2))
     assert [len(u) for u in updates] == [4, 2, 2, 2, 2] and len(mine) == 6  # 6 groups per rank in 5 updates
 
 
 def test_token_budget_run_logs_padding(tmp_path):
-    cfg = common.parse_config(da3po.Config, ["--steps", "1", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "1", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
                                              "--eval_size", "10", "--eval_samples", "2", "--micro_batch_tokens", "120"],
                               da3po.PRESETS)
     da3po.main(cfg)
@@ -313,7 +316,7 @@ def test_token_budget_run_logs_padding(tmp_path):
 def test_tensorboard_gets_the_metrics(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
                                              "--eval_size", "10", "--eval_samples", "2", "--report_to",
                                              "tensorboard"], da3po.PRESETS)
     da3po.main(cfg)
@@ -358,7 +361,7 @@ def test_wandb_offline_gets_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
                                              "--eval_size", "10", "--eval_samples", "2", "--report_to", "wandb"],
                               da3po.PRESETS)
     da3po.main(cfg)

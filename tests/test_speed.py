@@ -7,6 +7,9 @@ import pytest
 import torch
 
 import common
+import bookkeeping
+import modeling
+import dataset
 import engine as eng
 import da3po
 import verifier
@@ -14,12 +17,12 @@ import verifier
 
 @pytest.fixture(scope="module")
 def model_tok(demo_dir):
-    return common.load_model(demo_dir, torch.device("cpu"))
+    return modeling.load_model(demo_dir, torch.device("cpu"))
 
 
 def arith_prompts(tok, n=12):
-    problems = common.tokenize_problems(common.load_data("arith", "eval"), tok, "none", 64, "arith")
-    return [p["prompt_ids"] for p in common.spread(problems, n)]
+    problems = dataset.tokenize_problems(dataset.load_data("arith", "eval"), tok, "none", 64, "arith")
+    return [p["prompt_ids"] for p in dataset.spread(problems, n)]
 
 
 def test_greedy_sampling_equals_transformers_generate(model_tok):
@@ -76,7 +79,7 @@ def test_rollout_logprobs_are_the_trainers(model_tok):
     rows = [p for p in prompts for _ in range(4)]
     ids, attn, mask = common.pad_prompt_completion(rows, completions, tok.pad_token_id)
     with torch.no_grad():
-        trainer, _ = common.token_logprobs(model, ids, attn, mask.shape[1], 0.8)
+        trainer, _ = modeling.token_logprobs(model, ids, attn, mask.shape[1], 0.8)
     rollout = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for lp in logps])
     gap = (trainer - rollout).abs() * mask  # float32: the KV cache's incremental attention vs the whole sequence
     assert gap.max() < 1e-4 and gap.sum() / mask.sum() < 2e-6, (gap.max(), gap.sum() / mask.sum())
@@ -86,7 +89,7 @@ def test_shared_prompt_logprobs_equal_the_rows_run_whole(model_tok):
     """token_logprobs with `groups` runs each prompt once and shares its KV cache with the group's rows: the same
     values and gradients. In float64, where transformers' RMSNorm still computes in float32, hence 1e-6 relative."""
     model, tok = model_tok
-    model = type(model).from_pretrained(common.model_path("demo")).double().train()
+    model = type(model).from_pretrained(modeling.model_path("demo")).double().train()
     g = torch.Generator().manual_seed(0)
     groups = [{"prompt_ids": torch.randint(10, 40, (int(k),), generator=g).tolist(),
                "completions": [torch.randint(10, 40, (int(m),), generator=g).tolist()
@@ -98,7 +101,7 @@ def test_shared_prompt_logprobs_equal_the_rows_run_whole(model_tok):
     for shared in (None, batch["group"]):
         for chunk in (0, 9):
             model.zero_grad()
-            logp, entropy = common.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
+            logp, entropy = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
                                                   chunk, shared)
             (logp * batch["mask"] * torch.linspace(-1, 1, T)).sum().backward()
             out.append((logp.detach() * batch["mask"], entropy * batch["mask"],
@@ -112,7 +115,7 @@ def test_shared_prompt_logprobs_equal_the_rows_run_whole(model_tok):
 def test_first_update_rows_take_their_current_logprobs(model_tok, tmp_path):
     """Rows whose old log-probs are not known in advance (bf16, where the rollout's are not the trainer's) take the
     current ones: with one update per step every ratio is exactly 1, so nothing is clipped."""
-    cfg = common.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
                                              "--eval_size", "10", "--eval_samples", "2", "--updates_per_step", "1",
                                              "--dtype", "bfloat16", "--clip_low", "0.0", "--clip_high", "0.0"],
                               da3po.PRESETS)

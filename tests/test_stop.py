@@ -13,6 +13,10 @@ import pytest
 import torch
 
 import common
+import bookkeeping
+import modeling
+import dataset
+import ranks
 import engine as eng
 import da3po
 import daro
@@ -28,7 +32,7 @@ def records(path):
 
 
 def run(script, out, *flags):
-    script.main(common.parse_config(script.Config, ["--out_dir", str(out), *SMALL, *flags], script.PRESETS))
+    script.main(bookkeeping.parse_config(script.Config, ["--out_dir", str(out), *SMALL, *flags], script.PRESETS))
 
 
 def stop_when(monkeypatch, obj, name, when):
@@ -38,7 +42,7 @@ def stop_when(monkeypatch, obj, name, when):
     def wrapper(*args, **kwargs):
         calls[0] += 1
         if when(calls[0]):
-            common._stop_signal = signal.SIGTERM
+            ranks._stop_signal = signal.SIGTERM
         return real(*args, **kwargs)
     monkeypatch.setattr(obj, name, wrapper)
 
@@ -65,7 +69,7 @@ def test_a_stop_checkpoints_at_once_and_resumes_exactly(tmp_path, monkeypatch, c
     said = capsys.readouterr().out
     assert {"rollout": "stopped in step 2's rollout", "updates": "stopped in step 2 before update 1",
             "eval_due": "stopped at step 2"}[where] in said
-    saved = common.latest_checkpoint(str(out))
+    saved = bookkeeping.latest_checkpoint(str(out))
     assert saved.endswith("step_000002" if where != "rollout" else "step_000001")
     assert not os.path.exists(out / "step_000003")
     monkeypatch.undo()
@@ -93,7 +97,7 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(tmp_path):
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=120)[0]
     assert "continue with --resume" in output, output[-3000:]  # (had it taken 30 s, torchrun would have killed them)
-    saved = common.latest_checkpoint(str(out))
+    saved = bookkeeping.latest_checkpoint(str(out))
     assert saved is not None and not saved.endswith("step_000008"), "the run must have been stopped before its end"
     assert {"trainer.pt", "model.safetensors", "rank0.pt", "rank1.pt", "optimizer"} <= set(os.listdir(saved))
     r = subprocess.run([*base, "--out_dir", str(out), "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -143,12 +147,12 @@ EVERYWHERE = ["--steps", "2", "--eval_every", "1", "--max_gen_batches", "3", "--
 def stop_at_call(monkeypatch, script, k):
     """A stop request (as SIGTERM's handler sets it) at the k-th call of stop_requested, wherever it is called (the
     loop in the script, dynamic sampling in common). Returns the call counter."""
-    real, calls = common.stop_requested, [0]
+    real, calls = ranks.stop_requested, [0]
 
     def counted():
         calls[0] += 1
         if calls[0] == k:
-            common._stop_signal = signal.SIGTERM
+            ranks._stop_signal = signal.SIGTERM
         return real()
     monkeypatch.setattr(common, "stop_requested", counted)
     monkeypatch.setattr(script, "stop_requested", counted)
@@ -162,7 +166,7 @@ def test_a_stop_at_every_point_resumes_exactly(tmp_path, monkeypatch, script):
     and later ones), then resumed. Each resumed run's metrics.jsonl equals the uninterrupted one's: every step and
     every evaluation exactly once, with the same numbers (a stop in step 1 once repeated the step-0 evaluation)."""
     def run(out, *flags):
-        script.main(common.parse_config(script.Config, ["--out_dir", str(out), *EVERYWHERE, *flags], script.PRESETS))
+        script.main(bookkeeping.parse_config(script.Config, ["--out_dir", str(out), *EVERYWHERE, *flags], script.PRESETS))
 
     with monkeypatch.context() as m:
         calls = stop_at_call(m, script, 0)  # counts the checks of an uninterrupted run
@@ -176,8 +180,8 @@ def test_a_stop_at_every_point_resumes_exactly(tmp_path, monkeypatch, script):
         with monkeypatch.context() as m:
             stop_at_call(m, script, k)
             run(out)
-        assert common.latest_checkpoint(str(out)) is not None, k
-        common._stop_signal = None
+        assert bookkeeping.latest_checkpoint(str(out)) is not None, k
+        ranks._stop_signal = None
         run(out, "--resume")
         assert records(out / "metrics.jsonl") == straight, f"stopped at check {k} of {points}"
 
@@ -192,7 +196,7 @@ def test_resume_without_a_checkpoint_starts_the_records_over(tmp_path, monkeypat
         m.setattr(common.UpdateGuard, "step", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
         with pytest.raises(KeyboardInterrupt):
             run(da3po, out, *flags)
-    assert [r["step"] for r in records(out / "metrics.jsonl")] == [0] and common.latest_checkpoint(str(out)) is None
+    assert [r["step"] for r in records(out / "metrics.jsonl")] == [0] and bookkeeping.latest_checkpoint(str(out)) is None
     run(da3po, out, *flags, "--resume")
     assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
 
@@ -203,17 +207,17 @@ def test_daro_pending_work_restores_on_the_training_device_and_the_rest_on_the_c
     `self.bins[0] += (...).cpu()` adds to them (moved to the device with the rest, that add failed on a GPU)."""
     stop_when(monkeypatch, common.UpdateGuard, "step", lambda n: n == 1)  # after step 1's first update
     run(daro, tmp_path, "--steps", "2")
-    ckpt = common.latest_checkpoint(str(tmp_path))
-    model, _ = common.load_model(ckpt)
+    ckpt = bookkeeping.latest_checkpoint(str(tmp_path))
+    model, _ = modeling.load_model(ckpt)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    meta = common.DistInfo(device=torch.device("meta"))
-    _, state = common.load_checkpoint(ckpt, model, opt, sched, common.PromptStream([], 0), 0, meta)
+    meta = ranks.DistInfo(device=torch.device("meta"))
+    _, state = bookkeeping.load_checkpoint(ckpt, model, opt, sched, dataset.PromptStream([], 0), 0, meta)
     pending = state["pending"]
     assert pending is not None and pending.step == 1 and pending.next_update == 1
     assert {v.device.type for v in pending.batch.values()} == {"meta"}
     assert all(r.device.type == "cpu" for r in pending.update_rows) and pending.algo["bins"].device.type == "cpu"
-    cfg = common.parse_config(daro.Config, ["--device", "meta"], daro.PRESETS)
+    cfg = bookkeeping.parse_config(daro.Config, ["--device", "meta"], daro.PRESETS)
     algo = daro.DARO(cfg, torch.device("cpu"), state)
     algo.load_step_state(pending.algo)
     algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what step_weights does
@@ -233,7 +237,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, name):
     """Issue 28, defect 6: trainer.pt and rank<r>.pt are read with torch's safe loader; a crafted one that would run
     code when unpickled is refused with one line naming the file (exit 2), and its code does not run."""
     run(da3po, tmp_path, "--steps", "1", "--eval_size", "8", "--eval_samples", "2")
-    path = os.path.join(common.latest_checkpoint(str(tmp_path)), name)
+    path = os.path.join(bookkeeping.latest_checkpoint(str(tmp_path)), name)
     saved = torch.load(path, weights_only=True)  # a real checkpoint loads safely (tensors and plain types)
     marker = tmp_path / "ran"
     torch.save({**saved, "extra": RunsCode(marker)}, path)

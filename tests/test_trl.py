@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements-trl.txt")
 
 import common  # noqa: E402
+import modeling  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
 from conftest import ROOT, readme_block, run_script  # noqa: E402
@@ -78,7 +79,7 @@ def spy(cls):
 @pytest.mark.parametrize("knobs", [{}, {"adaptive_lam": True, "p_estimate": "running", "lam_max": 1.5}],
                          ids=["lam2", "adaptive_running"])
 def test_da3po_advantages_are_daa_of_trls(demo_dir, tmp_path, knobs):
-    model, tok = common.load_model(demo_dir)
+    model, tok = modeling.load_model(demo_dir)
     reward = Rewards()
     t = trainer(spy(DA3POTrainer), config(DA3POConfig, str(tmp_path), max_steps=3, **knobs), model, tok,
                 reward=reward)
@@ -111,12 +112,12 @@ def test_da3po_advantages_are_daa_of_trls(demo_dir, tmp_path, knobs):
 
 class Float64DARO(DAROTrainer):
     """TRL 1.16 scores tokens through transformers' fused LM head, in float32 whatever the model's dtype. For a
-    float64 comparison this test class scores them with the project's common.token_logprobs (float64) instead; what
+    float64 comparison this test class scores them with the project's modeling.token_logprobs (float64) instead; what
     is compared is DARO's part: the bins, Eq. (2)'s weights, w_mu, the loss, its gradient and the weights' step."""
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            compute_entropy=False, **kwargs):
-        logp, entropy = common.token_logprobs(model, input_ids, attention_mask, logits_to_keep,
+        logp, entropy = modeling.token_logprobs(model, input_ids, attention_mask, logits_to_keep,
                                               with_entropy=compute_entropy)
         return logp, entropy, None
 
@@ -143,7 +144,7 @@ def test_daro_loss_gradient_and_weight_step_match_daro_py(float64_model, tmp_pat
     mask = batch["completion_mask"].double()
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    logp, _ = common.token_logprobs(t.model, ids, attention, mask.shape[1])
+    logp, _ = modeling.token_logprobs(t.model, ids, attention, mask.shape[1])
     with torch.no_grad():  # TRL's own scoring (float32 fused head) agrees to float32 rounding of log-probs ~ -5..0
         trl_logp = DAROTrainer._get_per_token_logps_and_entropies(t, t.model, ids, attention, mask.shape[1])[0]
     assert ((trl_logp.double() - logp.detach()) * mask).abs().max() < 1e-5
@@ -188,7 +189,7 @@ def assert_same_adam(a: dict, b: dict):
 def test_daro_checkpoint_resumes_weights_and_adam_exactly(demo_dir, tmp_path):
     """3 steps in one run (a checkpoint at step 2) vs 2 + resume + 1: the weights, their Adam and the model agree
     exactly (the Trainer restores the RNG and data order; the weights come back from algo_state.pt)."""
-    model, tok = common.load_model(demo_dir)
+    model, tok = modeling.load_model(demo_dir)
     args = config(DAROConfig, str(tmp_path), max_steps=3, save_strategy="steps", save_steps=2, weight_lr=0.05)
     first = trainer(DAROTrainer, args, model, tok)
     first.train()
@@ -196,7 +197,7 @@ def test_daro_checkpoint_resumes_weights_and_adam_exactly(demo_dir, tmp_path):
     saved = torch.load(ckpt / ALGO_STATE, weights_only=True)
     assert any(k.startswith("daro/w_") for k in first.state.log_history[0])
 
-    model, tok = common.load_model(demo_dir)
+    model, tok = modeling.load_model(demo_dir)
     second = trainer(DAROTrainer, config(DAROConfig, str(tmp_path / "resumed"), max_steps=3, weight_lr=0.05),
                      model, tok)
     assert torch.stack(second.neg_log_w).abs().max() == 0  # a new trainer starts at w = 1
@@ -214,13 +215,13 @@ def test_daro_checkpoint_resumes_weights_and_adam_exactly(demo_dir, tmp_path):
 
 
 def test_da3po_running_counts_resume(demo_dir, tmp_path):
-    model, tok = common.load_model(demo_dir)
+    model, tok = modeling.load_model(demo_dir)
     args = config(DA3POConfig, str(tmp_path), max_steps=2, save_strategy="steps", save_steps=1,
                   p_estimate="running")
     first = trainer(DA3POTrainer, args, model, tok)
     first.train()
     assert sum(n for _, n in first.pass_counts.values()) == 2 * 2 * G  # every completion of both steps
-    model, tok = common.load_model(demo_dir)
+    model, tok = modeling.load_model(demo_dir)
     second = trainer(DA3POTrainer, config(DA3POConfig, str(tmp_path / "r"), max_steps=2, p_estimate="running"),
                      model, tok)
     at_begin = AtTrainBegin(second)
@@ -231,7 +232,7 @@ def test_da3po_running_counts_resume(demo_dir, tmp_path):
 
 
 def test_clear_errors(demo_dir, tmp_path):
-    model, tok = common.load_model(demo_dir)
+    model, tok = modeling.load_model(demo_dir)
     with pytest.raises(ValueError, match="needs correct_func"):
         trainer(DA3POTrainer, config(DA3POConfig, str(tmp_path)), model, tok, correct_func=None)
     with pytest.raises(ValueError, match="tau"):
@@ -256,7 +257,7 @@ def test_daro_golden_vectors_through_the_drop_in(demo_dir, tmp_path):
     """DAROTrainer's loss path (daro_loss, with Eq. 2's weights from daro.bin_token_weights as the trainer computes
     them) on the golden DARO cases: the model loss and L_mu, float64. (The weights' objective and step are
     daro.weight_objective / daro.update_weights themselves, checked by tests/test_golden.py.)"""
-    model, tok = common.load_model(demo_dir)
+    model, tok = modeling.load_model(demo_dir)
     trainers = {G_: trainer(DAROTrainer, config(DAROConfig, str(tmp_path), num_generations=G_,
                                                 per_device_train_batch_size=2 * G_), model, tok) for G_ in (4, 8)}
 

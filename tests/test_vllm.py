@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import common
+import modeling
+import ranks
 import engine as eng
 from conftest import run_script
 
@@ -37,8 +39,8 @@ def setup(demo_dir):
     why_not = eng.vllm_usable(torch.device("cpu"))
     if why_not:
         pytest.skip(why_not)
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
-    engine = eng.VLLMRollout(demo_dir, tok, common.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
+    engine = eng.VLLMRollout(demo_dir, tok, ranks.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
     problems = [f"{a}+{b}" for a in (3, 17, 250, 4096) for b in (5, 61, 708, 12)]
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in problems]
@@ -53,7 +55,7 @@ def sgd_steps(model, tok, prompts, steps=3, lr=0.5):
     ids, attn, mask = common.pad_prompt_completion(prompts, [answer] * len(prompts), tok.pad_token_id)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for _ in range(steps):
-        logp, _ = common.token_logprobs(model, ids, attn, mask.shape[1])
+        logp, _ = modeling.token_logprobs(model, ids, attn, mask.shape[1])
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
@@ -112,7 +114,7 @@ def test_sync_check_catches_a_silent_no_op_sync(setup, monkeypatch, capsys):
 
 def test_truncation_comes_from_the_finish_reason(setup, demo_dir):
     model, tok, engine, prompts = setup
-    original, _ = common.load_model(demo_dir, torch.device("cpu"))
+    original, _ = modeling.load_model(demo_dir, torch.device("cpu"))
     model.load_state_dict(original.state_dict())  # undo the other tests' SGD steps: the demo model's own answers
     engine.sync_weights(model)
     max_new = 5  # `\boxed{`, the digits, `}`, eos: short sums finish, long ones are cut
@@ -132,7 +134,7 @@ def test_sampling_logprobs_match_the_trainers(setup):
     completions, _, logps = engine.generate(group_prompts, 12, temperature=temperature)
     ids, attn, mask = common.pad_prompt_completion(group_prompts, completions, tok.pad_token_id)
     with torch.no_grad():
-        trainer, _ = common.token_logprobs(model, ids, attn, mask.shape[1], temperature)  # (B, T)
+        trainer, _ = modeling.token_logprobs(model, ids, attn, mask.shape[1], temperature)  # (B, T)
     engine_logp = common.make_batch([{"prompt_ids": p, "completions": [c], "reward": [0.0], "correct": [False],
                                       "rollout_logp": [lp]} for p, c, lp in zip(group_prompts, completions, logps)],
                                     tok.pad_token_id)["rollout_logp"][:, :mask.shape[1]]  # (B, T)
@@ -188,7 +190,7 @@ def test_da3po_runs_with_vllm(setup, demo_dir, tmp_path):
     """The real script with --rollout vllm: it syncs and checks every step and logs the log-prob gap. The model folder
     ships sampling knobs of its own (repetition_penalty 5, top_k 2): the engine must sample what the flags say, or the
     gap to the trainer's plain softmax(logits / T) would be large."""
-    model, tok = common.load_model(demo_dir, torch.device("cpu"))
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
     model.generation_config.update(do_sample=True, repetition_penalty=5.0, top_k=2)
     model.save_pretrained(tmp_path / "knobbed")
     tok.save_pretrained(tmp_path / "knobbed")

@@ -1,0 +1,135 @@
+"""
+Look up when needed: the processes of a run. Ranks and their collectives (a plain `python` run is world size 1 and
+none of this does anything), the stop signals the loop polls, and the two ways a run ends early: die() on a user
+error, stop_run() after a stop's checkpoint.
+"""
+import datetime
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Ranks and collectives. Under torchrun the process group comes from the environment (NCCL on GPUs, gloo on
+# CPU). Lockstep rule: every rank issues the same collectives in the same order, so a choice that changes them is
+# made from the config or agreed by an all-reduce (tests/test_lockstep.py records each rank's collectives).
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    is_main: bool = True
+
+
+_launched = False  # set by setup_dist under torchrun (vLLM may open a 1-rank group of its own in a plain run)
+
+
+def setup_dist(device: str = "") -> DistInfo:
+    """Initialise torch.distributed when launched by torchrun; pick the device ("" = cuda if available, else cpu)."""
+    global _launched
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo(device=torch.device(device))
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    # on GPUs NCCL for CUDA tensors and gloo for the CPU tensors of metrics and flags (NCCL rejects CPU tensors)
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    _launched = True
+    return DistInfo(rank, local_rank, world, dev, rank == 0)
+
+
+def cleanup_dist(engine=None):
+    """Barrier (else gloo sometimes aborts at exit), close the engine (vLLM may destroy the group), destroy it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if engine is not None:
+        engine.close()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_dist() -> bool:
+    """True under torchrun (any world size, so one GPU still takes the FSDP2 path)."""
+    return _launched and dist.is_available() and dist.is_initialized()
+
+
+def print0(*args, **kwargs):
+    if not is_dist() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; identity in a single process)."""
+    x = x.detach().clone()
+    if is_dist():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks (a copy; identity in a single process)."""
+    x = x.detach().clone().float()
+    if is_dist():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def all_gather_list(items: list) -> list:
+    """Concatenate a picklable list from every rank, in rank order (identity in a single process)."""
+    if not is_dist():
+        return list(items)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Stop signals: the loop polls stop_requested() at every point where it can stop (a checkpoint follows).
+_stop_signal = None  # set by the handler of SIGTERM / SIGINT
+
+
+def handle_stop_signals():
+    """SIGTERM (preemption; torchrun forwards it to every worker and kills them 30 s later) or Ctrl-C: the loop checks
+    between generation batches, between updates and after each step, checkpoints at once and exits. A second Ctrl-C
+    aborts."""
+    global _stop_signal
+    _stop_signal = None
+
+    def handler(signum, frame):
+        global _stop_signal
+        if _stop_signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _stop_signal = signum
+        print(f"\nsignal {signal.Signals(signum).name}: checkpointing and stopping", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def stop_requested() -> bool:
+    """True on every rank once any rank got a stop signal (ranks leave the loop together)."""
+    return all_reduce_sum(torch.tensor(float(_stop_signal is not None))).item() > 0
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# How a run ends early: every user error (bad flag, file, data) in die(), one line naming the flag, file or
+# line, exit status 2, no traceback; a stop request in stop_run(), after its checkpoint.
+def die(message: str):
+    """A user error: one line on stderr and exit status 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def stop_run(engine, where: str):
+    """The end of a run that a stop request (SIGTERM, Ctrl-C) interrupted, after its checkpoint."""
+    print0(f"stopped {where}; continue with --resume")
+    cleanup_dist(engine)
