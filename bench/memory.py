@@ -2,10 +2,11 @@
 Usage: python bench/memory.py [--model all|Qwen3-4B-Base|Qwen3-8B-Base|Qwen2.5-Math-7B] [--gpus 8 --gpu_gb 79.6]
        [--markdown]   (writes bench/results/memory.md)
 
-No GPU, no torch: plain arithmetic on the models' public config.json numbers and on what the trainer holds (common.py
-sections 2, 6, 8). Exact: parameter counts, sharded state, KV bytes per token. ESTIMATES (stated margins, not
-measurements): activations, vLLM's activation/workspace and CUDA-graph memory, CUDA context. The functions above
-main() are plain and documented so that one (vllm_share) can move into common.py to size --vllm_gpu_memory."""
+No GPU, no torch: plain arithmetic on the models' public config.json numbers and on what the trainer holds
+(the config, the batch, the log-probs). Exact: parameter counts, sharded state, KV bytes per token. ESTIMATES
+(stated margins, not measurements): activations, vLLM's activation/workspace and CUDA-graph memory, CUDA
+context. The functions above main() are plain and documented so that one (vllm_share) can move into the
+trainer to size --vllm_gpu_memory."""
 import argparse
 import os
 import sys

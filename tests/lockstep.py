@@ -105,7 +105,7 @@ updates_seen = [0]
 
 def token_losses(model, ref_model, mb, cfg, device, sums):
     token_loss = common.token_losses(model, ref_model, mb, cfg, device, sums)
-    if skew == "nan" and ranks.is_dist() and common.dist.get_rank() == 1 and updates_seen[0] == 1:
+    if skew == "nan" and ranks.is_dist() and ranks.dist.get_rank() == 1 and updates_seen[0] == 1:
         token_loss = token_loss * float("nan")
     return token_loss
 
@@ -119,7 +119,7 @@ class CountingGuard(common.UpdateGuard):
 def cleanup_dist(engine=None):
     """Dump this rank's Flight Recorder record before the process group goes."""
     import pickle
-    rank = common.dist.get_rank() if ranks.is_dist() else 0
+    rank = ranks.dist.get_rank() if ranks.is_dist() else 0
     entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"] if ranks.is_dist() else []
     # a scatter's inputs exist on its source rank only: compare what every rank receives
     record = [[e["process_group"][1], e["profiling_name"], *((e["output_sizes"], e["output_dtypes"])
