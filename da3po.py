@@ -1,24 +1,25 @@
 """
-DA3PO: DAPO plus Direct Advantage Amplification (DAA) of the correct completions on hard prompts.
-Paper: "Learning from Hard Prompts: Difficulty-aware Advantage Amplification in Dynamic Sampling", arXiv:2608.27982;
+DA3PO: DAPO plus Direct Advantage Amplification (DAA) of the correct completions on hard prompts. Paper:
+"Learning from Hard Prompts: Difficulty-aware Advantage Amplification in Dynamic Sampling", arXiv:2608.27982;
 DAPO (the base): arXiv:2503.14476.
 
-One RL step: G completions per prompt -> verifier (+1/-1, DAPO's overlong shaping) -> dynamic sampling (keep groups
-with 0 < #correct < G) -> GRPO advantages -> DAA: A <- lam * A for the correct completions (A > 0) of groups whose
-pass rate p_hat = #correct / G is below tau -> DAPO's token-mean clipped loss (clip-higher), several updates.
-Why (--theory): dropping the all-wrong groups raises the expected advantage of an incorrect completion on a prompt of
-pass rate p by alpha- = 1/(1-(1-p)^(G-1)), of a correct one by alpha+ = 1/(1-p^(G-1)): below p = 0.5 the correct ones
-are under-weighted (gamma = alpha+/alpha- < 1). --algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo.
+One RL step: G completions per prompt -> verifier (+1/-1, DAPO's overlong shaping) -> dynamic sampling (keep
+groups with 0 < #correct < G) -> GRPO advantages -> DAA: A <- lam * A for the correct completions (A > 0) of
+groups whose pass rate p_hat = #correct / G is below tau -> DAPO's token-mean clipped loss (clip-higher),
+several updates. Why (--theory): dropping the all-wrong groups raises the expected advantage of an incorrect
+completion on a prompt of pass rate p by alpha- = 1/(1-(1-p)^(G-1)), of a correct one by alpha+ =
+1/(1-p^(G-1)): below p = 0.5 the correct ones are under-weighted (gamma = alpha+/alpha- < 1). --algo: da3po,
+or the baselines dapo (lam 1), grpo, dr_grpo, gspo.
 
-Deviations [dev N]: 1) the paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau. 2) The
-defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO and GSPO presets, as in DAPO.
-4) Ours, off by default: --adaptive_lam (lam = 1/gamma, the paper's future work), --p_estimate running (p from every
-sample of the prompt so far), --daa_scope all (a control).
+Deviations [dev N]: 1) the paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau.
+2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO and GSPO presets, as
+in DAPO. 4) Ours, off by default: --adaptive_lam (lam = 1/gamma, the paper's future work), --p_estimate
+running (p from every sample of the prompt so far), --daa_scope all (a control).
 
-Run:  python da3po.py                                                   # the built-in demo, about a minute on a CPU
-      python da3po.py --algo dapo --steps 3 --out_dir /tmp/x            # a baseline, a smoke test
-      torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...      # docs/gpu.md
-      python da3po.py --theory                                          # the amplification factors, exact and MC
+Run:  python da3po.py                                          # the built-in demo, about a minute on a CPU
+      python da3po.py --algo dapo --steps 3 --out_dir /tmp/x   # a baseline, a smoke test
+      torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...   # docs/gpu.md
+      python da3po.py --theory                                 # the amplification factors, exact and MC
 """
 import sys
 from dataclasses import dataclass
@@ -43,16 +44,20 @@ from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_sto
 
 @dataclass
 class Config(TrainConfig):
-    """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path. Defaults run the CPU demo."""
+    """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path.
+    Defaults run the CPU demo."""
     algo: str = "da3po"  # preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset
     out_dir: str = "out/da3po"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     wandb_project: str = "da3po"  # wandb project of --report_to wandb
     lam: float = 2.0  # lambda: multiplier of correct completions' advantages on hard prompts; 1 = off (DAPO)
     tau: float = 0.5  # hard prompt: group pass rate p_hat < tau (strict) [dev 1]
     adaptive_lam: bool = False  # lambda(p) = 1/gamma(p, G) in place of lam, capped at lam_max [dev 4]
-    lam_max: float = 4.0  # cap of the adaptive factor (p_hat >= 1/G keeps it <= ~1.65; running estimates go lower)
-    p_estimate: str = "group"  # pass rate for DAA: group (p_hat of the G samples) | running (over all epochs) [dev 4]
-    daa_scope: str = "correct"  # correct (the paper: correct completions, A > 0) | all (both signs: a control) [dev 4]
+    lam_max: float = 4.0  # cap of the adaptive factor (p_hat >= 1/G keeps it <= ~1.65; running estimates
+    #                       go lower)
+    p_estimate: str = "group"  # pass rate for DAA: group (p_hat of the G samples) | running (over all
+    #                            epochs) [dev 4]
+    daa_scope: str = "correct"  # correct (the paper: correct completions, A > 0) | all (both signs: a
+    #                             control) [dev 4]
     theory: bool = False  # print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit
 
 
@@ -65,10 +70,11 @@ PRESETS = presets({"da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": Fa
 
 def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None,
         scope: str = "correct"):
-    """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau (the overlong penalty
-    can put a correct one below its group's mean). advantages, correct: (N, G); p (N, 1), by default p_hat = #correct
-    / G; lam: a number or (N, 1). scope "all": every advantage of a hard group (a control). Advantages, not rewards:
-    a two-level reward survives the z-score. No renormalisation after. Returns (advantages, amplified)."""
+    """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau (the
+    overlong penalty can put a correct one below its group's mean). advantages, correct: (N, G); p (N, 1),
+    by default p_hat = #correct / G; lam: a number or (N, 1). scope "all": every advantage of a hard group
+    (a control). Advantages, not rewards: a two-level reward survives the z-score. No renormalisation
+    after. Returns (advantages, amplified)."""
     p = correct.float().mean(-1, keepdim=True) if p is None else p  # (N, 1)
     hard = (p < tau).expand_as(advantages)  # (N, G) [dev 1]
     amplified = hard if scope == "all" else hard & correct & (advantages > 0)
@@ -76,8 +82,8 @@ def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: tor
 
 
 def adaptive_lam(p: torch.Tensor, G: int, lam_max: float) -> torch.Tensor:
-    """[dev 4] The factor that undoes the dynamic-sampling imbalance: 1/gamma = (1 - p^(G-1)) / (1 - (1-p)^(G-1))
-    (> 1 for p < 0.5), capped at lam_max. Example: G = 8, p = 1/8 -> 1.65."""
+    """[dev 4] The factor that undoes the dynamic-sampling imbalance, capped at lam_max:
+    1/gamma = (1 - p^(G-1)) / (1 - (1-p)^(G-1)), > 1 for p < 0.5. Example: G = 8, p = 1/8 -> 1.65."""
     p = p.clamp(1e-6, 1 - 1e-6)
     return ((1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1))).clamp(max=lam_max)
 
@@ -91,7 +97,8 @@ def check_algorithm_config(cfg: Config):
     if cfg.daa_scope not in ("correct", "all"):
         die(f"--daa_scope {cfg.daa_scope!r}: choose one of correct, all")
     if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
-        die(f"--p_estimate must be group or running and --lam_max >= 1, got {cfg.p_estimate!r}, {cfg.lam_max}")
+        die(f"--p_estimate must be group or running and --lam_max >= 1, "
+            f"got {cfg.p_estimate!r}, {cfg.lam_max}")
 
 
 def pass_key(group: dict) -> str:
@@ -100,20 +107,22 @@ def pass_key(group: dict) -> str:
 
 
 def count_passes(counts: dict, groups: list[dict]):
-    """[dev 4] Per-prompt pass counts over every group generated so far (all epochs, all ranks), for --p_estimate
-    running."""
+    """[dev 4] Per-prompt pass counts over every group generated so far (all epochs, all ranks), for
+    --p_estimate running."""
     for g in groups:
         c = counts.setdefault(pass_key(g), [0, 0])
         c[0] += sum(g["correct"])
         c[1] += len(g["correct"])
 
 
-def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], pass_counts: dict, cfg: Config):
-    """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for. advantage, correct: (N, G).
-    Returns (the amplified advantages (N, G), the daa/* metrics over all ranks)."""
+def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], pass_counts: dict,
+            cfg: Config):
+    """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for. advantage,
+    correct: (N, G). Returns (the amplified advantages (N, G), the daa/* metrics over all ranks)."""
     p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), float64 with float64 advantages
     if cfg.p_estimate == "running":
-        counts = torch.tensor([pass_counts[pass_key(g)] for g in groups], dtype=p.dtype, device=p.device)  # (N, 2)
+        counts = [pass_counts[pass_key(g)] for g in groups]
+        counts = torch.tensor(counts, dtype=p.dtype, device=p.device)  # (N, 2)
         p = counts[:, :1] / counts[:, 1:]  # #correct / #samples over every epoch so far
     factor = adaptive_lam(p, cfg.group_size, cfg.lam_max) if cfg.adaptive_lam else cfg.lam
     advantage, amplified = daa(advantage, correct, factor, cfg.tau, p, cfg.daa_scope)
@@ -123,22 +132,24 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
     num_applied = all_reduce_sum(torch.tensor(float(len(applied)))).item()
     return advantage, {
         "daa/amplified_frac": num_applied / all_reduce_sum(torch.tensor(float(amplified.numel()))).item(),
-        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0 when nothing was amplified
-        "daa/lam_max": all_reduce_max(applied.max() if len(applied) else p.new_zeros(())).item()}  # same device
+        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0: none amplified
+        "daa/lam_max": all_reduce_max(applied.max() if len(applied) else p.new_zeros(())).item()}
 
 
 def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
-    """(alpha+, alpha-, gamma): how dynamic sampling scales the expected advantage of a correct / an incorrect
-    completion on a prompt with pass rate p, and their ratio. The other G-1 outcomes are Bernoulli(p); a group survives
-    unless all G agree, and an advantage is 0 on a uniform group, so E[A | y, kept] = E[A | y] / P(kept | y)."""
+    """(alpha+, alpha-, gamma): how dynamic sampling scales the expected advantage of a correct / an
+    incorrect completion on a prompt with pass rate p, and their ratio. The other G-1 outcomes are
+    Bernoulli(p); a group survives unless all G agree, and an advantage is 0 on a uniform group, so
+    E[A | y, kept] = E[A | y] / P(kept | y)."""
     alpha_plus = 1.0 / (1.0 - p ** (G - 1))
     alpha_minus = 1.0 / (1.0 - (1.0 - p) ** (G - 1))
     return alpha_plus, alpha_minus, alpha_plus / alpha_minus
 
 
-def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000, seed: int = 0) -> tuple[float, float, float]:
-    """The same factors by simulation: GRPO advantages of completion 0 over random groups, averaged over the kept
-    groups vs over all groups (where a dropped uniform group contributes advantage 0)."""
+def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000,
+                        seed: int = 0) -> tuple[float, float, float]:
+    """The same factors by simulation: GRPO advantages of completion 0 over random groups, averaged over
+    the kept groups vs over all groups (where a dropped uniform group contributes advantage 0)."""
     g = torch.Generator().manual_seed(seed)
     correct = torch.rand(num_groups, G, generator=g) < p  # (N, G)
     adv = group_advantages(correct.float(), std_norm=True)
@@ -151,7 +162,8 @@ def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000, seed: int =
 
 def print_theory():
     print("dynamic-sampling amplification of the expected advantage (exact | Monte Carlo, 200k groups)")
-    print(f"{'G':>3} {'p':>5} | {'alpha+':>7} {'alpha-':>7} {'gamma':>6} | {'alpha+':>7} {'alpha-':>7} {'gamma':>6}")
+    columns = f"{'alpha+':>7} {'alpha-':>7} {'gamma':>6}"
+    print(f"{'G':>3} {'p':>5} | {columns} | {columns}")
     for G in (4, 8, 16):
         for p in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9):
             exact, mc = amplification_factors(p, G), monte_carlo_factors(p, G)
@@ -160,7 +172,7 @@ def print_theory():
 
 
 class DAA:
-    """DA3PO's part of the step, at main's ALGO LOGIC lines. Its state: the pass counts of --p_estimate running."""
+    """DA3PO's part of the step, at main's ALGO LOGIC lines. State: --p_estimate running's pass counts."""
 
     def __init__(self, cfg: Config, state: dict):
         self.cfg, self.pass_counts = cfg, state.get("pass_counts", {})  # prompt -> [#correct, #samples]
@@ -182,12 +194,13 @@ class DAA:
         """GRPO advantages (B,), then DAA on the correct completions of hard groups; daa/* to the record."""
         G = self.cfg.group_size
         advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm)  # (N, G)
-        advantage, daa_metrics = amplify(advantage, batch["correct"].view(-1, G), groups, self.pass_counts, self.cfg)
+        correct = batch["correct"].view(-1, G)
+        advantage, daa_metrics = amplify(advantage, correct, groups, self.pass_counts, self.cfg)
         record.update(daa_metrics)
         return advantage.flatten()
 
     def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
-        """Each token's share of its update's loss: DAPO's token mean over the whole update, or a baseline's."""
+        """Each token's share of its update's loss: DAPO's token mean over the update, or a baseline's."""
         return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
 
     def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -210,40 +223,40 @@ def main(cfg: Config):
     check_config(cfg, dist_info.world_size)  # a flag combination that cannot work stops here (exit 2)
     check_algorithm_config(cfg)
     device = dist_info.device
-    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, in a second, before any model is loaded
+    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
-    model, tok = load_model(resume_from or base_path)  # on the CPU: the rollout engine takes its GPU memory first
+    model, tok = load_model(resume_from or base_path)  # on the CPU: the engine takes its GPU memory first
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, resume_from or base_path)  # our sampler or vLLM
-    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; the KL anchor
+    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; KL anchor
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
     algo = DAA(cfg, state)  # the paper's part of the step (above), and its state in checkpoints
 
-    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last one finished
+    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
         save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream,
                         {**algo.state_dict(), "eval_due": eval_due}, cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, start_step if resume_from else -1)
-    first_eval = None  # at the start of a fresh run (a checkpoint at step 0 has it), and the one a stop left due
+    first_eval = None  # at a fresh run's start (a step-0 checkpoint has it), and the one a stop left due
     if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
         first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
     guard, pending = UpdateGuard(cfg.max_bad_updates), state["pending"]  # pending: a step a stop interrupted
     for step in tqdm(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), desc="steps", leave=False,
-                     disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
+                     disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal only
         timer, sums, my_groups, update_rows, first = StepTimer(), Sums(*TRAIN_SUMS), [], [], 0
         if pending:  # the rest of a step that a stop interrupted between two updates
             record, my_groups, update_rows, batch, first = pending.resume(sums, algo)
             pending = None
         else:
-            # 1) roll out G completions per prompt, verify and reward them; dynamic sampling keeps the mixed groups
+            # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
             start = (stream.position, rng_state())
             with timer("rollout"):
                 rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
-            if rollout is None:  # a stop between generation batches: this step is redone on resume, from its start
+            if rollout is None:  # a stop between generation batches: the step is redone on resume
                 stream.position, _ = start[0], set_rng_state(start[1])
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
@@ -251,7 +264,7 @@ def main(cfg: Config):
             algo.count_passes(generated)  # --p_estimate running
             if kept:  # (a step that keeps no group is logged and skipped)
                 with timer("update"):
-                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 7)
+                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
                     my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
                                                           cfg.micro_batch_tokens > 0)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
@@ -267,7 +280,7 @@ def main(cfg: Config):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(first, len(update_rows)):
-                    if u > first and stop_requested():  # a stop between updates: the checkpoint keeps the rest
+                    if u > first and stop_requested():  # between updates: the checkpoint keeps the rest
                         save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
                                                            sums.sums, algo.step_state()))
                         return stop_run(engine, f"in step {step} before update {u}")
@@ -284,15 +297,16 @@ def main(cfg: Config):
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
-        record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0], not engine.exact_logprobs))
+        # 7) a printed line and a metrics record: sums over micro-batches and ranks, means per token/update
+        record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0],
+                                    not engine.exact_logprobs))
         record.update({"step": step, **timer.metrics()})
         record.update(algo.metrics(record))
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         if cfg.sample_every and step % cfg.sample_every == 0 and my_groups:
             logger.samples(step, my_groups[0])
-        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due evaluation runs on resume)
+        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
         if eval_due and not stopping:
