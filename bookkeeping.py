@@ -1,6 +1,6 @@
 """
-Look up when needed: what keeps a run going around the step. Flags (from a script's Config) and their checks,
-records (metrics.jsonl, samples.jsonl, config.json, trackers), checkpoints that resume exactly on any ranks.
+Look up when needed: what keeps a run going around the step. Flags and their checks, records (metrics.jsonl,
+samples.jsonl, config.json, trackers), checkpoints: atomic, resumed exactly on any number of ranks.
 """
 import argparse
 import atexit
@@ -183,7 +183,8 @@ class Logger:
 
 class Tracker:
     """--report_to tensorboard (event files in out_dir/tensorboard) or wandb (project --wandb_project, run
-    files in out_dir/wandb, offline with WANDB_MODE=offline), imported only when chosen; closed at exit."""
+    files in out_dir/wandb, offline with WANDB_MODE=offline), imported only when chosen: the config, then
+    every record's numbers under their metrics.jsonl names."""
 
     def __init__(self, kind: str, out_dir: str, config: dict, wandb_project: str):
         self.kind = kind
@@ -234,8 +235,7 @@ def format_step(step: int, steps: int, record: dict) -> str:
             f"gnorm {record['train/grad_norm']:.3f} | {record['time/step_s']:.1f}s")
 
 
-def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger,
-                     step: int) -> dict:
+def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int) -> dict:
     """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels)."""
     record = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
     logger.log(record)
@@ -286,8 +286,7 @@ def _to(obj, device):
 
 @dataclass
 class PendingStep:
-    """What a stop between two updates leaves of its step on this rank; the resumed run finishes the step
-    from it. Only `batch` lives on the training device; the rest stays where the loop keeps it (the CPU)."""
+    """What a stop mid-step leaves on this rank; only `batch` is on the training device, the rest on CPU."""
     step: int  # the unfinished step
     record: dict  # its metrics record so far (rollout, advantages, pi_old)
     groups: list  # its first group on this rank (samples.jsonl)
@@ -401,8 +400,7 @@ def find_checkpoint(cfg) -> str | None:
     return ckpt[0]
 
 
-def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int,
-                    dist_info: DistInfo):
+def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
     """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
     scheduler, data position, this rank's RNGs (a fresh run seeds them instead; so does a run on another
     number of ranks: the saved streams belong to the old ranks). Returns (the step to continue after, the

@@ -13,16 +13,16 @@ from ranks import die, print0
 
 # ------------------------------------------------------------------------------------------------------------
 # Data files. A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty).
-# the demo's eval set: 200 held-out sums, in 5 levels by the demo model's starting pass rate (about 97% to 1%)
+# the demo's eval set: 200 held-out sums, 5 levels of its own (the demo model's pass rate at start: 97% to 1%)
 DEMO_EVAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "arith_eval.jsonl")
 ARITH_LEVELS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 3)}  # level -> digits of the two operands of a sum
 
 
 def arith_problems(seed: int, eval_per_level: int = 50,
                    train_per_level: int = 4000) -> tuple[list[dict], list[dict]]:
-    """The built-in task: training rows, sums at ARITH_LEVELS fixed by `seed` (`train_per_level` a level, so
-    levels 1 and 2, with only 100 and 900 distinct sums, repeat), and held-out sums disjoint from them, the
-    pool demo/build.py calibrates DEMO_EVAL from. Example: {"prompt": "47+3", "answer": "50", "level": 2}."""
+    """The built-in task: training rows (sums at ARITH_LEVELS, fixed by `seed`; `train_per_level` a level,
+    so levels 1 and 2, of only 100 and 900 distinct sums, repeat) and held-out sums disjoint from them, the
+    pool demo/build.py calibrates DEMO_EVAL from. A row: {"prompt": "47+3", "answer": "50", "level": 2}."""
     rng = random.Random(seed)
     train, evals = [], []
     for level, (da, db) in ARITH_LEVELS.items():
@@ -55,11 +55,10 @@ def _field(row: dict, key: str):
 
 
 def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = "") -> dict:
-    """One problem from a row of any supported schema (keys tried in order unless given by flag):
+    """One problem from a row (errors name `where`, its file:line); keys tried in order unless given by flag:
       plain, MATH-500, AIME, OpenR1-Math-220k: problem | question, answer | final_answer
       DAPO-Math-17k: prompt (chat list, instruction included), reward_model.ground_truth
-      GSM8K: question, answer ending in '#### <number>'
-    `where` (file:line) goes into every error message."""
+      GSM8K: question, answer ending in '#### <number>'"""
     if not isinstance(row, dict):
         die(f"{where}: expected a JSON object per row, got {type(row).__name__}")
     prompt = _field(row, prompt_key) if prompt_key else next(
@@ -136,8 +135,7 @@ def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list
 
 
 def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
-    """`arith` (the built-in task, split 'train' or 'eval'), a local .jsonl/.json/.parquet file, or a hub
-    dataset `name` or `name:split` (needs the optional `datasets` package and a network)."""
+    """`arith` (the built-in task), a .jsonl/.json/.parquet file, or a hub dataset `name` or `name:split`."""
     if spec == "arith":  # the task is fixed; --seed changes the order of the training rows, not the rows
         return arith_problems(seed=0)[0] if split == "train" else load_problems(DEMO_EVAL)
     if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
@@ -178,17 +176,15 @@ def format_prompt(tok, problem: str, template: str = "chat") -> str:
 
 
 def resolve_template(template: str, tok) -> str:
-    """--prompt_template auto: none for the demo model and its checkpoints (recognised by their chat
-    template), chat when the tokenizer has a chat template, else plain."""
+    """--prompt_template auto, resolved: none for the demo model and its checkpoints, else chat or plain."""
     if template != "auto":
         return template
     chat = getattr(tok, "chat_template", None)
     return "none" if chat == DEMO_CHAT_TEMPLATE else "chat" if chat else "plain"
 
 
-def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_length: int,
-                      name: str) -> list[dict]:
-    """Add "prompt_ids"; drop, with a warning (as verl does), the problems whose prompt is over
+def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_length: int, name: str) -> list[dict]:
+    """Add "prompt_ids" to each problem; drop, with a warning (as verl does), those whose prompt is over
     max_prompt_length tokens: one 6,000-token problem would pad a whole generation batch to its length."""
     kept = []
     for p in problems:
@@ -252,8 +248,7 @@ def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
 
 
 def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg):
-    """tokenize_problems on the training set and every eval set with --prompt_template (auto resolved for
-    `tok`); resolves --max_model_len 0 to the longest prompt + --max_new_tokens."""
+    """Tokenize every set with --prompt_template (auto resolved for `tok`); resolve --max_model_len 0."""
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train = tokenize_problems(train, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
     specs = [spec for spec, _ in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
