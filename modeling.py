@@ -1,7 +1,6 @@
 """
-Look up when needed: the models. Loading (a hub id, a folder, or the shipped demo model), FSDP2 sharding,
-the log-probs of completion tokens under any family's output layer a chunk of positions at a time, and the
-start-up probes of those shortcuts on the model about to be trained.
+Look up when needed: the models. Loading (a hub id, a folder, or the demo model), FSDP2 sharding, and the
+log-probs of completion tokens under any family's output layer, in chunks, probed at start-up.
 """
 import contextlib
 import os
@@ -106,8 +105,7 @@ def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     return logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
 
 
-OUTSIDE_NUCLEUS = -1e4  # the nucleus log-prob of a token outside the nucleus: not -inf, so that a masked-out
-#   padding token multiplies to 0, not NaN; mismatch_sums leaves such tokens out of the engine/trainer gap
+OUTSIDE_NUCLEUS = -1e4  # not -inf, so masked-out padding multiplies to 0, not NaN; mismatch_sums skips these
 
 
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool, top_p: float = 1.0):
@@ -200,10 +198,9 @@ def _head_forward(head, forward):
 
 @contextlib.contextmanager
 def _head_inputs_as_logits(model, head):
-    """Inside, the model's forward returns its output layer's input (B, t, H) in place of its logits, for
-    head_logits a chunk at a time: the head records its input and returns an empty (B, t, 0) placeholder
-    (what the forward does after the head costs nothing on it), and a forward hook, run before FSDP2's own
-    (which then hooks its pre-backward on it), puts the input in the output's `logits`."""
+    """Inside, the model's forward returns its output layer's input (B, t, H) as its logits: the head records
+    its input and returns an empty (B, t, 0) placeholder, on which what follows the head costs nothing; a
+    forward hook run before FSDP2's own (which hooks its pre-backward on it) puts the input in `logits`."""
     inputs = []
 
     def record(hidden):
@@ -262,11 +259,10 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
                    with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0):
     """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
     (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once.
-    Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 for B x T = 2 x 20,480 at
-    V = 151,936, and the log-softmax, entropy and backward make several. With chunk_tokens > 0 (and B x T
-    above it), head_logits, the log-softmax and the entropy run on chunks of chunk_tokens tokens, each
-    recomputed in the backward: peak memory grows with chunk_tokens x V, values and gradients are the same
-    (tests/test_heads.py, every family, to 1e-10 in float64; memory: bench/logprob_memory.py)."""
+    Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
+    log-softmax, entropy and backward make several. With chunk_tokens > 0 head_logits, the log-softmax and the
+    entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
+    gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
     T = num_completion_tokens
     targets = input_ids[:, -T:]  # (B, T)
     if chunk_tokens <= 0 or input_ids.shape[0] * T <= chunk_tokens:  # small enough: the whole logits at once
@@ -345,12 +341,11 @@ def full_state_dict(model) -> dict:
 # Start-up: token_logprobs' shortcuts checked on the unsharded model, then FSDP2, calibration; the KL anchor.
 @torch.no_grad()
 def check_chunked_logprobs(model, dtype: str = "float32"):
-    """Exit 2 unless token_logprobs' chunks compute what the model's forward does, probed on one row of 8
-    tokens under the trainer's autocast, the same on every rank. (1) head_logits of the output layer's
-    recorded input must give back the forward's logits (the same elementwise operations on the same numbers:
-    one rounding of the compute dtype apart; a missing soft-cap or scale is far more). (2) token_logprobs in
-    chunks of one position must run and match those logits' log-probs (to 1e-3 of the logits' scale: a
-    log-softmax over a large vocabulary rounds to a few 1e-4 in float32 depending on the batch's shape)."""
+    """Exit 2 unless token_logprobs' chunks compute what the model's forward does, under the trainer's
+    autocast (the same on every rank): head_logits of the output layer's input must give back the forward's
+    logits to one rounding of the compute dtype (the same elementwise operations on the same numbers; a
+    missing soft-cap or scale is far more), and chunks of one position must run and match their log-probs to
+    1e-3 of the logits' scale (a log-softmax over a large vocabulary rounds to a few 1e-4 in float32)."""
     head = model.get_output_embeddings()
 
     def refuse(why: str):
@@ -390,9 +385,8 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
 
 @torch.no_grad()
 def check_logprob_paths(model, cfg):
-    """On a model still on the CPU and unsharded (a failure costs no collective): check_chunked_logprobs with
-    --logprob_chunk > 0, and model.shares_prompts: whether two rows with one prompt agree, run whole and
-    sharing its KV cache (the hybrid and recurrent caches of some families cannot be indexed out)."""
+    """On the unsharded CPU model (a failure costs no collective); model.shares_prompts: whether two rows with
+    one prompt agree whole and sharing its KV cache (a hybrid or recurrent cache may not index out)."""
     if cfg.logprob_chunk > 0:
         check_chunked_logprobs(model, cfg.dtype)
     ids = 3 + torch.arange(12).view(2, 6) % 5  # (2, 6): a shared prompt of 3 tokens, then 3 different each
@@ -414,12 +408,8 @@ def check_logprob_paths(model, cfg):
 
 
 def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
-    """(model, ref_model): the trained model checked, sharded and on the device, the rollout engine calibrated
-    against it (vLLM: the weight-sync probe's start-up gap); the KL anchor, the initial model even after a
-    resume, frozen, checked and sharded alike (None without --kl_coef)."""
-
-
-
+    """(model, ref_model), checked and sharded, the rollout engine calibrated against the model (vLLM: the
+    weight-sync probe's start-up gap); ref_model, the KL anchor, is the initial model even after a resume."""
     check_logprob_paths(model, cfg)
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     engine.calibrate(model)
