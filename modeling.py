@@ -71,8 +71,8 @@ def model_path(name: str) -> str:
 
 
 def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str = "float32"):
-    """A causal LM and its tokenizer (left padding) from a Hugging Face folder or hub id, dropout set to 0:
-    the trainer runs in training mode, where dropout would make its log-probs another distribution's."""
+    """A causal LM and its tokenizer (left padding) from a Hugging Face folder or hub id, dropout 0: the
+    trainer runs in training mode, where dropout would make its log-probs a random draw, not the rollout's."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(name)
@@ -119,15 +119,15 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
     lse = logits.logsumexp(-1)  # (B, t)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, t)
     entropy_or_nucleus_logp = None
-    if with_entropy:  # H = lse - sum_v p_v logit_v, the sum a batched dot: one (B, t, V) less than p * logits
+    if with_entropy:  # H = lse - sum_v p_v logit_v, a batched dot: one (B, t, V) tensor less than p * logits
         with torch.no_grad():
-            entropy_or_nucleus_logp = lse - (logits.softmax(-1).unsqueeze(-2)
-                                             @ logits.unsqueeze(-1))[..., 0, 0]
+            entropy_or_nucleus_logp = lse - (
+                logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]
     elif top_p < 1:  # a target outside the nucleus gets OUTSIDE_NUCLEUS
         with torch.no_grad():
             nucleus_logp = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1)  # (B, t, V)
-            entropy_or_nucleus_logp = nucleus_logp.gather(-1, targets[..., None])[..., 0].clamp(
-                min=OUTSIDE_NUCLEUS)
+            entropy_or_nucleus_logp = (nucleus_logp.gather(-1, targets[..., None])[..., 0]
+                                       .clamp(min=OUTSIDE_NUCLEUS))
     return logp, entropy_or_nucleus_logp
 
 
@@ -232,7 +232,7 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
     that predict each row's last T tokens: (B, T, .), position_ids from the attention mask (left padding
     shifts none). With `groups` (B,) each group's prompt runs once, its KV cache indexed out to its rows (an
     autograd op: every row's gradient flows back into the one prompt forward), and the completions run on it:
-    the values and gradients of rows run whole. A checkpointed model runs rows whole (its layers drop the
+    the same values and gradients as rows run whole. A checkpointed model runs rows whole (its layers drop the
     cache in training mode), as does one whose cache cannot be indexed out (model.shares_prompts).
     Lockstep: the path, and so the sharded model's forward count, depends on model and config, never data."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -249,10 +249,9 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
                    position_ids=position_ids[first, :P], use_cache=True, logits_to_keep=1)  # (U, 1, .)
     cache = prompt.past_key_values
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): each row gets its prompt's keys and values
-    # completion tokens 1..T-1: (B, T - 1, .)
     rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
                  position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits
-    return torch.cat([prompt.logits[inverse], rest], 1)  # (B, T, .)
+    return torch.cat([prompt.logits[inverse], rest], 1)  # (B, T, .): last prompt position + completion 1..T-1
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
@@ -260,8 +259,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
     (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once.
     Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
-    log-softmax, entropy and backward make several. With chunk_tokens > 0 head_logits, the log-softmax and the
-    entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
+    log-softmax, entropy and backward make several. With chunk_tokens > 0, head_logits, the log-softmax and
+    the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
     gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
     T = num_completion_tokens
     targets = input_ids[:, -T:]  # (B, T)
@@ -319,7 +318,7 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
 
 def reshard(model):
     """Free the gathered copy of an FSDP2 root's parameters, kept after a forward for the backward that
-    usually follows (none does a no-grad forward). Local (no collective); a no-op without FSDP."""
+    usually follows (none follows a no-grad forward). Local (no collective); a no-op without FSDP."""
     if hasattr(model, "reshard"):
         model.reshard()
 
@@ -355,8 +354,8 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
     if head is None:
         refuse("it has no output layer")
     embeddings = model.get_input_embeddings()
-    ids = 3 + torch.arange(8, device=embeddings.weight.device)[None] * 7 % (
-        min(embeddings.num_embeddings, 64) - 3)
+    ids = (3 + torch.arange(8, device=embeddings.weight.device)[None] * 7
+           % (min(embeddings.num_embeddings, 64) - 3))
     attn, inputs, forward = torch.ones_like(ids), [], head.forward  # ids (1, 8): 4 prompt + 4 completion
 
     def spy(hidden):
@@ -373,8 +372,7 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
             logp = token_logprobs(model, ids, attn, 4, 1.0, False, chunk_tokens=1)[0]  # chunks of 1 position
         except Exception as e:  # e.g. a forward that needs its output layer's result to be logits
             refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    eps = max(torch.finfo(t).eps
-              for t in (logits.dtype, ours.dtype, head.weight.dtype, getattr(torch, dtype)))
+    eps = max(torch.finfo(t).eps for t in (logits.dtype, ours.dtype, head.weight.dtype, getattr(torch, dtype)))
     scale = 1.0 + logits.abs().max().item()
     if ours.shape != logits.shape or not (ours - logits).abs().max().item() <= eps * scale:  # (NaN fails too)
         refuse("its forward changes its output layer's result in a way common.head_logits does not know")

@@ -120,7 +120,6 @@ def stop_requested() -> bool:
 
 # ------------------------------------------------------------------------------------------------------------
 # How a run ends early: die() on a user error (bad flag, file, data; one line naming it), or stop_run().
-
 def die(message: str):
     """A user error: one line on stderr and exit status 2, no traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
