@@ -1,7 +1,6 @@
 """
-Look up when needed: what keeps a run going around the step. Flags (from a script's Config) and the checks of their
-combinations, the records (metrics.jsonl, samples.jsonl, config.json, trackers), and checkpoints: written atomically,
-resumed exactly, on any number of ranks.
+Look up when needed: what keeps a run going around the step. Flags and their checks, records (metrics.jsonl,
+samples.jsonl, config.json, trackers), checkpoints: atomic, resumed exactly on any number of ranks.
 """
 import argparse
 import atexit
@@ -28,16 +27,14 @@ from dataset import PromptStream, parse_eval_data
 from modeling import full_state_dict
 from ranks import DistInfo, all_reduce_max, die, is_dist, print0
 
-# torch.distributed.checkpoint warns on every save and load of a plain run that it works in one process: it should
+# torch.distributed.checkpoint warns at each save/load of a plain run that it works in one process: it should
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Flags, generated from a script's Config (each field's comment is its --help line), and the checks of their
-# combinations before anything is loaded.
+# ------------------------------------------------------------------------------------------------------------
+# Flags from a script's Config (each field's comment is its --help line), and checks of their combinations.
 def _field_comments(cls) -> dict[str, str]:
-    """Each Config field's trailing comment (and '#   more text' lines right below it), over the class and its bases,
-    so that --help shows the text the code shows."""
+    """Each Config field's trailing comment (and '#   more text' lines below it), over the class and bases."""
     comments = {}
     for klass in reversed([c for c in cls.__mro__ if hasattr(c, "__dataclass_fields__")]):
         last = None
@@ -54,21 +51,19 @@ def _field_comments(cls) -> dict[str, str]:
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Flags generated from a Config dataclass. Precedence: dataclass defaults < --demo < preset of --algo < explicit
-    flags.
-
-    Example: `--lr 1e-5`, `--lr=1e-5`, `--grad_checkpointing/--no-grad_checkpointing`; an unknown flag (or a prefix of
-    one) exits with status 2 naming it. An explicit flag that changes a value its preset defines prints a note."""
+    """Precedence: dataclass defaults < --demo < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`,
+    `--x`/`--no-x`). An unknown or abbreviated flag exits 2 naming it; overriding a preset prints a note."""
     comments = _field_comments(cls)
     parser = argparse.ArgumentParser(
         prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False)
     for f in fields(cls):
         help_text = f"{comments.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags actually given
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
         if isinstance(f.default, bool):
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(f"--{f.name}", type=type(f.default), metavar=type(f.default).__name__.upper(), **kw)
+            parser.add_argument(f"--{f.name}", type=type(f.default),
+                                metavar=type(f.default).__name__.upper(), **kw)
     given = vars(parser.parse_args(argv))
     cfg = cls()
     demo = given.get("demo", cfg.demo)
@@ -89,7 +84,7 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
 
 
 def config_dict(cfg, world_size: int = 1) -> dict:
-    """The config actually used, plus the facts needed to reproduce a run (world size, versions, git commit)."""
+    """The config used, plus what reproducing a run needs: world size, versions, git commit."""
     import transformers
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -114,9 +109,9 @@ def check_config(cfg, world_size: int):
                  "micro_batch_tokens", "logprob_chunk"):
         if getattr(cfg, name) < 0:
             die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens", "max_prompt_length",
-                 "eval_samples", "max_gen_batches", "rollout_batch_size", "eval_batch_size", "keep_last",
-                 "max_bad_updates"):
+    for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens",
+                 "max_prompt_length", "eval_samples", "max_gen_batches", "rollout_batch_size",
+                 "eval_batch_size", "keep_last", "max_bad_updates"):
         if getattr(cfg, name) < 1:
             die(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.group_size < 2:
@@ -125,13 +120,14 @@ def check_config(cfg, world_size: int):
         die("--cpu_offload needs FSDP2, which runs under torchrun: launch with torchrun --standalone "
             "--nproc_per_node=1 (one GPU) or more")
     if cfg.dtype == "float16" and not cfg.eval_only:
-        die("--dtype float16 trains without loss scaling (small gradients underflow): use bfloat16, or float16 only "
-            "with --eval_only")
+        die("--dtype float16 trains without loss scaling (small gradients underflow): use bfloat16, "
+            "or float16 only with --eval_only")
     if cfg.prompts_per_step % world_size:
         die(f"--prompts_per_step {cfg.prompts_per_step} does not divide over {world_size} ranks")
     if cfg.updates_per_step > cfg.prompts_per_step // world_size:
-        die(f"--updates_per_step {cfg.updates_per_step} is more than the {cfg.prompts_per_step // world_size} prompts "
-            f"per rank (--prompts_per_step {cfg.prompts_per_step} over {world_size} ranks): an update needs a group")
+        die(f"--updates_per_step {cfg.updates_per_step} is more than the "
+            f"{cfg.prompts_per_step // world_size} prompts per rank "
+            f"(--prompts_per_step {cfg.prompts_per_step} over {world_size} ranks): an update needs a group")
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         die(f"--out_dir {cfg.out_dir!r} is an existing file, not a folder")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
@@ -145,15 +141,11 @@ def check_config(cfg, world_size: int):
     parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Records: one fixed-format line per step (through tqdm.write, so a bar stays intact) and one JSON record per step
-# and per evaluation in metrics.jsonl, the source of truth; samples.jsonl holds a few completions now and then,
-# config.json the config used; --report_to sends the same records to TensorBoard or wandb.
+# ------------------------------------------------------------------------------------------------------------
+# Records, by rank 0: metrics.jsonl (a record per step and evaluation, the source of truth), samples.jsonl,
+# config.json, a console line per step (tqdm.write keeps a bar intact); --report_to: TensorBoard or wandb too.
 class Logger:
-    """metrics.jsonl, samples.jsonl, config.json and the console lines of rank 0, and with --report_to a tracker with
-    the same records under the same names. On --resume the records after the checkpoint's step `resumed_step` are
-    dropped (the run writes them again), all of them when --resume found no checkpoint (resumed_step -1: the run
-    starts over), so every step and evaluation has exactly one record."""
+    """--resume drops records after step `resumed_step` (all at -1: no checkpoint); the run rewrites them."""
 
     def __init__(self, cfg, dist_info: DistInfo, resumed_step: int = -1):
         self.enabled, self.out_dir, self.tracker = dist_info.is_main, cfg.out_dir, None
@@ -185,14 +177,14 @@ class Logger:
         for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
             self.log({"step": step, "prompt": group["prompt"], "answer": group["answer"], "completion": text,
                       "reward": reward}, "samples.jsonl")
-        self.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} (answer {group['answer']}, "
-                  f"reward {group['reward'][0]:+.2f})")
+        self.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} "
+                  f"(answer {group['answer']}, reward {group['reward'][0]:+.2f})")
 
 
 class Tracker:
-    """--report_to tensorboard (event files in out_dir/tensorboard) or wandb (project --wandb_project, run files in
-    out_dir/wandb; offline with WANDB_MODE=offline), imported only when chosen: the config once, every record's numbers
-    at its step under the metrics.jsonl names; closed at exit."""
+    """--report_to tensorboard (event files in out_dir/tensorboard) or wandb (project --wandb_project, run
+    files in out_dir/wandb, offline with WANDB_MODE=offline), imported only when chosen: the config, then
+    every record's numbers under their metrics.jsonl names."""
 
     def __init__(self, kind: str, out_dir: str, config: dict, wandb_project: str):
         self.kind = kind
@@ -228,7 +220,8 @@ class Tracker:
 def _truncate_jsonl(path: str, last_step: int):
     """Keep the records with step <= last_step (the run after a resume rewrites the rest)."""
     if os.path.exists(path):
-        keep = [ln for ln in open(path, encoding="utf-8") if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+        keep = [ln for ln in open(path, encoding="utf-8")
+                if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             f.writelines(keep)
         os.replace(path + ".tmp", path)
@@ -236,15 +229,14 @@ def _truncate_jsonl(path: str, last_step: int):
 
 def format_step(step: int, steps: int, record: dict) -> str:
     """The one printed line per step: fixed keys, fixed widths, `|` separators."""
-    return (f"step {step:4d}/{steps} | reward {record['train/reward']:+.3f} | acc {record['train/acc']:.3f} | "
-            f"keep {record['train/keep_rate']:.2f} | len {record['train/response_len']:5.1f} | "
-            f"loss {record['train/loss']:+.4f} | "
-            f"ent {record['train/entropy']:.3f} | gnorm {record['train/grad_norm']:.3f} | {record['time/step_s']:.1f}s")
+    return (f"step {step:4d}/{steps} | reward {record['train/reward']:+.3f} | acc {record['train/acc']:.3f}"
+            f" | keep {record['train/keep_rate']:.2f} | len {record['train/response_len']:5.1f} | "
+            f"loss {record['train/loss']:+.4f} | ent {record['train/entropy']:.3f} | "
+            f"gnorm {record['train/grad_norm']:.3f} | {record['time/step_s']:.1f}s")
 
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int) -> dict:
-    """evaluate_sets at `step`: one metrics.jsonl record, and avg@k, pass@1..k, maj@k and per-level accuracy printed,
-    a line per eval set."""
+    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels)."""
     record = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
     logger.log(record)
     for name in eval_sets:
@@ -254,22 +246,21 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
         levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in scores.items()
                           if k.startswith("acc_level") and k != "acc_level0")
         label = f" [{name}]" if len(eval_sets) > 1 else ""
-        logger.line(f"eval step {step}{label}: acc {scores['acc']:.3f} | {passes}" + (f" | {levels}" if levels else ""))
+        logger.line(f"eval step {step}{label}: acc {scores['acc']:.3f} | {passes}"
+                    + (f" | {levels}" if levels else ""))
     return record
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Checkpoints, what they hold: out_dir/step_XXXXXX/ = a Hugging Face model folder (loadable by from_pretrained
-# and vLLM), the optimizer in torch.distributed.checkpoint's sharded format (resumable on any number of ranks),
-# trainer.pt (the step, scheduler, data position, the algorithm's state) and one rank<r>.pt per rank (its RNG
-# states and, after a stop in the middle of a step, that step's remaining work: a PendingStep). Written under a
-# temporary name, then renamed. trainer.pt and rank<r>.pt hold tensors and plain types only and are read with
-# torch's safe loader, so a checkpoint from elsewhere cannot run code on --resume (the optimizer's metadata is
-# still a pickle: dcp's own).
+# ------------------------------------------------------------------------------------------------------------
+# Checkpoints, what they hold. out_dir/step_XXXXXX/: a Hugging Face model folder (from_pretrained, vLLM);
+# optimizer/, sharded by torch.distributed.checkpoint (dcp), resumable on any number of ranks; trainer.pt
+# (step, scheduler, data position, the algorithm's state); rank<r>.pt per rank (RNG states and, after a stop
+# mid-step, that step's remaining work: a PendingStep). The .pt files hold only tensors and plain types, for
+# torch's safe loader: a checkpoint from elsewhere cannot run code on --resume (dcp's metadata is a pickle).
 def rng_state() -> dict:
     """This rank's RNG states, as tensors and plain types: Python's, numpy's, torch's (CPU and GPUs)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)  # no ndarray in a safe load
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)  # no ndarray
     return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
@@ -295,8 +286,7 @@ def _to(obj, device):
 
 @dataclass
 class PendingStep:
-    """What a stop between two updates leaves of its step on this rank; the resumed run finishes the step from it.
-    Only `batch` lives on the training device; everything else stays where the loop keeps it (the CPU)."""
+    """What a stop mid-step leaves on this rank; only `batch` is on the training device, the rest on CPU."""
     step: int  # the unfinished step
     record: dict  # its metrics record so far (rollout, advantages, pi_old)
     groups: list  # its first group on this rank (samples.jsonl)
@@ -311,41 +301,38 @@ class PendingStep:
         return _to(asdict(self), "cpu")
 
     def resume(self, sums, algo) -> tuple:
-        """Put the step's sums back (the loop's Sums, the algorithm's own); returns (record, groups, update_rows,
-        batch, next_update), where the loop goes on."""
+        """Put the step's sums back (the loop's Sums, the algorithm's own); returns where the loop goes on."""
         sums.sums = self.sums
         algo.load_step_state(self.algo)
         return self.record, self.groups, self.update_rows, self.batch, self.next_update
 
 
 def _load_plain(path: str):
-    """torch.load with torch's safe loader (tensors and plain types only): a file that holds anything else (a pickled
-    object, which could run code when unpickled) is refused with one line."""
+    """torch.load with the safe loader; a file with more than tensors and plain types dies with one line."""
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded: unpickling it could "
-            f"run code (a checkpoint written before this format, by an older version of this code, lands here too: "
-            f"resume it with that version, or start from its model with --model). torch: {str(e).splitlines()[0][:80]}")
+        die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded: unpickling it "
+            f"could run code (a checkpoint written before this format, by an older version of this code, "
+            f"lands here too: resume it with that version, or start from its model with --model). "
+            f"torch: {str(e).splitlines()[0][:80]}")
 
 
 def seed_everything(seed: int):
-    """Seed this rank's sampling RNGs: torch (our sampler), numpy (vLLM's GPU runner seeds requests from it), random."""
+    """Seed this rank's sampling RNGs: torch (our sampler), numpy (vLLM seeds requests from it), random."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Checkpoints, written and read: atomically, by every rank, on any number of ranks; --resume's choice of one.
 def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream, extra: dict,
                     keep: int = 2, pending: PendingStep | None = None) -> str:
-    """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step; with `pending`
-    (what remains of an unfinished step on this rank) the folder takes the unfinished step's number. The model goes
-    through an empty (meta-device) copy of its architecture, so no second full copy exists under FSDP; the optimizer
-    through torch.distributed.checkpoint, each rank its shards, keyed by parameter name (a run saved on N ranks
-    resumes on M); `extra` is the algorithm's state (the same on every rank). Every rank then checks that it sees the
-    whole checkpoint: several nodes need an --out_dir they all share."""
+    """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step; with
+    `pending` the folder takes the unfinished step's number. The model goes through an empty (meta-device)
+    copy of its architecture, so no second full copy exists under FSDP; the optimizer through dcp, each rank
+    its shards, keyed by parameter name; `extra` is the algorithm's state (the same on every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
@@ -358,9 +345,9 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         dist.barrier()
     os.makedirs(tmp, exist_ok=True)
     state_dict = full_state_dict(model)
-    # An optimizer that has not stepped yet (a stop in step 1) has no state; torch's optimizer state dict gives it
-    # one with a zero-lr step of its own (Adam's step count 1): saved as "fresh" and undone below, so that the first
-    # real update, resumed or not, is Adam's step 1. (Every rank agrees: they step together.)
+    # An optimizer that has not stepped yet (a stop in step 1) has no state; torch's optimizer state dict
+    # gives it one with a zero-lr step of its own (Adam's step count 1): saved as "fresh" and undone below, so
+    # that the first real update, resumed or not, is Adam's step 1. (Every rank agrees: they step together.)
     fresh = not opt.state
     if rank == 0:
         with torch.device("meta"):
@@ -368,13 +355,15 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         skeleton.generation_config = model.generation_config
         skeleton.save_pretrained(tmp, state_dict=state_dict)
         tok.save_pretrained(tmp)
-        torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(), "optimizer_fresh": fresh,
-                    "data_position": stream.position, **extra}, os.path.join(tmp, "trainer.pt"))
-    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=os.path.join(tmp, "optimizer"),
-             no_dist=not is_dist())
+        torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
+                    "optimizer_fresh": fresh, "data_position": stream.position, **extra},
+                   os.path.join(tmp, "trainer.pt"))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not is_dist())
     if fresh:
         opt.state.clear()  # the zero-lr step's state, gone: the optimizer is as it was
-    torch.save({"rng": rng_state(), "pending": pending and pending.plain()}, os.path.join(tmp, f"rank{rank}.pt"))
+    torch.save({"rng": rng_state(), "pending": pending and pending.plain()},
+               os.path.join(tmp, f"rank{rank}.pt"))
     if is_dist():
         dist.barrier()
     if rank == 0:
@@ -388,19 +377,19 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         f"rank{r}.pt" for r in range(world)]
     missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
     if all_reduce_max(torch.tensor(float(len(missing)))).item():
-        die(f"checkpoint {path}: a rank does not see {', '.join(missing) or 'all of it'}; with several nodes, "
-            f"--out_dir must be on a filesystem every node shares")
+        die(f"checkpoint {path}: a rank does not see {', '.join(missing) or 'all of it'}; "
+            f"with several nodes, --out_dir must be on a filesystem every node shares")
     return path
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
-    """The newest complete checkpoint folder in out_dir (temporary folders of interrupted writes are ignored)."""
+    """The newest complete checkpoint folder in out_dir (an interrupted write's .tmp folder is ignored)."""
     found = sorted(glob.glob(os.path.join(out_dir, "step_??????")))
     return found[-1] if found else None
 
 
 def find_checkpoint(cfg) -> str | None:
-    """The checkpoint --resume continues from (rank 0's choice, on every rank; said when there is none), else None."""
+    """The checkpoint --resume continues from (rank 0's choice, on every rank; said if none), else None."""
     if not cfg.resume:
         return None
     ckpt = [latest_checkpoint(cfg.out_dir)]
@@ -412,12 +401,10 @@ def find_checkpoint(cfg) -> str | None:
 
 
 def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
-    """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks), scheduler,
-    data position and this rank's RNGs; a fresh run seeds the sampling RNGs instead (seed + rank). On another number
-    of ranks than the checkpoint's, the RNGs are seeded afresh from (seed, rank, step) (the saved streams belong to
-    the old ranks), and a checkpoint of an unfinished step is refused (its work is split by rank). Returns (the step to
-    continue after, the saved state: the algorithm's entries, "eval_due", and "pending": this rank's unfinished step
-    (a PendingStep) or None)."""
+    """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
+    scheduler, data position, this rank's RNGs (a fresh run seeds them instead; so does a run on another
+    number of ranks: the saved streams belong to the old ranks). Returns (the step to continue after, the
+    saved state: the algorithm's entries, "eval_due", and "pending": this rank's PendingStep or None)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     if ckpt is None:
@@ -425,7 +412,7 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
         return 0, {"pending": None}
     state = _load_plain(os.path.join(ckpt, "trainer.pt"))
     if not state.get("optimizer_fresh"):  # (a fresh one stays as it is: see save_checkpoint)
-        optim = {"optimizer": get_optimizer_state_dict(model, opt)}  # this run's layout (creates the state to fill)
+        optim = {"optimizer": get_optimizer_state_dict(model, opt)}  # this run's layout: the state to fill
         dcp.load(optim, checkpoint_id=os.path.join(ckpt, "optimizer"), no_dist=not is_dist())
         set_optimizer_state_dict(model, opt, optim["optimizer"])
     sched.load_state_dict(state["scheduler"])
@@ -434,15 +421,15 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
         mine = _load_plain(os.path.join(ckpt, f"rank{dist_info.rank}.pt"))
         set_rng_state(mine["rng"])
         state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
-        if state["pending"]:  # its batch to the training device; the rest stays on the CPU, where the loop keeps it
+        if state["pending"]:  # its batch to the training device (see PendingStep)
             state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     else:
         if any(_load_plain(f)["pending"] is not None
                for f in glob.glob(os.path.join(ckpt, "rank*.pt"))):
-            die(f"--resume: {ckpt} was saved in the middle of a step on {state['world_size']} ranks; resume it on "
-                f"{state['world_size']} ranks (the step's work is split by rank), then change")
-        print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has {dist_info.world_size}: the "
-               f"optimizer state is resharded, the sampling RNGs are seeded afresh")
+            die(f"--resume: {ckpt} was saved in the middle of a step on {state['world_size']} ranks; "
+                f"resume it on {state['world_size']} ranks (the step's work is split by rank), then change")
+        print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has {dist_info.world_size}: "
+               f"the optimizer state is resharded, the sampling RNGs are seeded afresh")
         seed_everything(seed + dist_info.rank + 1_000_003 * state["step"])
         state["pending"] = None
     print0(f"resumed from {ckpt} (step {state['step']})")

@@ -1,7 +1,6 @@
 """
-Look up when needed: the data. Problems from the built-in arith task or from files in the schemas docs/data.md lists,
-the prompt templates, the eval sets and their sample counts (--eval_data set@k), and the seeded stream of training
-prompts.
+Look up when needed: the data. Problems (the built-in arith task, or files in the schemas docs/data.md lists),
+prompt templates, eval sets and their samples per problem (--eval_data set@k), the seeded training stream.
 """
 import json
 import os
@@ -12,20 +11,18 @@ from modeling import DEMO_CHAT_TEMPLATE
 from ranks import die, print0
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Data files. A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty),
-# from the built-in arith task or from a .jsonl / .json / .parquet file in any of the schemas below.
-# the demo's eval set: 200 held-out sums in 5 calibrated difficulty levels
+# ------------------------------------------------------------------------------------------------------------
+# Data files. A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty).
+# the demo's eval set: 200 held-out sums, 5 levels of its own (the demo model's pass rate at start: 97% to 1%)
 DEMO_EVAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "arith_eval.jsonl")
 ARITH_LEVELS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 3)}  # level -> digits of the two operands of a sum
 
 
-def arith_problems(seed: int, eval_per_level: int = 50, train_per_level: int = 4000) -> tuple[list[dict], list[dict]]:
-    """The built-in task's training rows: sums whose operands have 1+1, 2+1, 2+2 and 3+3 digits (`level` 1-4 here),
-    fixed by `seed`, and held-out sums disjoint from them (the pool demo/build.py calibrates the eval set from).
-    Example: level 2 -> {"prompt": "47+3", "answer": "50", "level": 2}. Each level gives `train_per_level` rows
-    (levels 1 and 2 have only 100 and 900 distinct sums, so theirs repeat). The eval set (demo/arith_eval.jsonl) has
-    levels of its own: the demo model's pass-rate bands at the start, from about 97% (level 1) down to 1% (level 5)."""
+def arith_problems(seed: int, eval_per_level: int = 50,
+                   train_per_level: int = 4000) -> tuple[list[dict], list[dict]]:
+    """The built-in task: training rows (sums at ARITH_LEVELS, fixed by `seed`; `train_per_level` a level,
+    so levels 1 and 2, of only 100 and 900 distinct sums, repeat) and held-out sums disjoint from them, the
+    pool demo/build.py calibrates DEMO_EVAL from. A row: {"prompt": "47+3", "answer": "50", "level": 2}."""
     rng = random.Random(seed)
     train, evals = [], []
     for level, (da, db) in ARITH_LEVELS.items():
@@ -58,11 +55,10 @@ def _field(row: dict, key: str):
 
 
 def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = "") -> dict:
-    """One problem from a row of any supported schema (keys tried in order unless given by flag):
-      plain / MATH-500 / AIME / OpenR1-Math-220k   problem | question, answer | final_answer
-      DAPO-Math-17k                                prompt (chat list, instruction included), reward_model.ground_truth
-      GSM8K                                        question, answer ending in '#### <number>'
-    `where` (file:line) goes into every error message."""
+    """One problem from a row (errors name `where`, its file:line); keys tried in order unless given by flag:
+      plain, MATH-500, AIME, OpenR1-Math-220k: problem | question, answer | final_answer
+      DAPO-Math-17k: prompt (chat list, instruction included), reward_model.ground_truth
+      GSM8K: question, answer ending in '#### <number>'"""
     if not isinstance(row, dict):
         die(f"{where}: expected a JSON object per row, got {type(row).__name__}")
     prompt = _field(row, prompt_key) if prompt_key else next(
@@ -74,7 +70,8 @@ def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = ""
         die(f"{where}: no problem text (looked for {prompt_key or 'problem, question, prompt'}; "
             f"row keys: {', '.join(sorted(row))}; set --prompt_key)")
     if answer in (None, "", []):
-        die(f"{where}: no answer (looked for {answer_key or 'answer, final_answer, reward_model.ground_truth'}; "
+        die(f"{where}: no answer (looked for "
+            f"{answer_key or 'answer, final_answer, reward_model.ground_truth'}; "
             f"row keys: {', '.join(sorted(row))}; set --answer_key)")
     templated = isinstance(prompt, list)  # chat-format prompt (DAPO-Math-17k): use the user turn as written
     if templated:
@@ -121,7 +118,8 @@ def _rows(path: str) -> list[tuple[str, object]]:
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a corrupt or truncated file
-            die(f"{path}: not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            die(f"{path}: not a readable parquet file "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
         return [(f"{path}: row {i}", r) for i, r in enumerate(rows, 1)]
     die(f"data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
 
@@ -137,8 +135,7 @@ def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list
 
 
 def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
-    """`arith` (the built-in task, split 'train' or 'eval'), a local .jsonl/.json/.parquet file, or a hub dataset
-    name (`name` or `name:split`) when the optional `datasets` package is installed and the machine is online."""
+    """`arith` (the built-in task), a .jsonl/.json/.parquet file, or a hub dataset `name` or `name:split`."""
     if spec == "arith":  # the task is fixed; --seed changes the order of the training rows, not the rows
         return arith_problems(seed=0)[0] if split == "train" else load_problems(DEMO_EVAL)
     if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
@@ -155,33 +152,31 @@ def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "")
     return [problem_from_row(r, f"{spec}: row {i}", prompt_key, answer_key) for i, r in enumerate(rows, 1)]
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Prompts: the template that turns a problem into the text the model sees, tokenized once at load; eval sets
-# with unique names; the seeded stream of training prompts.
+# ------------------------------------------------------------------------------------------------------------
+# Prompts (formatted and tokenized once, at load), eval sets with unique names, the seeded training stream.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the form "
-                 "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
-                 "Remember to put your answer on its own line after \"Answer:\".")  # DAPO-Math-17k's own wording
+DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be "
+                 "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+                 "\n\n{problem}\n\nRemember to put your answer on its own line after \"Answer:\".")
 
 
 def format_prompt(tok, problem: str, template: str = "chat") -> str:
-    """The text the model sees, by --prompt_template:
-      chat   the problem + "put your final answer within \\boxed{}", in the tokenizer's chat template (if it has one)
-      plain  'Question: ... <boxed request> Answer:' without chat markup (base models without a chat template)
-      dapo   DAPO-Math-17k's wording (final line 'Answer: ...'), in the chat template if there is one
-      none   the problem text alone, in the chat template if there is one (the demo model; pre-templated rows)"""
-    text = {"chat": f"{problem}\n{BOXED_INSTRUCTION}", "plain": f"Question: {problem}\n{BOXED_INSTRUCTION}\nAnswer:",
+    """The text the model sees, by --prompt_template, in the tokenizer's chat template if it has one:
+      chat   the problem + "put your final answer within \\boxed{}"
+      plain  'Question: ... <boxed request> Answer:', never in a chat template (base models)
+      dapo   DAPO-Math-17k's wording (final line 'Answer: ...')
+      none   the problem text alone (the demo model; pre-templated rows)"""
+    text = {"chat": f"{problem}\n{BOXED_INSTRUCTION}",
+            "plain": f"Question: {problem}\n{BOXED_INSTRUCTION}\nAnswer:",
             "dapo": DAPO_TEMPLATE.format(problem=problem), "none": problem}[template]
     if template != "plain" and getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
     return text
 
 
 def resolve_template(template: str, tok) -> str:
-    """--prompt_template auto: none for the demo model and its checkpoints (recognised by their chat template), chat
-    when the tokenizer has a chat template, else plain."""
+    """--prompt_template auto, resolved: none for the demo model and its checkpoints, else chat or plain."""
     if template != "auto":
         return template
     chat = getattr(tok, "chat_template", None)
@@ -189,9 +184,8 @@ def resolve_template(template: str, tok) -> str:
 
 
 def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_length: int, name: str) -> list[dict]:
-    """Format and tokenize every prompt once, at load, adding "prompt_ids"; drop the problems whose prompt is longer
-    than max_prompt_length tokens, with a warning (as verl does): one 6,000-token problem would pad a whole generation
-    batch to its length."""
+    """Add "prompt_ids" to each problem; drop, with a warning (as verl does), those whose prompt is over
+    max_prompt_length tokens: one 6,000-token problem would pad a whole generation batch to its length."""
     kept = []
     for p in problems:
         text = format_prompt(tok, p["prompt"], "none" if p.get("templated") else template)
@@ -199,18 +193,18 @@ def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_lengt
         if len(ids) <= max_prompt_length:
             kept.append({**p, "prompt_ids": ids})
     if not kept:
-        die(f"{name}: every one of its {len(problems)} prompts is longer than --max_prompt_length {max_prompt_length}")
+        die(f"{name}: every one of its {len(problems)} prompts is longer than "
+            f"--max_prompt_length {max_prompt_length}")
     if len(kept) < len(problems):
-        print0(f"warning: {name}: dropped {len(problems) - len(kept)} of {len(problems)} problems whose prompt is "
-               f"longer than --max_prompt_length {max_prompt_length} tokens")
+        print0(f"warning: {name}: dropped {len(problems) - len(kept)} of {len(problems)} problems whose "
+               f"prompt is longer than --max_prompt_length {max_prompt_length} tokens")
     return kept
 
 
 def parse_eval_data(eval_data: str, eval_samples: int) -> list[tuple[str, int]]:
-    """--eval_data as (set, k) pairs: comma-separated sets, each optionally `@k`, its own samples per problem (avg@k,
-    pass@k, maj@k); a set without `@k` gets --eval_samples. What follows the last '@' is a k unless it holds a '/' or
-    a file extension ('x@y.jsonl' is a file). Example: 'aime24.jsonl@32,math500.jsonl', 4 -> [('aime24.jsonl', 32),
-    ('math500.jsonl', 4)]."""
+    """--eval_data as (set, k) pairs: comma-separated sets, each with `@k` its own samples per problem (for
+    avg@k, pass@k, maj@k), else --eval_samples; a '/' or file extension after the last '@' means no k.
+    Example: 'aime24.jsonl@32,x@y.jsonl', 4 -> [('aime24.jsonl', 32), ('x@y.jsonl', 4)]."""
     out = []
     for item in (i.strip() for i in eval_data.split(",")):
         spec, at, suffix = item.rpartition("@")
@@ -225,8 +219,8 @@ def parse_eval_data(eval_data: str, eval_samples: int) -> list[tuple[str, int]]:
 
 
 def eval_set_names(specs: list[str]) -> list[str]:
-    """A unique name per eval set, for its eval/<name>/... keys: the file's stem, or, when two sets share a stem, the
-    shortest tail of their paths that tells them apart. Example: a/x.jsonl, b/x.jsonl -> a-x, b-x."""
+    """A unique name per eval set, for its eval/<name>/... keys: the file's stem, or, when two sets share a
+    stem, the shortest tail of their paths that tells them apart. E.g. a/x.jsonl, b/x.jsonl -> a-x, b-x."""
     parts = [os.path.splitext(os.path.normpath(s))[0].split(os.sep) for s in specs]
     names = []
     for i, p in enumerate(parts):
@@ -234,20 +228,18 @@ def eval_set_names(specs: list[str]) -> list[str]:
         while depth < len(p) and any(q[-depth:] == p[-depth:] for j, q in enumerate(parts) if j != i):
             depth += 1
         names.append("-".join(p[-depth:]))
-    return [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]  # identical paths given twice
+    return [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]  # a path given twice
 
 
 def spread(problems: list[dict], n: int) -> list[dict]:
-    """n problems spread evenly over the list, so that a smaller eval set keeps the whole set's mix of levels (files
-    such as demo/arith_eval.jsonl are sorted by level); all of them when n is 0 or too large."""
+    """n problems spread evenly over the list (files may be sorted by level); all when n is 0 or too large."""
     if not n or n >= len(problems):
         return problems
     return [problems[i * len(problems) // n] for i in range(n)]
 
 
 def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
-    """--train_data and every --eval_data set (named by eval_set_names, --eval_size of them spread over the set), not
-    yet tokenized: a bad file fails here, in a second, before any model is loaded."""
+    """Training and eval sets, untokenized: a bad file fails here in a second, before any model is loaded."""
     train = load_data(cfg.train_data, "train", cfg.prompt_key, cfg.answer_key)
     specs = [spec for spec, _ in parse_eval_data(cfg.eval_data, cfg.eval_samples)]  # names leave out the @k
     evals = {name: spread(load_data(spec, "eval", cfg.prompt_key, cfg.answer_key), cfg.eval_size)
@@ -256,8 +248,7 @@ def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
 
 
 def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg):
-    """tokenize_problems on the training set and every eval set with --prompt_template (auto resolved for `tok`);
-    resolves --max_model_len 0 to the longest prompt + --max_new_tokens."""
+    """Tokenize every set with --prompt_template (auto resolved for `tok`); resolve --max_model_len 0."""
     cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
     train = tokenize_problems(train, tok, cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
     specs = [spec for spec, _ in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
@@ -269,7 +260,7 @@ def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg)
 
 
 class PromptStream:
-    """Endless, seeded stream of training problems: reshuffled every epoch; `position` is all a resume needs."""
+    """Endless, seeded stream of training problems, reshuffled each epoch; a resume needs only `position`."""
 
     def __init__(self, problems: list[dict], seed: int, position: int = 0):
         self.problems, self.seed, self.position = problems, seed, position
@@ -279,7 +270,7 @@ class PromptStream:
         out = []
         for _ in range(n):
             epoch, i = divmod(self.position, len(self.problems))
-            if getattr(self, "_epoch", None) != epoch:  # new epoch: a fresh permutation, seeded by (seed, epoch)
+            if getattr(self, "_epoch", None) != epoch:  # a fresh permutation, seeded by (seed, epoch)
                 self._order = list(range(len(self.problems)))
                 random.Random(self.seed * 100_003 + epoch).shuffle(self._order)
                 self._epoch = epoch

@@ -1,7 +1,6 @@
 """
-Look up when needed: the models. Loading (a hub name, a folder, or the shipped demo model), FSDP2 sharding, the
-log-probs of completion tokens under any family's output layer, computed a chunk of positions at a time, and the
-start-up probes that check those shortcuts on the model about to be trained.
+Look up when needed: the models. Loading (a hub id, a folder, or the demo model), FSDP2 sharding, and the
+log-probs of completion tokens under any family's output layer, in chunks, probed at start-up.
 """
 import contextlib
 import os
@@ -16,23 +15,20 @@ from ranks import DistInfo, die, is_dist, print0
 hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our one line per step
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Loading. `--model demo` is a tiny Qwen3-style model with a character-level tokenizer, built in code,
-# warm-started on the arith task by demo/build.py (which says why its weights are shipped) and loaded through the
-# path a hub model takes, so the demo exercises the real code.
-# the warm-started demo model, shipped (demo/build.py makes it)
+# ------------------------------------------------------------------------------------------------------------
+# Loading. `--model demo` is a tiny Qwen3 with a character-level tokenizer, warm-started on the arith task by
+# demo/build.py (which says why its weights are shipped), loaded as a hub model is: the demo runs real code.
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "model")
 DEMO_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
 DEMO_CHARS = "0123456789+-*/=()[]., ?:;!'{}\\$^_|<>abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
-DEMO_CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+DEMO_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+                      "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>{% endif %}"
+                      "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def build_demo_tokenizer():
-    """One token per character, plus `\\boxed{` as one token (completions stay ~6 tokens while the model writes the
-    final-answer format a real one does, so the demo goes through the real verifier); a fast tokenizer."""
+    """A fast tokenizer: one token per character, plus `\\boxed{` as one token (completions stay ~6 tokens
+    while ending in a real model's final-answer format, so the demo goes through the real verifier)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {t: i for i, t in enumerate(DEMO_SPECIALS)}
@@ -43,19 +39,20 @@ def build_demo_tokenizer():
     tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces inserted
     tok.add_special_tokens(DEMO_SPECIALS)
     tok.add_tokens([AddedToken("\\boxed{", normalized=False)])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                 unk_token="<unk>", padding_side="left")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                 bos_token="<bos>", unk_token="<unk>", padding_side="left")
     hf.chat_template = DEMO_CHAT_TEMPLATE
     return hf
 
 
 def build_demo_model(tok, hidden: int = 128, layers: int = 2, seed: int = 0):
-    """A tiny Qwen3 (0.5M parameters at hidden 128, 2 layers); head_dim 32 is one vLLM's CPU backend accepts."""
+    """A tiny Qwen3 (0.5M parameters at hidden 128, 2 layers); head_dim 32 is one vLLM's CPU backend takes."""
     from transformers import AutoModelForCausalLM, Qwen3Config
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
-                      max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 32,
+                      num_key_value_heads=max(1, hidden // 64), head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -68,14 +65,14 @@ def model_path(name: str) -> str:
     if name != "demo":
         return name
     if not os.path.isfile(os.path.join(DEMO_MODEL, "model.safetensors")):
-        die(f"the demo model is missing from {DEMO_MODEL} (restore it from git, or rebuild it: python demo/build.py)")
+        die(f"the demo model is missing from {DEMO_MODEL} "
+            "(restore it from git, or rebuild it: python demo/build.py)")
     return DEMO_MODEL
 
 
 def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str = "float32"):
-    """A causal LM and its tokenizer (left padding) from a local Hugging Face folder or a hub id, with every dropout
-    probability set to 0: the trainer runs in training mode, and a dropout mask would make its log-probs a random
-    draw of another distribution than the one the rollout sampled from."""
+    """A causal LM and its tokenizer (left padding) from a Hugging Face folder or hub id, dropout 0: the
+    trainer runs in training mode, where dropout would make its log-probs a random draw, not the rollout's."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(name)
@@ -83,39 +80,38 @@ def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str
         for key, value in vars(config).items():  # attention_dropout, hidden_dropout, resid_pdrop, ...
             if re.search(r"(dropout|pdrop)$", key) and isinstance(value, float):
                 setattr(config, key, 0.0)
-        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=getattr(torch, dtype)).to(device)
-    except (OSError, ValueError) as e:  # a missing folder, an unknown hub id, or offline without a cached copy
+        model = AutoModelForCausalLM.from_pretrained(name, config=config,
+                                                     dtype=getattr(torch, dtype)).to(device)
+    except (OSError, ValueError) as e:  # a missing folder, an unknown hub id, or offline with no cached copy
         die(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]})")
     for module in model.modules():  # dropout layers built with a hard-coded p
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     tok.padding_side = "left"
-    if tok.pad_token_id is None:  # many base models ship no pad token; any id works since padding is masked out
+    if tok.pad_token_id is None:  # many base models ship no pad token; any id works, padding is masked out
         tok.pad_token = tok.eos_token
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Any model's output layer: what a family's forward does to the result of its output layer, so that log-probs
-# computed a chunk of positions at a time (token_logprobs) are that forward's own.
+# ------------------------------------------------------------------------------------------------------------
+# Any family's output layer, so that log-probs computed a chunk of positions at a time are its forward's own.
 def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Log-probs (..., V) with the tokens outside the top_p nucleus set to -inf (not renormalised): the tokens whose
-    cumulative probability from the least likely up stays <= 1 - top_p are dropped, the most likely always kept."""
+    """Log-probs (..., V) with the tokens outside the top_p nucleus at -inf (not renormalised): those whose
+    cumulative probability, from the least likely up, stays <= 1 - top_p; the most likely is always kept."""
     sorted_logp, order = logp.sort(-1)  # ascending
     drop = sorted_logp.exp().cumsum(-1) <= 1 - top_p
     drop[..., -1] = False
     return logp.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
 
 
-OUTSIDE_NUCLEUS = -1e4  # the nucleus log-prob of a token outside the nucleus: not -inf, so that a masked-out
-#   padding token multiplies to 0, not NaN; mismatch_sums leaves such tokens out of the engine/trainer gap
+OUTSIDE_NUCLEUS = -1e4  # not -inf, so masked-out padding multiplies to 0, not NaN; mismatch_sums skips these
 
 
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool, top_p: float = 1.0):
-    """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and a second (B, t) output (no grad):
-    the token entropy with with_entropy, else with top_p < 1 the targets' log-probs renormalised over the top_p
-    nucleus (what a sampler returns for what it drew from it: sample_token, vLLM), else None."""
+    """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and a second (B, t) output
+    (no grad): the token entropy with with_entropy, else with top_p < 1 the targets' log-probs renormalised
+    over the nucleus (what a sampler returns for what it drew from it: sample_token, vLLM), else None."""
     if logits.dtype in (torch.float16, torch.bfloat16):  # softmax in float32 at least (float64 stays float64)
         logits = logits.float()
     if temperature != 1.0:  # the sampling distribution was at this temperature (as verl does)
@@ -123,13 +119,15 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
     lse = logits.logsumexp(-1)  # (B, t)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, t)
     entropy_or_nucleus_logp = None
-    if with_entropy:  # H = lse - sum_v p_v logit_v, the sum as a batched dot: one (B, t, V) tensor less than p * logits
+    if with_entropy:  # H = lse - sum_v p_v logit_v, a batched dot: one (B, t, V) tensor less than p * logits
         with torch.no_grad():
-            entropy_or_nucleus_logp = lse - (logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]
+            entropy_or_nucleus_logp = lse - (
+                logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1))[..., 0, 0]
     elif top_p < 1:  # a target outside the nucleus gets OUTSIDE_NUCLEUS
         with torch.no_grad():
             nucleus_logp = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1)  # (B, t, V)
-            entropy_or_nucleus_logp = nucleus_logp.gather(-1, targets[..., None])[..., 0].clamp(min=OUTSIDE_NUCLEUS)
+            entropy_or_nucleus_logp = (nucleus_logp.gather(-1, targets[..., None])[..., 0]
+                                       .clamp(min=OUTSIDE_NUCLEUS))
     return logp, entropy_or_nucleus_logp
 
 
@@ -143,22 +141,21 @@ def _vocab_cut(logits, size):
     return logits if size is None or size >= logits.shape[-1] else logits[..., :size]
 
 
-# What a family's forward does to its output layer's result before returning it as logits, by config.model_type: a
-# survey of every ...ForCausalLM in transformers 5.19 (tests/test_heads.py checks each family). By family, not by
-# config attribute: Granite divides its logits by `logits_scaling`, HyperCLOVAX multiplies them by it, MiniCPM3
-# divides the hidden state before its output layer by it. What a forward does before its output layer needs no
-# entry (_head_inputs_as_logits records the layer's input); a family that does something else after it is refused
-# at start-up (check_chunked_logprobs).
+# What a family's forward does after its output layer, from a survey of every ...ForCausalLM in transformers
+# 5.19 (tests/test_heads.py checks each). By family, not config attribute: Granite divides its logits by
+# `logits_scaling`, HyperCLOVAX multiplies them by it, MiniCPM3 divides its output layer's input by it (no
+# entry: that input is recorded). Any other change is refused at start-up (check_chunked_logprobs).
 _LOGIT_TRANSFORMS = {
-    **dict.fromkeys(["gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma",
-                     "nanochat"], lambda model, x: _softcap(x, model.config.final_logit_softcapping)),
+    **dict.fromkeys(["gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text",
+                     "vaultgemma", "nanochat"],
+                    lambda model, x: _softcap(x, model.config.final_logit_softcapping)),
     **dict.fromkeys(["gemma3n", "gemma4", "gemma4_unified"],  # their multimodal ...ForConditionalGeneration
                     lambda model, x: _softcap(x, model.config.get_text_config().final_logit_softcapping)),
     "recurrent_gemma": lambda model, x: _softcap(x, model.config.logits_soft_cap),
     **dict.fromkeys(["cohere", "cohere2", "cohere2_moe", "cohere_compass_text", "cohere_compass"],
                     lambda model, x: x if model.logit_scale is None else x * model.logit_scale),
-    **dict.fromkeys(["granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid"],
-                    lambda model, x: x / model.config.logits_scaling),
+    **dict.fromkeys(["granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared",
+                     "granitemoehybrid"], lambda model, x: x / model.config.logits_scaling),
     "hyperclovax": lambda model, x: x * model.config.logits_scaling,
     "falcon_h1": lambda model, x: x * model.model.lm_head_multiplier,
     "inkling_text": lambda model, x: _vocab_cut(x, model.config.unpadded_vocab_size),
@@ -167,8 +164,8 @@ _LOGIT_TRANSFORMS = {
 
 
 def head_logits(model, head, hidden):
-    """The logits `model`'s forward returns for `hidden` (B, t, H), the input of its output layer `head`: the layer
-    itself (the module, so a wrapped or LoRA'd head works too), then what the family's forward does to its result."""
+    """The logits `model`'s forward returns for `hidden` (B, t, H), the input of its output layer `head`: the
+    layer (the module, so a wrapped or LoRA'd head works too), then the family's _LOGIT_TRANSFORMS entry."""
     transform = _LOGIT_TRANSFORMS.get(getattr(model.config, "model_type", None))
     logits = head(hidden)
     return logits if transform is None else transform(model, logits)
@@ -186,8 +183,8 @@ def _model_name(model) -> str:
 
 @contextlib.contextmanager
 def _head_forward(head, forward):
-    """Inside, head(x) runs forward(x) (an instance attribute shadows the class's forward; one already there is put
-    back after)."""
+    """Inside, head(x) runs forward(x): an instance attribute shadows the class's forward (one already there
+    is put back after)."""
     saved = head.__dict__.get("forward")
     head.forward = forward
     try:
@@ -201,11 +198,9 @@ def _head_forward(head, forward):
 
 @contextlib.contextmanager
 def _head_inputs_as_logits(model, head):
-    """Inside, the model's forward returns, where its logits would be, the input of its output layer: the hidden state
-    (B, t, H) as the forward feeds its head, for token_logprobs to apply head_logits a chunk at a time. The head records
-    its input and returns an empty (B, t, 0) placeholder, which whatever the forward does after the head runs on at no
-    cost; a forward hook (run before FSDP2's own, which then hooks its pre-backward on it) puts the recorded input in
-    the output's `logits`. A forward that does not call its head exactly once raises RuntimeError."""
+    """Inside, the model's forward returns its output layer's input (B, t, H) as its logits: the head records
+    its input and returns an empty (B, t, 0) placeholder, on which what follows the head costs nothing; a
+    forward hook run before FSDP2's own (which hooks its pre-backward on it) puts the input in `logits`."""
     inputs = []
 
     def record(hidden):
@@ -216,8 +211,9 @@ def _head_inputs_as_logits(model, head):
         n = len(inputs)
         if n != 1:
             inputs.clear()
-            raise RuntimeError(f"{_model_name(model)}'s forward called its output layer {n} times, not once: its "
-                               f"log-probs cannot be computed in chunks (--logprob_chunk 0 computes them whole)")
+            raise RuntimeError(f"{_model_name(model)}'s forward called its output layer {n} times, not once: "
+                               "its log-probs cannot be computed in chunks "
+                               "(--logprob_chunk 0 computes them whole)")
         output.logits = inputs.pop()
         return output
 
@@ -229,20 +225,16 @@ def _head_inputs_as_logits(model, head):
         handle.remove()
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Log-probs of completion tokens under a model, pi (trained) and pi_old: a group's prompt runs once, and the
-# output layer runs in chunks of positions, so the logits of a long completion never exist all at once.
+# ------------------------------------------------------------------------------------------------------------
+# Log-probs of completion tokens under pi or pi_old: a group's prompt runs once, the output layer in chunks.
 def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
-    """The model's outputs (logits, or hidden states while the output layer is captured) at the T positions that
-    predict the last T tokens of each row: (B, T, .), position_ids following the attention mask (left padding does not
-    shift positions). With `groups` (B,) each group's prompt runs once and its KV cache is indexed out to its rows (an
-    autograd op: every row's gradient flows back into the one prompt forward), then the completions run on top of it:
-    the same values and gradients as the rows run whole, the prompt's compute spent once per group. A checkpointed model
-    runs rows whole (its layers drop the cache in training mode), and so does one whose cache cannot be indexed out
-    (model.shares_prompts, set by check_logprob_paths).
-    Lockstep: the path decides how many forwards of the sharded model a micro-batch makes, so it depends only on the
-    model and the config, never on the data; micro-batches are at least 2 completion columns wide (make_batch,
-    micro_batches), so the completion forward always has a token to run."""
+    """The model's outputs (logits, or hidden states while the output layer is captured) at the T positions
+    that predict each row's last T tokens: (B, T, .), position_ids from the attention mask (left padding
+    shifts none). With `groups` (B,) each group's prompt runs once, its KV cache indexed out to its rows (an
+    autograd op: every row's gradient flows back into the one prompt forward), and the completions run on it:
+    the same values and gradients as rows run whole. A checkpointed model runs rows whole (its layers drop the
+    cache in training mode), as does one whose cache cannot be indexed out (model.shares_prompts).
+    Lockstep: the path, and so the sharded model's forward count, depends on model and config, never data."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if groups is None or not getattr(model, "shares_prompts", True) or (
             model.training and getattr(model, "is_gradient_checkpointing", False)):
@@ -257,21 +249,19 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
                    position_ids=position_ids[first, :P], use_cache=True, logits_to_keep=1)  # (U, 1, .)
     cache = prompt.past_key_values
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): each row gets its prompt's keys and values
-    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],  # completion tokens 1..T-1
-                 position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits  # (B, T - 1, .)
-    return torch.cat([prompt.logits[inverse], rest], 1)  # (B, T, .)
+    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
+                 position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([prompt.logits[inverse], rest], 1)  # (B, T, .): last prompt position + completion 1..T-1
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                    with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0):
-    """log pi(token) (B, T) for the last T tokens of each row, and a second (B, T) output (no grad): the entropy with
-    with_entropy, else with top_p < 1 the log-probs renormalised over the nucleus, else None; `groups` (B,) lets rows
-    that share a prompt run it once (_predicting_outputs).
-    Memory: the logits of a micro-batch are (B, T, V) floats, 25 GB in float32 for B x T = 2 x 20,480 at V = 151,936,
-    and the log-softmax, entropy and backward make several. With chunk_tokens > 0 (and B x T above it) the model returns
-    its output layer's input instead, and head_logits, the log-softmax and the entropy run on chunks of chunk_tokens
-    tokens, each recomputed in the backward: peak memory grows with chunk_tokens x V, values and gradients are the same
-    (tests/test_heads.py, every family, to 1e-10 in float64; bench/logprob_memory.py measures the memory)."""
+    """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
+    (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once.
+    Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
+    log-softmax, entropy and backward make several. With chunk_tokens > 0, head_logits, the log-softmax and
+    the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
+    gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
     T = num_completion_tokens
     targets = input_ids[:, -T:]  # (B, T)
     if chunk_tokens <= 0 or input_ids.shape[0] * T <= chunk_tokens:  # small enough: the whole logits at once
@@ -293,16 +283,13 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     return torch.cat(logps, 1), torch.cat(seconds, 1) if with_entropy or top_p < 1 else None
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# The models as the trainer holds them: FSDP2 sharding under torchrun, the forward's compute dtype, the whole
-# state for a save.
+# ------------------------------------------------------------------------------------------------------------
+# The models as the trainer holds them: sharded, the forward's compute dtype, the whole state for a save.
 def shard_model(model, dist_info: DistInfo, dtype: str = "float32", grad_checkpointing: bool = False,
                 cpu_offload: bool = False):
-    """The model as the trainer uses it, on the device, in training mode (checkpointing only recomputes there;
-    dropout is 0), with gradient checkpointing if asked; under torchrun sharded with FSDP2 (`fully_shard` per decoder
-    layer and at the root). Weights stay float32 (the optimizer's master copy); with dtype bfloat16 FSDP gathers
-    them as bf16 and reduces gradients in float32. Gradients are SUMMED over ranks: the loss weights already divide
-    by the global token and sequence counts."""
+    """The model on the device in training mode (checkpointing only recomputes there; dropout is 0), under
+    torchrun sharded with FSDP2. Weights stay float32 (the optimizer's master copy), gathered in `dtype`.
+    Gradients are SUMMED over ranks: the loss weights already divide by global token and sequence counts."""
     model.train()
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -312,9 +299,10 @@ def shard_model(model, dist_info: DistInfo, dtype: str = "float32", grad_checkpo
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
     param_dtype = getattr(torch, dtype)  # gradients are reduced in float32, or in float64 for a float64 model
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.promote_types(param_dtype, torch.float32))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                              reduce_dtype=torch.promote_types(param_dtype, torch.float32))
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    units = list(model.model.layers) + [model]  # one all-gather per layer keeps peak memory at about one layer
+    units = list(model.model.layers) + [model]  # one all-gather per layer: peak memory about one layer
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
     for unit in units:
@@ -329,8 +317,8 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
 
 
 def reshard(model):
-    """Free the gathered copy of an FSDP2 root's parameters, which FSDP2 keeps after a forward for the backward that
-    usually follows; after a no-grad forward none does. Local (no collective); a no-op without FSDP."""
+    """Free the gathered copy of an FSDP2 root's parameters, kept after a forward for the backward that
+    usually follows (none follows a no-grad forward). Local (no collective); a no-op without FSDP."""
     if hasattr(model, "reshard"):
         model.reshard()
 
@@ -341,36 +329,34 @@ def autocast(dtype: str, device: torch.device):
 
 
 def full_state_dict(model) -> dict:
-    """The full (unsharded) model state dict, on CPU; under FSDP every rank must call it and rank 0 gets the tensors."""
+    """The unsharded state dict, on CPU; under FSDP every rank must call it and rank 0 gets the tensors."""
     if not is_dist():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Start-up: the checks of token_logprobs' two shortcuts (chunks, a shared prompt) on the model still unsharded,
-# then FSDP2, then the rollout engine's calibration; the KL anchor.
+# ------------------------------------------------------------------------------------------------------------
+# Start-up: token_logprobs' shortcuts checked on the unsharded model, then FSDP2, calibration; the KL anchor.
 @torch.no_grad()
 def check_chunked_logprobs(model, dtype: str = "float32"):
-    """Exit 2 with one line (naming the model's class, saying to use --logprob_chunk 0) unless token_logprobs'
-    chunks compute what the model's own forward computes: a probe of one row of 8 tokens, no grad, under the trainer's
-    autocast. (1) The model's forward with its output layer spied on: head_logits of the layer's recorded input must
-    give back the forward's logits (the same elementwise operations on the same numbers: one rounding of the compute
-    dtype apart; a missing soft-cap or scale is far more). (2) token_logprobs in chunks of one position must run and
-    match those logits' log-probs (to 1e-3 of the logits' scale: a log-softmax over a large vocabulary rounds to a few
-    1e-4 in float32 depending on the batch's shape; a wrong chunking is off by far more). The same on every rank."""
+    """Exit 2 unless token_logprobs' chunks compute what the model's forward does, under the trainer's
+    autocast (the same on every rank): head_logits of the output layer's input must give back the forward's
+    logits to one rounding of the compute dtype (the same elementwise operations on the same numbers; a
+    missing soft-cap or scale is far more), and chunks of one position must run and match their log-probs to
+    1e-3 of the logits' scale (a log-softmax over a large vocabulary rounds to a few 1e-4 in float32)."""
     head = model.get_output_embeddings()
 
     def refuse(why: str):
-        die(f"--logprob_chunk: the chunked log-probs of {_model_name(model)} would not be its own ({why}); run with "
-            f"--logprob_chunk 0")
+        die(f"--logprob_chunk: the chunked log-probs of {_model_name(model)} would not be its own ({why}); "
+            "run with --logprob_chunk 0")
 
     if head is None:
         refuse("it has no output layer")
     embeddings = model.get_input_embeddings()
-    ids = 3 + torch.arange(8, device=embeddings.weight.device)[None] * 7 % (min(embeddings.num_embeddings, 64) - 3)
-    attn, inputs, forward = torch.ones_like(ids), [], head.forward  # ids (1, 8): 4 prompt + 4 completion tokens
+    ids = (3 + torch.arange(8, device=embeddings.weight.device)[None] * 7
+           % (min(embeddings.num_embeddings, 64) - 3))
+    attn, inputs, forward = torch.ones_like(ids), [], head.forward  # ids (1, 8): 4 prompt + 4 completion
 
     def spy(hidden):
         inputs.append(hidden)
@@ -397,13 +383,11 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
 
 @torch.no_grad()
 def check_logprob_paths(model, cfg):
-    """Start-up checks of token_logprobs' two shortcuts on a model still on the CPU and unsharded (a failure costs no
-    collective): with --logprob_chunk > 0, check_chunked_logprobs; and whether a group's rows can share its prompt's KV
-    cache, recorded as model.shares_prompts (two rows with one prompt, whole and shared, must agree; the hybrid and
-    recurrent caches of some families cannot be indexed out, and their rows run whole)."""
+    """On the unsharded CPU model (a failure costs no collective); model.shares_prompts: whether two rows with
+    one prompt agree whole and sharing its KV cache (a hybrid or recurrent cache may not index out)."""
     if cfg.logprob_chunk > 0:
         check_chunked_logprobs(model, cfg.dtype)
-    ids = 3 + torch.arange(12).view(2, 6) % 5  # (2, 6): a shared prompt of 3 tokens, then 3 different ones each
+    ids = 3 + torch.arange(12).view(2, 6) % 5  # (2, 6): a shared prompt of 3 tokens, then 3 different each
     ids[:, :3] = ids[0, :3]
     attn, groups = torch.ones_like(ids), torch.zeros(2, dtype=torch.long)
     was_training = model.training
@@ -413,17 +397,17 @@ def check_logprob_paths(model, cfg):
         model.shares_prompts = True
         shared = token_logprobs(model, ids, attn, 3, groups=groups)[0]
         model.shares_prompts = bool(torch.allclose(shared, whole, rtol=1e-4, atol=1e-4))
-    except (RuntimeError, AttributeError, TypeError, ValueError, IndexError):  # the cache cannot be indexed out
-        model.shares_prompts = False
+    except (RuntimeError, AttributeError, TypeError, ValueError, IndexError):
+        model.shares_prompts = False  # the cache cannot be indexed out
     model.train(was_training)
     if not model.shares_prompts:
-        print0(f"note: {_model_name(model)}'s KV cache cannot be shared by a group's rows: each row runs its prompt")
+        print0(f"note: {_model_name(model)}'s KV cache cannot be shared by a group's rows: "
+               "each row runs its prompt")
 
 
 def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
-    """The trained model, checked (check_logprob_paths), sharded and on the device, with the rollout engine
-    calibrated against it (vLLM: the weight-sync probe's start-up gap); and the KL anchor (the initial model, also
-    after a resume, frozen, checked and sharded alike; None without --kl_coef). Returns (model, ref_model)."""
+    """(model, ref_model), checked and sharded, the rollout engine calibrated against the model (vLLM: the
+    weight-sync probe's start-up gap); ref_model, the KL anchor, is the initial model even after a resume."""
     check_logprob_paths(model, cfg)
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     engine.calibrate(model)

@@ -1,7 +1,6 @@
 """
-Look up when needed: the processes of a run. Ranks and their collectives (a plain `python` run is world size 1 and
-none of this does anything), the stop signals the loop polls, and the two ways a run ends early: die() on a user
-error, stop_run() after a stop's checkpoint.
+Look up when needed: the processes of a run. Ranks and their collectives (a plain `python` run is world size
+1 and none of this does anything), the stop signals the loop polls, and how a run ends early.
 """
 import datetime
 import os
@@ -13,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Ranks and collectives. Under torchrun the process group comes from the environment (NCCL on GPUs, gloo on
-# CPU). Lockstep rule: every rank issues the same collectives in the same order, so a choice that changes them is
-# made from the config or agreed by an all-reduce (tests/test_lockstep.py records each rank's collectives).
+# ------------------------------------------------------------------------------------------------------------
+# Ranks and collectives, in lockstep: every rank issues the same collectives in the same order, so a choice
+# that changes them comes from the config or an all-reduce (tests/test_lockstep.py records them).
 @dataclass
 class DistInfo:
     rank: int = 0
@@ -30,18 +28,19 @@ _launched = False  # set by setup_dist under torchrun (vLLM may open a 1-rank gr
 
 
 def setup_dist(device: str = "") -> DistInfo:
-    """Initialise torch.distributed when launched by torchrun; pick the device ("" = cuda if available, else cpu)."""
+    """Initialise torch.distributed under torchrun; pick the device ("" = cuda if available, else cpu)."""
     global _launched
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return DistInfo(device=torch.device(device))
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
+                               int(os.environ["WORLD_SIZE"]))
     if device == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    # on GPUs NCCL for CUDA tensors and gloo for the CPU tensors of metrics and flags (NCCL rejects CPU tensors)
+    # on GPUs NCCL for CUDA tensors, gloo for the CPU tensors of metrics and flags (NCCL rejects CPU tensors)
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     _launched = True
@@ -49,7 +48,7 @@ def setup_dist(device: str = "") -> DistInfo:
 
 
 def cleanup_dist(engine=None):
-    """Barrier (else gloo sometimes aborts at exit), close the engine (vLLM may destroy the group), destroy it."""
+    """Barrier (else gloo can abort at exit), close the engine (vLLM may destroy the group), destroy it."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if engine is not None:
@@ -93,15 +92,14 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Stop signals: the loop polls stop_requested() at every point where it can stop (a checkpoint follows).
 _stop_signal = None  # set by the handler of SIGTERM / SIGINT
 
 
 def handle_stop_signals():
-    """SIGTERM (preemption; torchrun forwards it to every worker and kills them 30 s later) or Ctrl-C: the loop checks
-    between generation batches, between updates and after each step, checkpoints at once and exits. A second Ctrl-C
-    aborts."""
+    """SIGTERM (preemption; torchrun forwards it to every worker and kills them 30 s later) or Ctrl-C: the
+    loop checks between generation batches, between updates and after each step. A second Ctrl-C aborts."""
     global _stop_signal
     _stop_signal = None
 
@@ -120,9 +118,8 @@ def stop_requested() -> bool:
     return all_reduce_sum(torch.tensor(float(_stop_signal is not None))).item() > 0
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# How a run ends early: every user error (bad flag, file, data) in die(), one line naming the flag, file or
-# line, exit status 2, no traceback; a stop request in stop_run(), after its checkpoint.
+# ------------------------------------------------------------------------------------------------------------
+# How a run ends early: die() on a user error (bad flag, file, data; one line naming it), or stop_run().
 def die(message: str):
     """A user error: one line on stderr and exit status 2, no traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
