@@ -95,8 +95,9 @@ def config_dict(cfg, world_size: int = 1) -> dict:
             "_transformers": transformers.__version__, "_git_commit": commit}
 
 
-def check_config(cfg, world_size: int):
-    """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded."""
+def check_config(cfg, world_size: int, check_algorithm=None):
+    """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded; the
+    script's own last (check_algorithm(cfg))."""
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                "dtype": ("float32", "bfloat16", "float16"),
                "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
@@ -139,6 +140,8 @@ def check_config(cfg, world_size: int):
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
         die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
     parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
+    if check_algorithm is not None:
+        check_algorithm(cfg)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -149,6 +152,7 @@ class Logger:
 
     def __init__(self, cfg, dist_info: DistInfo, resumed_step: int = -1):
         self.enabled, self.out_dir, self.tracker = dist_info.is_main, cfg.out_dir, None
+        self.sample_every = cfg.sample_every
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
             if cfg.resume:
@@ -172,8 +176,12 @@ class Logger:
         if self.enabled:
             tqdm.write(text)
 
-    def samples(self, step: int, group: dict, n: int = 4):
-        """A few completions of one group to samples.jsonl, and one of them to the console."""
+    def samples(self, step: int, groups: list[dict], n: int = 4):
+        """Every --sample_every steps: a few completions of the step's first group to samples.jsonl, one of
+        them to the console."""
+        if not (self.sample_every and step % self.sample_every == 0 and groups):
+            return
+        group = groups[0]
         for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
             self.log({"step": step, "prompt": group["prompt"], "answer": group["answer"], "completion": text,
                       "reward": reward}, "samples.jsonl")
@@ -235,8 +243,10 @@ def format_step(step: int, steps: int, record: dict) -> str:
             f"gnorm {record['train/grad_norm']:.3f} | {record['time/step_s']:.1f}s")
 
 
-def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int) -> dict:
-    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels)."""
+def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,
+                     before: dict | None = None) -> dict:
+    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); with
+    `before`, the step-0 evaluation's record, the run's gain too."""
     record = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
     logger.log(record)
     for name in eval_sets:
@@ -248,7 +258,14 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
         label = f" [{name}]" if len(eval_sets) > 1 else ""
         logger.line(f"eval step {step}{label}: acc {scores['acc']:.3f} | {passes}"
                     + (f" | {levels}" if levels else ""))
+    if before is not None and before["step"] == 0:
+        print0(f"eval/acc before {before['eval/acc']:.3f} -> after {record['eval/acc']:.3f}")
     return record
+
+
+def step_bar(steps: range, dist_info: DistInfo):
+    """The loop's steps, with a progress bar on rank 0 in a terminal (none in a log file)."""
+    return tqdm(steps, desc="steps", leave=False, disable=not dist_info.is_main or not sys.stderr.isatty())
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -21,21 +21,19 @@ Run:  python da3po.py                                          # the built-in de
       torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...   # docs/gpu.md
       python da3po.py --theory                                 # the amplification factors, exact and MC
 """
-import sys
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
-                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state)
+                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
 from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateGuard, dynamic_sampling,
                     group_advantages, loss_weights, make_batch, micro_batches, old_logprobs, plan_updates,
                     presets, token_losses, train_metrics)
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_model, model_path, prepare_models
-from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals, print0, setup_dist,
+from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup_dist,
                    stop_requested, stop_run)
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -220,8 +218,7 @@ class DAA:
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
-    check_config(cfg, dist_info.world_size)  # a flag combination that cannot work stops here (exit 2)
-    check_algorithm_config(cfg)
+    check_config(cfg, dist_info.world_size, check_algorithm_config)  # a flag that cannot work stops here
     device = dist_info.device
     train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
@@ -245,8 +242,7 @@ def main(cfg: Config):
         first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
     guard, pending = UpdateGuard(cfg.max_bad_updates), state["pending"]  # pending: a step a stop interrupted
-    for step in tqdm(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), desc="steps", leave=False,
-                     disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal only
+    for step in step_bar(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), dist_info):
         timer, sums, my_groups, update_rows, first = StepTimer(), Sums(*TRAIN_SUMS), [], [], 0
         if pending:  # the rest of a step that a stop interrupted between two updates
             record, my_groups, update_rows, batch, first = pending.resume(sums, algo)
@@ -257,7 +253,8 @@ def main(cfg: Config):
             with timer("rollout"):
                 rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
             if rollout is None:  # a stop between generation batches: the step is redone on resume
-                stream.position, _ = start[0], set_rng_state(start[1])
+                stream.position = start[0]
+                set_rng_state(start[1])
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
             kept, generated, record = rollout
@@ -304,8 +301,7 @@ def main(cfg: Config):
         record.update(algo.metrics(record))
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
-        if cfg.sample_every and step % cfg.sample_every == 0 and my_groups:
-            logger.samples(step, my_groups[0])
+        logger.samples(step, my_groups)  # every --sample_every steps
         # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
@@ -316,9 +312,7 @@ def main(cfg: Config):
         if stopping:
             return stop_run(engine, f"at step {step}")
     if not cfg.eval_only:
-        last_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps)
-        if first_eval is not None and first_eval["step"] == 0:
-            print0(f"eval/acc before {first_eval['eval/acc']:.3f} -> after {last_eval['eval/acc']:.3f}")
+        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps, before=first_eval)
     cleanup_dist(engine)
 
 
