@@ -52,9 +52,8 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
                 top_p: float = 1.0, batch_size: int = 256, n: int = 1):
     """n sampled completions of each prompt, grouped by prompt: each prefill runs once and its cache is
     repeated n times; finished rows leave the batch. Only the eos ids are read from generation_config.json
-    (instruct models set repetition_penalty or top_k there: silently off-policy rollouts). batch_size:
-    sequences per forward (on a GPU at most what fits). Returns (completion ids up to and including the first
-    eos; whether each was truncated; sample_token's log-probs, None when greedy)."""
+    (instruct models set repetition_penalty or top_k there: silently off-policy rollouts). Returns (completion
+    ids up to and including the first eos, truncated flags, sample_token's log-probs or None when greedy)."""
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = torch.tensor(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -181,8 +180,7 @@ class VLLMRollout:
                 from torch._inductor import config  # even eager; inductor's vectorised C++ needs SIMD
                 config.cpp.simdlen = 1
         self.llm = LLM(model=model_path, **kw)
-        self.device, self.on_gpu, self.asleep, self.dtype, self.freed = (dist_info.device, on_gpu, False,
-                                                                         dtype, 0)
+        self.device, self.on_gpu, self.asleep, self.dtype, self.freed = dist_info.device, on_gpu, False, dtype, 0
         self.vocab_size = len(tok)  # Qwen pads its output layer past it (151936 rows vs 151669): see generate
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = getattr(hf_config, "tie_word_embeddings", False)
@@ -199,10 +197,9 @@ class VLLMRollout:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, n: int = 1, seed: int | None = None):
-        """As hf_generate (a prompt's n samples share its prefill). With `seed` (evaluation) request i is
-        seeded with seed + i and no log-probs are asked for (None): the samples depend on no RNG state
-        (otherwise vLLM's GPU runner draws each request's seed from numpy's global RNG) and its fused top-p
-        sampler stays on."""
+        """As hf_generate (vLLM shares prefills). With `seed` (evaluation) request i is seeded with seed + i
+        and no log-probs are asked for: the samples depend on no RNG state (otherwise vLLM's GPU runner draws
+        each request's seed from numpy's global RNG) and its fused top-p sampler stays on."""
         from vllm import SamplingParams
         assert not self.asleep, (
             "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update")
@@ -227,8 +224,7 @@ class VLLMRollout:
         return completions, truncated, logps if seed is None else None
 
     def sleep(self):
-        """GPU: free the weights and KV cache for the update (level 2: the weights are reloaded anyway),
-        noting how much that freed. CPU: a no-op (vLLM has no sleep mode there)."""
+        """Free weights and KV cache for the update (level 2: weights are reloaded); no sleep mode on CPU."""
         if self.on_gpu and not self.asleep:
             free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=2)
@@ -251,8 +247,7 @@ class VLLMRollout:
             self.asleep = False
 
     def close(self):
-        """Shut the engine down. vLLM then destroys the process groups itself, so this goes between
-        cleanup_dist's barrier and its destroy (cleanup_dist(engine))."""
+        """vLLM's shutdown destroys the process groups: cleanup_dist runs it between barrier and destroy."""
         self.llm.llm_engine.engine_core.shutdown()
 
     @torch.no_grad()
@@ -277,9 +272,8 @@ class VLLMRollout:
 
     @torch.no_grad()
     def probe_gap(self, model) -> float:
-        """The largest over ranks of the mean |log-prob difference| between engine and trainer on the probe:
-        the engine's prompt log-probs against token_logprobs of the trainer's model as it trains (sharded,
-        under --dtype's autocast). Every rank calls it (a forward of the sharded model, an all-reduce)."""
+        """Max over ranks of the mean |log-prob difference| on the probe, the engine's prompt log-probs
+        against the trainer's token_logprobs. Every rank calls it (a sharded forward, an all-reduce)."""
         from vllm import SamplingParams
         assert not self.asleep, "VLLMRollout.probe_gap while asleep"
         # the one generated token is greedy, so no random number is drawn
@@ -297,9 +291,8 @@ class VLLMRollout:
         return all_reduce_max(torch.nan_to_num(gap, nan=float("inf"))).item()
 
     def calibrate(self, model) -> float:
-        """The start-up gap, once the trainer's model is sharded: two copies of the same weights differ by
-        kernel rounding only (float32 ~1e-6, bf16 ~1e-3 to 1e-2). Later syncs must stay within 4 x it + a
-        floor (1e-3 float32, 1e-2 bf16): a skipped or misnamed tensor or a no-op reload moves it far more."""
+        """The start-up gap on the sharded trainer, kernel rounding only (float32 ~1e-6, bf16 ~1e-3 to 1e-2):
+        a skipped or misnamed tensor or a no-op reload moves the gap far more (sync_tol: 4 x it + a floor)."""
         base = self.probe_gap(model)
         if not base < (0.05 if self.dtype == "float32" else 0.5):
             die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by {base:.3g} "
@@ -391,10 +384,8 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     share = cfg.vllm_gpu_memory or (vllm_memory_share(model, dist_info, cfg.cpu_offload)
                                     if dist_info.device.type == "cuda" else 0.0)
     if dist_info.device.type == "cuda":
-        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to "
-               f"{cfg.max_model_len} tokens")
-    return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share,
-                       cfg.vllm_cpu_kv_gb)
+        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to {cfg.max_model_len} tokens")
+    return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share, cfg.vllm_cpu_kv_gb)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -406,11 +397,10 @@ def rollout_correction(batch: dict, cfg) -> dict:
       sequence   w_i = exp(sum_t (log pi_old_t - log pi_rollout_t)): the completion's product, on its tokens
     Truncation (default): w <- min(w, C), C = --rollout_is_cap (2, as verl). With --rollout_is_mask, tokens
     (sequences) with w outside [1/C, C] are rejected instead: batch["mask"] drops them from the loss and its
-    denominators (zeroing only their weight would still count them: the bug verl fixed in v0.6.1); the rest
-    keep their untruncated w. With top_p < 1 the engine's log-probs are of its nucleus, so pi_old is
-    renormalised over its own nucleus too (old_logp_nucleus): against the full softmax even a perfect engine
-    would get weights below 1. Unlike verl and TRL: one cap C for both bounds, no bypass, no veto, no
-    geometric-mean level. Returns the rollout_is/* metrics, over all ranks."""
+    denominators (zeroing only their weight would still count them: the bug verl fixed in v0.6.1). With
+    top_p < 1 the engine's log-probs are of its nucleus, so pi_old is renormalised over its own nucleus too
+    (old_logp_nucleus): against the full softmax even a perfect engine would get weights below 1. Unlike
+    verl and TRL: one cap C for both bounds, no bypass, no veto, no geometric-mean level."""
     if cfg.rollout_is == "none" or "rollout_logp" not in batch:
         return {}
     mask = batch["mask"].to(batch["old_logp"].dtype)  # (B, T), before rejection
