@@ -8,7 +8,7 @@ The rollout engines of da3po.py and daro.py behind one interface, and what corre
   engine.exact_logprobs                                    # True when logps are the trainer's pi_old itself
 
 Every engine samples what the flags say (temperature, top_p), never a checkpoint's generation settings, and
-returns log-probs of that distribution, for rollout_correction's importance weights on pi_old (--rollout_is).
+returns log-probs of that distribution: rollout_correction turns their gap to pi_old into importance weights.
 """
 import copy
 import math
@@ -131,7 +131,7 @@ class HFRollout:
 
     @torch.no_grad()
     def sync_weights(self, model) -> dict:
-        """Copy the trainer's new weights into ours, one gathered tensor at a time; a no-op in a plain run."""
+        """Copy the trainer's new weights into the copy, a gathered tensor at a time; no-op in a plain run."""
         if self.model is not model:
             target = self.model.state_dict()
             for name, value in model.state_dict().items():  # gathered on the device, in the compute dtype
@@ -149,11 +149,10 @@ VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the a
 
 class VLLMRollout:
     """One rank's vLLM engine, in the training process. Create it before the trainer's model is on the GPU
-    (vLLM sizes its memory share from what is free at start-up) and before seeding the sampling RNG (vLLM
-    reseeds torch's; a plain run also opens a 1-rank process group, which is_dist tells from torchrun's).
-    Weights sync unserialised, via `collective_rpc("reload_weights", weights_iterator=...)`, which re-runs
-    each layer's post-load processing: on CPU, where vLLM repacks every linear weight, `model.load_weights`
-    (TRL's and verl's GPU path) fails; on GPUs both work."""
+    (vLLM sizes its share from the free memory) and before seeding the sampling RNG (vLLM reseeds torch's; a
+    plain run also opens a 1-rank process group, which is_dist tells from torchrun's). Weights sync via
+    `collective_rpc("reload_weights", weights_iterator=...)`, which re-runs each layer's post-load processing:
+    on CPU, where vLLM repacks every linear weight, `model.load_weights` (TRL's and verl's GPU path) fails."""
 
     exact_logprobs = False  # its log-probs are its own: the trainer recomputes pi_old
 
@@ -216,7 +215,7 @@ class VLLMRollout:
             cut = next((j for j, t in enumerate(ids) if t >= self.vocab_size), None)
             if cut is not None:
                 # An id past the tokenizer (an untrained padding row, so rare) ends the completion, truncated:
-                # masking those logits would make vLLM sample off the distribution the trainer describes.
+                # masking their logits would make vLLM sample off what the trainer's log-probs describe.
                 ids, lp = ids[:cut], lp[:cut]
             completions.append(ids)
             truncated.append(cut is not None or c.finish_reason == "length")
@@ -252,7 +251,7 @@ class VLLMRollout:
 
     @torch.no_grad()
     def sync_weights(self, model) -> dict:
-        """Stream the trainer's weights into the engine a full tensor at a time (each rank gathers an FSDP2
+        """Stream the trainer's weights into the engine a full tensor at a time (every rank gathers each FSDP2
         shard on the device in the engine's dtype: on the host, with --cpu_offload, it would go over gloo in
         float32), then check them. The KV cache wakes after the load (both at once: the known wake-up OOM)."""
         self.wake_up(["weights"])
@@ -287,7 +286,7 @@ class VLLMRollout:
             trainer = token_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - 1)[0][0].float().cpu()
         reshard(model)
         model.train(was_training)
-        gap = (engine - trainer).abs().mean()  # of two (L-1,)
+        gap = (engine - trainer).abs().mean()  # engine, trainer: (L-1,) each
         return all_reduce_max(torch.nan_to_num(gap, nan=float("inf"))).item()
 
     def calibrate(self, model) -> float:
@@ -384,7 +383,8 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     share = cfg.vllm_gpu_memory or (vllm_memory_share(model, dist_info, cfg.cpu_offload)
                                     if dist_info.device.type == "cuda" else 0.0)
     if dist_info.device.type == "cuda":
-        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to {cfg.max_model_len} tokens")
+        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to "
+               f"{cfg.max_model_len} tokens")
     return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share, cfg.vllm_cpu_kv_gb)
 
 
@@ -400,7 +400,7 @@ def rollout_correction(batch: dict, cfg) -> dict:
     denominators (zeroing only their weight would still count them: the bug verl fixed in v0.6.1). With
     top_p < 1 the engine's log-probs are of its nucleus, so pi_old is renormalised over its own nucleus too
     (old_logp_nucleus): against the full softmax even a perfect engine would get weights below 1. Unlike
-    verl and TRL: one cap C for both bounds, no bypass, no veto, no geometric-mean level."""
+    verl and TRL: one cap C for both bounds, no bypass mode, no veto, no geometric-mean level."""
     if cfg.rollout_is == "none" or "rollout_logp" not in batch:
         return {}
     mask = batch["mask"].to(batch["old_logp"].dtype)  # (B, T), before rejection
