@@ -1,17 +1,16 @@
 """
-The RL step both scripts share, in the order the loop takes it: every part of one step that no equation of DA3PO or
-DARO points at. What keeps a run going around the step lives in files to look up when needed: ranks.py (processes,
-collectives, stop signals), modeling.py (loading, log-probs of any model, sharding, start-up probes), dataset.py
-(problems, prompts, eval sets), bookkeeping.py (flags, records, checkpoints); the rollout engines are engine.py, the
-verifier verifier.py.
+The RL step both scripts share, in the order the loop takes it: every part of one step that no equation of
+DA3PO or DARO points at. Around it, in files to look up when needed: ranks.py (processes, collectives, stop
+signals), modeling.py (loading, log-probs of any model, sharding, start-up probes), dataset.py (problems,
+prompts, eval sets), bookkeeping.py (flags, records, checkpoints), engine.py (rollout engines), verifier.py.
 
    1. the shared knobs, the baselines' presets        5. pi and pi_old: log-probs of the batch's completions
    2. the step's record and its metrics               6. the token losses and the guarded update
    3. rollout: groups, rewards, dynamic sampling      7. evaluation (avg@k, pass@k, maj@k)
    4. the update plan and the batch (its contract)
 
-Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens (left
-padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
+Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens
+(left padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
 """
 import contextlib
 import math
@@ -28,17 +27,20 @@ from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_
 from verifier import extract_answer, majority_vote, verify_batch
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run the CPU
-#    demo; the papers' scale is in docs/gpu.md.
+# ------------------------------------------------------------------------------------------------------------
+# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run
+#    the CPU demo; the papers' scale is in docs/gpu.md.
 @dataclass
 class TrainConfig:
     # run
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
-    demo: str = "arith"  # the shipped demo the defaults run: arith (sums, answer only) | reasoning (a trace before
-    #   the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags: common.DEMOS)
-    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
-    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
+    demo: str = "arith"  # the shipped demo the defaults run: arith (sums, answer only) | reasoning (a trace
+    #   before the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more
+    #   flags: common.DEMOS)
+    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
+    #   see demo/build.py)
+    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
+    #   of problem/answer rows
     eval_data: str = "arith"  # same choices, comma-separated for several sets, each with its own k as set@k
     #   (aime24.jsonl@32,math500.jsonl@8; a set without @k gets --eval_samples); 'arith': 200 held-out sums
     out_dir: str = ""  # config.json, metrics.jsonl, samples.jsonl, checkpoints
@@ -53,14 +55,16 @@ class TrainConfig:
     group_size: int = 8  # G (K in DARO): completions per prompt
     dynamic_sampling: bool = True  # DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts
     oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
-    max_gen_batches: int = 4  # cap on generation batches per step; at the cap, warn and train on what was kept
+    max_gen_batches: int = 4  # cap on generation batches per step;
+    #   at the cap, warn and train on what was kept
     max_new_tokens: int = 12  # L_max: hard limit on completion length
     max_prompt_length: int = 1024  # prompts longer than this (tokens, template included) are dropped at load
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per forward of our sampler (memory knob)
     rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)
-    vllm_gpu_memory: float = 0.0  # vLLM's share of GPU memory; 0 = the most the trainer leaves (bench/memory.py)
+    vllm_gpu_memory: float = 0.0  # vLLM's share of GPU memory; 0 = the most the trainer leaves
+    #   (bench/memory.py)
     max_model_len: int = 0  # longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
     rollout_is: str = "none"  # correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)
@@ -68,10 +72,13 @@ class TrainConfig:
     rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C] instead
     prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, else chat if any)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
-    prompt_key: str = ""  # data field holding the problem ('' = try problem, question, prompt; dots for nested)
-    answer_key: str = ""  # data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)
+    prompt_key: str = ""  # data field holding the problem
+    #   ('' = try problem, question, prompt; dots for nested)
+    answer_key: str = ""  # data field holding the answer
+    #   ('' = try answer, final_answer, reward_model.ground_truth)
     # reward (DAPO)
-    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off
+    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max;
+    #   0 = off
     overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
     # advantages and loss
     std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
@@ -84,9 +91,11 @@ class TrainConfig:
     # optimisation
     lr: float = 1e-4  # AdamW learning rate (the papers: 1e-6)
     weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
-    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps
+    #   (not optimizer updates), as verl
     grad_clip: float = 1.0  # max global gradient norm
-    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step; the step's groups are split evenly
+    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step;
+    #   the step's groups are split evenly
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
     micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
     logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
@@ -98,26 +107,28 @@ class TrainConfig:
     eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
     eval_batch_size: int = 128  # eval problems per generate call
     sample_every: int = 10  # write a few completions to samples.jsonl every N steps
-    save_every: int = 0  # checkpoint every N steps (and at the end, and on a stop request); 0 = only at the end
+    save_every: int = 0  # checkpoint every N steps (and at the end, and on a stop request);
+    #   0 = only at the end
     keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
     resume: bool = False  # continue from the latest checkpoint in out_dir
-    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row (each is skipped)
+    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row
+    #   (each is skipped)
     eval_only: bool = False  # evaluate --model on --eval_data and exit
     report_to: str = "none"  # also log to: none | tensorboard | wandb (requirements-tracking.txt)
     wandb_project: str = ""  # wandb project of --report_to wandb
 
 
-# The baselines both papers compare against, each its paper's recipe written out for every knob that defines the
-# algorithm; the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on) comes from the flags.
-_DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False, "clip_low": 0.2,
-         "clip_high": 0.28}  # clip-higher, token-mean, dynamic sampling (and overlong shaping: the default buffer)
+# The baselines both papers compare against, each its paper's recipe for every knob that defines the
+# algorithm; the flags give the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on).
+_DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
+         "clip_low": 0.2, "clip_high": 0.28}  # DAPO's 4 techniques (overlong shaping: the default buffer)
 
 
 BASELINES = {
     "dapo": _DAPO,
-    # GRPO: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic sampling. No KL
-    # term, as in DAPO, Dr. GRPO and GSPO, so that GRPO vs DAPO changes nothing else; verl's GRPO examples add a k3
-    # KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
+    # GRPO: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic sampling. No
+    # KL term, as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else; verl's GRPO examples add a
+    # k3 KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
     "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
     # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
@@ -129,9 +140,9 @@ BASELINES = {
 }
 
 
-# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies before
-# the --algo preset (GRPO's preset turns its overlong shaping off) and explicit flags override both.
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # the shipped demos (demo/build.py)
+# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies
+# before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags override both.
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
 _REASONING = os.path.join(DEMO_DIR, "reasoning")
 DEMOS = {"arith": {},
          "reasoning": {"model": os.path.join(_REASONING, "model"),
@@ -145,12 +156,12 @@ def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
     return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
-#    all-reduce (Sums), and the seconds of each phase (StepTimer); train_metrics turns them into metrics.jsonl's.
+#    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.
 class Sums:
-    """Named sums of per-micro-batch and per-update numbers on this rank; reduce() sums each over all ranks in one
-    all-reduce (every rank holds the same names: the fixed list given at creation)."""
+    """Named sums of per-micro-batch and per-update numbers on this rank; reduce() sums each over all ranks
+    in one all-reduce (every rank holds the same names: the fixed list given at creation)."""
 
     def __init__(self, *names: str):
         self.sums = dict.fromkeys(names, 0.0)
@@ -164,8 +175,8 @@ class Sums:
         return dict(zip(self.sums, totals.tolist()))
 
 
-TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff", "kl_k1",
-              "kl_k3", "compared", "boundary", "forward_tokens", "real_tokens")
+TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff",
+              "kl_k1", "kl_k3", "compared", "boundary", "forward_tokens", "real_tokens")
 
 
 class StepTimer:
@@ -182,27 +193,30 @@ class StepTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - t0
 
     def metrics(self) -> dict:
-        return {**{f"time/{k}_s": v for k, v in self.seconds.items()}, "time/step_s": time.time() - self.start}
+        return {**{f"time/{k}_s": v for k, v in self.seconds.items()},
+                "time/step_s": time.time() - self.start}
 
 
 def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> dict:
-    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected ones left out)
-    or per applied update; `mismatch` (an engine whose log-probs are not pi_old): the rollout/* gap too."""
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected ones
+    left out) or per applied update; `mismatch` (engine log-probs are not pi_old): the rollout/* gap too."""
     tokens, applied = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
     record = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
-              "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
+              "train/clipfrac_low": totals["clip_low"] / tokens,
+              "train/clipfrac_high": totals["clip_high"] / tokens,
               "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
               "train/num_updates": num_updates, "train/lr": lr,
-              "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the forwards
-    if mismatch:  # the engine vs the trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
+              "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}
+    if mismatch:  # engine vs trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
         compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
         record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
-                       "rollout/kl_k1": totals["kl_k1"] / compared, "rollout/kl_k3": totals["kl_k3"] / compared,
+                       "rollout/kl_k1": totals["kl_k1"] / compared,
+                       "rollout/kl_k3": totals["kl_k3"] / compared,
                        "rollout/nucleus_boundary_frac": totals["boundary"] / tokens})
     return record
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded (DAPO's
 #    shaped reward); DAPO's dynamic sampling keeps the groups whose correctness is mixed and refills from fresh
 #    prompts, up to a cap.
@@ -312,7 +326,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     return kept, generated, stats
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 4. The step's batch: plan_updates splits the kept groups into the step's updates and brings each rank its own;
 #    make_batch makes them padded tensors, the one dict the update reads; its advantages; its micro-batches. Its
 #    contract, every key with its shape (B rows: this rank's groups x G) and who writes it:
@@ -452,7 +466,7 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
         yield rows, mb
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 5. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt once,
 #    the output layer in chunks); pi_old once per step, before the first update, unless the engine's are exact.
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
@@ -486,7 +500,7 @@ def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> 
     return out
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 6. The update: each token's clipped surrogate (the papers agree on it), which each script weighs and sums its own
 #    way (DAPO's token mean, GRPO's per-sequence mean, Dr. GRPO's constant: loss_weights; DARO's per-bin means times
 #    w_mu), one micro-batch's forward, and the guarded optimizer step.
@@ -612,7 +626,7 @@ class UpdateGuard:
         return False
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority answer's
 #    accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
