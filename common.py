@@ -217,15 +217,15 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded (DAPO's
-#    shaped reward); DAPO's dynamic sampling keeps the groups whose correctness is mixed and refills from fresh
-#    prompts, up to a cap.
-def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int, min_width: int = 1):
-    """Left-pad prompts to P and right-pad completions to T >= min_width; returns input_ids (B, P+T), attention_mask
-    (B, P+T) and the completion mask (B, T) (1 = a real completion token, the final eos included)."""
+# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
+#    (DAPO's shaped reward); dynamic sampling keeps the groups of mixed correctness, refilling up to a cap.
+def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                          min_width: int = 1):
+    """Left-pad prompts to P and right-pad completions to T >= min_width: input_ids and attention_mask
+    (B, P+T), the completion mask (B, T) (1 = a real completion token, the final eos included)."""
     P, T = max(map(len, prompts)), max(min_width, max(map(len, completions)))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p + c + [pad_id] * (T - len(c))
-                        for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T), one tensor built
+                        for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T)
     attn = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
                          for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T)
     return ids, attn, attn[:, P:].clone()
@@ -233,7 +233,7 @@ def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]]
 
 def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buffer: int,
                   overlong_penalty: float = 1.0) -> float:
-    """DAPO's reward: +1 correct, -1 otherwise, plus the soft overlong punishment, which falls linearly from 0 at
+    """DAPO's reward: +1 correct, -1 otherwise, plus the soft overlong punishment, falling linearly from 0 at
     `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens` (DAPO, Sec. 3.4)."""
     reward = 1.0 if correct else -1.0
     expected = max_new_tokens - overlong_buffer
@@ -244,12 +244,13 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
 
 def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float,
                 seed: int | None = None):
-    """G completions for each problem, verified and rewarded. One group = one prompt: {"prompt_ids", "completions" (G
-    lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats), "answer", "level", "prompt",
-    "rollout_logp" (G lists: the engine's log-probs of its samples, or None)}. `seed`: evaluation (the engine seeds
-    each request). Returns (groups, the verifier's info: timeouts, symbolic comparisons, cache hits, its seconds)."""
+    """G completions for each problem, verified and rewarded; a group per prompt: {"prompt_ids", "completions"
+    (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats), "answer", "level",
+    "prompt", "rollout_logp" (G lists: the engine's log-probs of its samples, or None)}. `seed`: evaluation's
+    (the engine seeds each request). Returns (groups, verify_batch's info + "seconds")."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
-    completions, truncated, logps = engine.generate(prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
+    completions, truncated, logps = engine.generate(
+        prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
     texts = tok.batch_decode(completions, skip_special_tokens=True)
     t0 = time.perf_counter()
     correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
@@ -272,25 +273,24 @@ def _mixed(group: dict) -> bool:
 
 
 def _summary(group: dict, rank: int, index: int) -> dict:
-    """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs), and where
-    it lives: (the rank that generated it, its index there)."""
+    """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs),
+    and where it lives: (the rank that generated it, its index there)."""
     return {"origin": (rank, index), "prompt": group["prompt"], "answer": group["answer"],
             "correct": group["correct"], "reward": group["reward"], "truncated": group["truncated"],
             "lengths": [len(c) for c in group["completions"]], "prompt_len": len(group["prompt_ids"])}
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO's dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank its stride),
-    keep the groups whose correctness is mixed, until prompts_per_step are kept across all ranks or max_gen_batches
-    batches were generated; then keep exactly prompts_per_step (at the cap: what was kept, a multiple of the world size,
-    possibly none, with a warning; it never raises and never loops forever). --no-dynamic_sampling: one batch, all kept.
-    Each group stays on the rank that generated it; every rank gets every group's _summary. A stop request between
-    batches ends the rollout: it then returns None.
-    Returns (the kept groups' summaries, every generated group's summary, the step's rollout metrics); the kept
-    summaries of this rank's groups carry the group itself under "group"."""
+    """DAPO's dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank
+    its stride) and keep the groups of mixed correctness, until prompts_per_step are kept (all ranks together)
+    or max_gen_batches batches are done; then keep exactly prompts_per_step, or at the cap what was kept, cut
+    to a multiple of the world size (possibly none; a warning, never an error or an endless loop).
+    --no-dynamic_sampling: one batch, all kept. Groups stay on the rank that made them; every rank gets every
+    group's _summary, a kept one of this rank's holding the group under "group". Returns (kept summaries, all
+    summaries, the rollout metrics); None on a stop request between batches."""
     rank, world = dist_info.rank, dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
-    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per generation batch
+    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
     local, kept, generated, n_batches, timeouts, verify_s = [], [], [], 0, 0, 0.0
     while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
@@ -306,9 +306,9 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
         kept += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
     if len(kept) < cfg.prompts_per_step:
         usable = len(kept) - len(kept) % world  # an equal share per rank keeps FSDP's collectives in lockstep
-        print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} generation "
-               f"batches (--max_gen_batches); training on " + (f"all {usable}" if usable == len(kept) else
-                                                              f"{usable} (a multiple of the {world} ranks)"))
+        print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} "
+               f"generation batches (--max_gen_batches); training on "
+               + (f"all {usable}" if usable == len(kept) else f"{usable} (a multiple of the {world} ranks)"))
     kept = kept[:min(cfg.prompts_per_step, len(kept) - len(kept) % world)]
     for g in kept:
         if g["origin"][0] == rank:
@@ -319,8 +319,9 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     lengths = [n for g in generated for n in g["lengths"]]
     stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
              "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
-             "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
-             "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated),
+             "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
+             "train/num_completions": len(lengths), "train/response_len": sum(lengths) / len(lengths),
+             "train/truncated_frac": sum(truncated) / len(truncated),
              "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item(),
              "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
     return kept, generated, stats
