@@ -328,35 +328,33 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 4. The step's batch: plan_updates splits the kept groups into the step's updates and brings each rank its own;
-#    make_batch makes them padded tensors, the one dict the update reads; its advantages; its micro-batches. Its
-#    contract, every key with its shape (B rows: this rank's groups x G) and who writes it:
-#      input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
-#      mask                       (B, T)    make_batch          1 = a completion token the loss counts; zeroed for
-#                                                               tokens rollout_correction rejects, and in daro.py for
-#                                                               the groups of bins 0 and G
-#      reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
-#      group                      (B,)      make_batch          which of this rank's groups (prompts) a row belongs to
-#      rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
-#      advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
-#      old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
-#      is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
-#      weight                     (B, T)    the script          each token's share of its update's loss
-#      bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
+# 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
+#    one dict the update reads; advantages; micro-batches. Its contract (B = this rank's groups x G):
+#    input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
+#    mask                       (B, T)    make_batch          1 = a completion token the loss counts; zeroed
+#                                                             for tokens rollout_correction rejects, and in
+#                                                             daro.py for the groups of bins 0 and G
+#    reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
+#    group                      (B,)      make_batch          index of the row's group (prompt) on this rank
+#    rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
+#    advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
+#    old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
+#    is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
+#    weight                     (B, T)    the script          each token's share of its update's loss
+#    bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
 def group_tokens(group: dict) -> int:
     """Tokens a group (or its _summary) puts through the trainer: its G prompt + completion rows."""
     return sum(group["prompt_len"] + n for n in group["lengths"])
 
 
 def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
-    """Which groups this rank trains in each optimizer update of the step, brought to it. The kept groups (the same
-    summaries on every rank, a multiple of the world size) are cut into min(num_updates, groups / world) contiguous
-    updates whose sizes are multiples of the world size and differ by at most one group per rank: every group is
-    trained once and no update is empty, also at the sampling cap. Inside an update every rank takes as many groups:
-    every world-th one, or with `balance` the heaviest first, each to the rank with the fewest tokens so far. Every
-    rank computes the whole plan from the summaries; each rank then sends the others the groups it generated that
-    they train (one scatter per rank).
-    Returns (this rank's groups in update order, the row indices of each update into make_batch of those groups).
+    """This rank's groups in each optimizer update of the step, brought to it. The kept groups (the same
+    summaries on every rank, a multiple of the world size) are cut into min(num_updates, groups / world)
+    contiguous updates, their sizes multiples of the world size differing by at most one group per rank: every
+    group is trained once, no update is empty, also at the sampling cap. In an update each rank gets as many
+    groups: every world-th, or with `balance` the heaviest first, each to the rank with the fewest tokens so
+    far. Every rank plans from the summaries, then sends each other rank the groups it generated for it (one
+    scatter per rank). Returns (this rank's groups in update order, each update's rows in make_batch of them).
     Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
     world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
     blocks = len(kept) // world  # groups per rank
@@ -367,8 +365,8 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
         size = (blocks // n + (i < blocks % n)) * world
         part, start = list(range(start, start + size)), start + size
         if balance and world > 1:
-            shares, load = [[] for _ in range(world)], [0] * world
-            for j in sorted(part, key=lambda j: group_tokens(kept[j]), reverse=True):  # stable: the same on all ranks
+            shares, load = [[] for _ in range(world)], [0] * world  # sorted() is stable: same on all ranks
+            for j in sorted(part, key=lambda j: group_tokens(kept[j]), reverse=True):
                 r = min((r for r in range(world) if len(shares[r]) < size // world), key=lambda r: load[r])
                 shares[r].append(j)
                 load[r] += group_tokens(kept[j])
@@ -382,7 +380,8 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
         for src in range(world):
             send = None  # what src sends each rank: the groups src generated that the rank trains
             if rank == src:
-                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src] for r in range(world)]
+                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src]
+                        for r in range(world)]
             got = [None]
             dist.scatter_object_list(got, send, src=src)
             arrived = iter(got[0])
@@ -395,7 +394,7 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
     """Flatten groups into the padded tensors of the batch's contract (above) on `device`."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
-    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: see _predicting_outputs
+    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: _predicting_outputs
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
              "reward": torch.tensor([r for g in groups for r in g["reward"]]),
              "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
@@ -407,28 +406,28 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
 
 
 def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's advantage of each completion from its group's rewards (N, G): (r - mean) / (std + eps), the unbiased
-    std as verl computes it; Dr. GRPO drops the std (std_norm=False). Example: [1, -1, -1, 1] -> [0.866, -0.866,
-    -0.866, 0.866]."""
+    """GRPO's advantage of each completion from its group's rewards (N, G): (r - mean) / (std + eps), the
+    unbiased std as verl computes it; Dr. GRPO drops the std (std_norm=False).
+    Example: [1, -1, -1, 1] -> [0.866, -0.866, -0.866, 0.866]."""
     assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
     centered = rewards - rewards.mean(-1, keepdim=True)
     return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
 
 
 def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
-    """Each row's completion length (len(rows),): its real tokens, counted on the attention mask. Not on the loss
-    mask: the tokens rollout_correction rejects (and DARO's bins 0 and G) are holes in it, but still in the sequence,
-    and a trained token after a hole must stay in the micro-batch."""
+    """Each row's completion length (len(rows),): its real tokens, counted on the attention mask. Not on the
+    loss mask: the tokens rollout_correction rejects (and DARO's bins 0 and G) are holes in it, but still in
+    the sequence, and a trained token after a hole must stay in the micro-batch."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     return batch["attention_mask"][rows, P:].sum(-1)
 
 
 def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
-    """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
-    length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt + longest
-    completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its largest
-    micro-batches until all make as many as the busiest one (FSDP's collectives must match; the ranks' row counts are
-    equal, so it is always possible)."""
+    """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise
+    packed by length: rows sorted longest first, each micro-batch filled while its padded size (rows x
+    (longest prompt + longest completion)) stays within max_tokens and it has at most `size` rows; then every
+    rank splits its largest micro-batches until all make as many as the busiest one (FSDP's collectives must
+    match; the ranks' row counts are equal, so it is always possible)."""
     if max_tokens <= 0:
         return [index[s:s + size] for s in range(0, len(index), size)]
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
@@ -444,7 +443,8 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
         chunks[-1].append(i)
         width = wider
     count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())  # no rows (all ranks alike): 0
-    assert chunks or not count, "a rank with no rows where another has some: plan_updates gives every rank as many"
+    assert chunks or not count, ("a rank with no rows where another has some: "
+                                 "plan_updates gives every rank as many")
     while len(chunks) < count:
         k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
         chunks[k:k + 1] = [chunks[k][:len(chunks[k]) // 2], chunks[k][len(chunks[k]) // 2:]]
@@ -452,13 +452,13 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
 
 
 def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int = 0):
-    """The rows `index` of `batch` in micro-batches (_packed_rows), each with the padding columns empty in it trimmed
-    away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
+    """The rows `index` of `batch` in micro-batches (_packed_rows), each with its empty padding columns
+    trimmed away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
-        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest completion, >= 2 (_predicting_outputs)
+        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest, >= 2 (_predicting_outputs)
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left padding shared by all rows
+        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left pad all rows share
         for k in ("input_ids", "attention_mask"):
             mb[k] = mb[k][:, first:P + T]
         for k, v in mb.items():
