@@ -126,9 +126,8 @@ _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "
 
 BASELINES = {
     "dapo": _DAPO,
-    # GRPO: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic sampling. No
-    # KL term, as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else; verl's GRPO examples add a
-    # k3 KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
+    # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else; verl's GRPO
+    # examples add a k3 KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
     "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
     # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
@@ -160,8 +159,7 @@ def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
 # 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
 #    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.
 class Sums:
-    """Named sums of per-micro-batch and per-update numbers on this rank; reduce() sums each over all ranks
-    in one all-reduce (every rank holds the same names: the fixed list given at creation)."""
+    """Named sums on this rank; reduce() sums each over all ranks (all ranks hold the same fixed names)."""
 
     def __init__(self, *names: str):
         self.sums = dict.fromkeys(names, 0.0)
@@ -180,8 +178,7 @@ TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens",
 
 
 class StepTimer:
-    """Seconds spent in each phase of a step: `with timer("rollout"): ...`; metrics() gives time/<phase>_s and
-    time/step_s (the whole step so far)."""
+    """`with timer("rollout"): ...` times a phase; metrics(): time/<phase>_s, time/step_s (step so far)."""
 
     def __init__(self):
         self.start, self.seconds = time.time(), {}
@@ -281,13 +278,12 @@ def _summary(group: dict, rank: int, index: int) -> dict:
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO's dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank
-    its stride) and keep the groups of mixed correctness, until prompts_per_step are kept (all ranks together)
-    or max_gen_batches batches are done; then keep exactly prompts_per_step, or at the cap what was kept, cut
-    to a multiple of the world size (possibly none; a warning, never an error or an endless loop).
-    --no-dynamic_sampling: one batch, all kept. Groups stay on the rank that made them; every rank gets every
-    group's _summary, a kept one of this rank's holding the group under "group". Returns (kept summaries, all
-    summaries, the rollout metrics); None on a stop request between batches."""
+    """DAPO's dynamic sampling (--oversample, --max_gen_batches): batches of fresh prompts, each rank its
+    stride, until prompts_per_step groups of mixed correctness are kept across ranks; then exactly that many,
+    or at the cap what was kept, cut to a multiple of the world size (possibly none: a warning, never an error
+    or an endless loop). --no-dynamic_sampling: one batch, all kept. Groups stay on the rank that made them;
+    every rank gets all _summary()s, a kept one of this rank's holding the group under "group". Returns (kept
+    summaries, all summaries, rollout metrics), or None on a stop request between batches."""
     rank, world = dist_info.rank, dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
@@ -348,13 +344,12 @@ def group_tokens(group: dict) -> int:
 
 
 def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
-    """This rank's groups in each optimizer update of the step, brought to it. The kept groups (the same
-    summaries on every rank, a multiple of the world size) are cut into min(num_updates, groups / world)
-    contiguous updates, their sizes multiples of the world size differing by at most one group per rank: every
+    """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank). The kept
+    groups (the same on every rank, a multiple of the world size) make min(num_updates, groups / world)
+    contiguous updates, sized in multiples of the world size within one group per rank of each other: every
     group is trained once, no update is empty, also at the sampling cap. In an update each rank gets as many
     groups: every world-th, or with `balance` the heaviest first, each to the rank with the fewest tokens so
-    far. Every rank plans from the summaries, then sends each other rank the groups it generated for it (one
-    scatter per rank). Returns (this rank's groups in update order, each update's rows in make_batch of them).
+    far. Returns (this rank's groups in update order, each update's rows in make_batch of them).
     Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
     world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
     blocks = len(kept) // world  # groups per rank
@@ -391,10 +386,10 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
 
 
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
-    """Flatten groups into the padded tensors of the batch's contract (above) on `device`."""
+    """Flatten groups into the batch contract's padded tensors on `device` (T >= 2: _predicting_outputs)."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
-    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: _predicting_outputs
+    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
              "reward": torch.tensor([r for g in groups for r in g["reward"]]),
              "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
@@ -415,19 +410,17 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 
 
 
 def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
-    """Each row's completion length (len(rows),): its real tokens, counted on the attention mask. Not on the
-    loss mask: the tokens rollout_correction rejects (and DARO's bins 0 and G) are holes in it, but still in
-    the sequence, and a trained token after a hole must stay in the micro-batch."""
+    """Each row's completion length, counted on the attention mask, not the loss mask: a trained token after a
+    hole in that (a token rollout_correction rejects, DARO's bins 0 and G) stays in the micro-batch."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     return batch["attention_mask"][rows, P:].sum(-1)
 
 
 def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
-    """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise
-    packed by length: rows sorted longest first, each micro-batch filled while its padded size (rows x
-    (longest prompt + longest completion)) stays within max_tokens and it has at most `size` rows; then every
-    rank splits its largest micro-batches until all make as many as the busiest one (FSDP's collectives must
-    match; the ranks' row counts are equal, so it is always possible)."""
+    """The rows `index` in micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
+    length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt +
+    longest completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its
+    largest micro-batches until all make as many as the busiest one (FSDP: collectives must match)."""
     if max_tokens <= 0:
         return [index[s:s + size] for s in range(0, len(index), size)]
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
@@ -468,23 +461,23 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 5. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt once,
-#    the output layer in chunks); pi_old once per step, before the first update, unless the engine's are exact.
+# 5. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt
+#    once, the output layer in chunks); pi_old once per step, before the first update, unless exact.
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
-    """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of --logprob_chunk
-    tokens, each group's prompt run once: (logp (B, T), the entropy with with_entropy, or the log-probs renormalised
-    over the --top_p nucleus with with_nucleus, or None)."""
+    """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T), the
+    entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus), or None)."""
     return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
-                          with_entropy, cfg.logprob_chunk, mb.get("group"), cfg.top_p if with_nucleus else 1.0)
+                          with_entropy, cfg.logprob_chunk, mb.get("group"),
+                          cfg.top_p if with_nucleus else 1.0)
 
 
 @torch.no_grad()
 def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
-    """pi_old of the clipped ratio, by one rule: the engine's log-probs when they are exactly the trainer's (`exact`:
-    our sampler in float32 at top_p = 1, the trainer's own weights and arithmetic), else recomputed by the trainer for
-    every row before the step's first update (no grad). Returns the batch's new entries: old_logp (B, T) [and
-    old_logp_nucleus (B, T) with top_p < 1: pi_old renormalised over its own nucleus, what the engine's log-probs of
-    its nucleus samples compare with]; an exact engine's rollout_logp becomes old_logp, an inexact one's stays."""
+    """pi_old of the clipped ratio: the engine's log-probs when they are exactly the trainer's (`exact`: our
+    sampler in float32 at top_p = 1, the trainer's own weights and arithmetic), else the trainer's, recomputed
+    before the step's first update. Returns the batch's new entries: old_logp (B, T) [and with top_p < 1
+    old_logp_nucleus (B, T): pi_old renormalised over its own nucleus, which the engine's nucleus samples
+    compare with]; an exact engine's rollout_logp becomes old_logp, an inexact one's stays."""
     if exact:
         return {"old_logp": batch.pop("rollout_logp")}
     out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
@@ -502,21 +495,19 @@ def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. The update: each token's clipped surrogate (the papers agree on it), which each script weighs and sums its own
-#    way (DAPO's token mean, GRPO's per-sequence mean, Dr. GRPO's constant: loss_weights; DARO's per-bin means times
-#    w_mu), one micro-batch's forward, and the guarded optimizer step.
+# 6. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
+#    (loss_weights; DARO's per-bin means times w_mu), one micro-batch's forward, the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
-    """Per-token weights (B, T) that turn the sum of an update's token losses into the chosen aggregation over the
-    WHOLE update: the denominators are summed over every micro-batch and rank before the micro-batch loop, so the loss
-    and gradient do not depend on how the update is split (verl passes the global token count for this).
-      token-mean               1 / (#completion tokens)                     DAPO
-      seq-mean-token-mean      1 / (#sequences * |o_i|)                     GRPO, GSPO
-      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)            Dr. GRPO (a constant, not batch lengths)
-    A floating-point mask keeps its dtype (float64 tests), an integer one becomes float32."""
-    mask = mask if mask.is_floating_point() else mask.float()
+    """Per-token weights (B, T) that turn the sum of an update's token losses into the chosen aggregation over
+    the WHOLE update: denominators summed over all micro-batches and ranks first, so loss and gradient do not
+    depend on how the update is split (verl passes the global token count for this).
+      token-mean               1 / (#completion tokens)            DAPO
+      seq-mean-token-mean      1 / (#sequences * |o_i|)            GRPO, GSPO
+      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)   Dr. GRPO (a constant, not batch lengths)"""
+    mask = mask if mask.is_floating_point() else mask.float()  # a float mask keeps its dtype (float64 tests)
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
-    # sequences with a token to train on: a sequence the rollout correction rejected whole leaves the mean (verl #3915)
+    # sequences with a token to train on: one rollout correction rejected whole leaves the mean (verl #3915)
     num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum().to(mask.dtype)).clamp(min=1)
     if loss_agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_seqs)
@@ -525,22 +516,23 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
     raise ValueError(f"unknown loss_agg {loss_agg!r}")
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *, clip_ratio_c: float = 0.0,
-                seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0, is_weight=None):
+def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *,
+                clip_ratio_c: float = 0.0, seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0,
+                is_weight=None):
     """Each token's loss (B, T): the clipped surrogate, in the inputs' dtype; the caller weighs and sums it.
       max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))          PPO/GRPO, DAPO's decoupled clip
       clip_ratio_c > 1 (dual clip): for A < 0 the loss is capped at -A * clip_ratio_c
-      seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)): every token of a
-        completion shares the length-normalised sequence ratio, and the whole sequence is clipped together
-      is_weight (B, T): rollout_correction's pi_old / pi_rollout, on the surrogate only (as verl and TRL apply it)
+      seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)): every token
+        of a completion shares the length-normalised sequence ratio; the whole sequence is clipped together
+      is_weight (B, T): rollout_correction's pi_old / pi_rollout, on the surrogate only (as verl and TRL do)
       kl_coef > 0: + kl_coef * the k3 estimate of KL(pi || pi_ref)
-    Returns (token losses (B, T), the counts of clipped tokens among `mask`'s, below and above, for logging)."""
+    Returns (token losses (B, T), counts of `mask`'s tokens clipped below and above, for logging)."""
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # (B, T)
     if seq_ratio:
         seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
         log_ratio = seq.detach() + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(max=20.0))  # clamp only guards exp overflow; such a ratio is clipped anyway
+    ratio = torch.exp(log_ratio.clamp(max=20.0))  # guards exp overflow only; such a ratio is clipped anyway
     adv = advantages.unsqueeze(-1)  # (B, 1)
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
     if clip_ratio_c > 1:
@@ -557,11 +549,11 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of |log r|
-    and of the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and
-    the count of `boundary` tokens: in the engine's top_p nucleus (it drew them) but outside pi_old's own, where pi_old
-    puts no mass and log r is OUTSIDE_NUCLEUS. Those are a share of their own (rollout/nucleus_boundary_frac), not
-    a ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of
+    |log r| and the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw
+    (`compared`), and the count of `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no
+    mass there: log r is OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a
+    ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
     old = mb.get("old_logp_nucleus", mb["old_logp"])
     mask = mb["mask"].to(old.dtype)
     boundary = mask * (old <= OUTSIDE_NUCLEUS)
@@ -574,8 +566,8 @@ def mismatch_sums(mb: dict) -> dict:
 
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
     """Forward one micro-batch: each token's loss (B, T) (policy_loss, with the KL anchor's log-probs and
-    --rollout_is's weights when asked), for the script to weigh and sum; its entropy, clipped-token counts, tokens,
-    padding and (an engine whose log-probs are not pi_old) the engine/trainer log-prob gap go to `sums`."""
+    --rollout_is's weights when asked), for the script to weigh and sum; its entropy, clipped-token counts,
+    tokens, padding and (if the engine's log-probs are not pi_old) the engine/trainer gap go to `sums`."""
     with autocast(cfg.dtype, device):
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
@@ -585,9 +577,9 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
             reshard(ref_model)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights
         sums.add(**mismatch_sums(mb))
-    token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
-                                      clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
-                                      kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
+    token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low,
+                                      cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio,
+                                      ref_logp=ref_logp, kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
     sums.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=clipped["clip_low"].item(),
              clip_high=clipped["clip_high"].item(), tokens=mb["mask"].sum().item(),
              forward_tokens=mb["attention_mask"].numel(), real_tokens=mb["attention_mask"].sum().item())
@@ -595,10 +587,9 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
 
 
 class UpdateGuard:
-    """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or the
-    gradient is not finite on some rank; then the update is skipped (every rank agrees), so one bad batch cannot poison
-    the weights. After max_bad_updates skipped in a row the run stops (exit 1) with a hint. Either way the gradients
-    are freed after the step, so none lives through the next rollout."""
+    """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or
+    the gradient is not finite on some rank; then the update is skipped (every rank agrees), so one bad batch
+    cannot poison the weights. After max_bad_updates skipped in a row the run stops (exit 1) with a hint."""
 
     def __init__(self, max_bad_updates: int):
         self.max_bad, self.in_a_row = max_bad_updates, 0
@@ -628,10 +619,10 @@ class UpdateGuard:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority answer's
-#    accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
+# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
+#    answer's accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
+    """Unbiased pass@k, n samples, c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
     if n - c < k:
         return 1.0
     prod = 1.0
@@ -641,22 +632,22 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_correct(group: dict, answer_format: str) -> bool:
-    """maj@k of one group: is the answer most of its samples give (equivalent answers counted as one; ties: the
-    first seen, verifier.majority_vote) correct? The winner's own verdict answers it, so nothing is verified twice."""
+    """maj@k of one group: is the answer most of its samples give (equivalent answers as one; ties: the first
+    seen, verifier.majority_vote) correct? The winner's own verdict decides: nothing is verified twice."""
     index, _ = majority_vote([extract_answer(t, answer_format) for t in group["texts"]])
     return index is not None and bool(group["correct"][index])
 
 
 @torch.no_grad()
-def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1, k: int = 0) -> dict:
-    """k completions per problem (0: cfg.eval_samples; each rank its stride) from a private seeded stream: the same
-    weights always get the same score, and the training stream is untouched (our sampler: torch's RNG, forked; vLLM:
-    seeded requests). Returns eval/acc (avg@k), eval/pass@j for j = 1, 2, 4, ... up to k, eval/maj@k and
-    eval/acc_level<l>."""
+def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1,
+             k: int = 0) -> dict:
+    """k completions per problem (0: cfg.eval_samples; each rank its stride) from a private seeded stream: the
+    same weights always get the same score, and the training stream is untouched. Returns eval/acc (avg@k),
+    eval/pass@j for j = 1, 2, 4, ... up to k, eval/maj@k and eval/acc_level<l>."""
     n = k or cfg.eval_samples
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
-    with torch.random.fork_rng(devices=devices):  # our sampler draws from torch's RNG; vLLM seeds each request
+    with torch.random.fork_rng(devices=devices):  # our sampler draws on torch's RNG; vLLM seeds each request
         torch.manual_seed(seed)
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
@@ -677,11 +668,11 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
     return out
 
 
-def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0, world_size: int = 1) -> dict:
+def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0,
+                  world_size: int = 1) -> dict:
     """evaluate() on each named eval set, with its own k (--eval_data set@k, else --eval_samples): keys
-    eval/<set>/acc, eval/<set>/pass@j, eval/<set>/maj@k, ...; and the run's headline: eval/acc, eval/pass@j,
-    eval/maj@k and eval/acc_level<l>, each the mean over the sets that have it (a set with another k does not enter
-    eval/maj@k)."""
+    eval/<set>/acc, eval/<set>/pass@j, ...; and the headline eval/acc, eval/pass@j, eval/maj@k,
+    eval/acc_level<l>: each key's mean over the sets that have it (eval/maj@k: those with that k)."""
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
     out, per_set = {}, []
     for (name, problems), k in zip(eval_sets.items(), ks):
