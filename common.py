@@ -123,7 +123,6 @@ class TrainConfig:
 _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
          "clip_low": 0.2, "clip_high": 0.28}  # DAPO's 4 techniques (overlong shaping: the default buffer)
 
-
 BASELINES = {
     "dapo": _DAPO,
     # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else; verl's GRPO
@@ -241,10 +240,9 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
 
 def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float,
                 seed: int | None = None):
-    """G completions for each problem, verified and rewarded; a group per prompt: {"prompt_ids", "completions"
-    (G lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats), "answer", "level",
-    "prompt", "rollout_logp" (G lists: the engine's log-probs of its samples, or None)}. `seed`: evaluation's
-    (the engine seeds each request). Returns (groups, verify_batch's info + "seconds")."""
+    """G completions for each problem, verified and rewarded: a group per prompt, its "completions", "texts",
+    "truncated", "correct", "reward" and "rollout_logp" (engine log-probs or None) lists of G. `seed`:
+    evaluation's (the engine seeds each request). Returns (groups, verify_batch's info + "seconds")."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
     completions, truncated, logps = engine.generate(
         prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
@@ -278,12 +276,11 @@ def _summary(group: dict, rank: int, index: int) -> dict:
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO's dynamic sampling (--oversample, --max_gen_batches): batches of fresh prompts, each rank its
-    stride, until prompts_per_step groups of mixed correctness are kept across ranks; then exactly that many,
-    or at the cap what was kept, cut to a multiple of the world size (possibly none: a warning, never an error
-    or an endless loop). --no-dynamic_sampling: one batch, all kept. Groups stay on the rank that made them;
-    every rank gets all _summary()s, a kept one of this rank's holding the group under "group". Returns (kept
-    summaries, all summaries, rollout metrics), or None on a stop request between batches."""
+    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until prompts_per_step groups
+    of mixed correctness are kept across ranks; then exactly that many, or at the cap what was kept, cut to a
+    multiple of the world size (possibly none, never an error). --no-dynamic_sampling: one batch, all kept.
+    Groups stay where made; every rank gets all _summary()s, a kept one of this rank's holding the group under
+    "group". Returns (kept summaries, all summaries, rollout metrics); None if stopped between batches."""
     rank, world = dist_info.rank, dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
@@ -401,9 +398,8 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
 
 
 def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's advantage of each completion from its group's rewards (N, G): (r - mean) / (std + eps), the
-    unbiased std as verl computes it; Dr. GRPO drops the std (std_norm=False).
-    Example: [1, -1, -1, 1] -> [0.866, -0.866, -0.866, 0.866]."""
+    """GRPO's advantages from each group's rewards (N, G): (r - mean) / (std + eps), the unbiased std as in
+    verl; Dr. GRPO: std_norm=False. Example: [1, -1, -1, 1] -> [0.866, -0.866, -0.866, 0.866]."""
     assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
     centered = rewards - rewards.mean(-1, keepdim=True)
     return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
@@ -473,11 +469,10 @@ def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleu
 
 @torch.no_grad()
 def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
-    """pi_old of the clipped ratio: the engine's log-probs when they are exactly the trainer's (`exact`: our
-    sampler in float32 at top_p = 1, the trainer's own weights and arithmetic), else the trainer's, recomputed
-    before the step's first update. Returns the batch's new entries: old_logp (B, T) [and with top_p < 1
-    old_logp_nucleus (B, T): pi_old renormalised over its own nucleus, which the engine's nucleus samples
-    compare with]; an exact engine's rollout_logp becomes old_logp, an inexact one's stays."""
+    """pi_old: the engine's log-probs if exactly the trainer's (`exact`: our sampler in float32 at top_p = 1,
+    the trainer's own weights and arithmetic), else recomputed before the step's first update. Returns new
+    batch entries: old_logp (B, T) [with top_p < 1 also old_logp_nucleus (B, T), pi_old renormalised over its
+    own nucleus, for the engine's nucleus samples]; an exact engine's rollout_logp becomes old_logp."""
     if exact:
         return {"old_logp": batch.pop("rollout_logp")}
     out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
@@ -498,9 +493,8 @@ def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> 
 # 6. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
 #    (loss_weights; DARO's per-bin means times w_mu), one micro-batch's forward, the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
-    """Per-token weights (B, T) that turn the sum of an update's token losses into the chosen aggregation over
-    the WHOLE update: denominators summed over all micro-batches and ranks first, so loss and gradient do not
-    depend on how the update is split (verl passes the global token count for this).
+    """Per-token weights (B, T): summed token losses give the chosen aggregation over the WHOLE update, the
+    denominators spanning its micro-batches and ranks (verl's global token count), whatever the split.
       token-mean               1 / (#completion tokens)            DAPO
       seq-mean-token-mean      1 / (#sequences * |o_i|)            GRPO, GSPO
       seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)   Dr. GRPO (a constant, not batch lengths)"""
@@ -565,9 +559,8 @@ def mismatch_sums(mb: dict) -> dict:
 
 
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
-    """Forward one micro-batch: each token's loss (B, T) (policy_loss, with the KL anchor's log-probs and
-    --rollout_is's weights when asked), for the script to weigh and sum; its entropy, clipped-token counts,
-    tokens, padding and (if the engine's log-probs are not pi_old) the engine/trainer gap go to `sums`."""
+    """One micro-batch's forward: each token's loss (B, T) (policy_loss), for the script to weigh and sum; its
+    entropy, clipped-token counts, tokens, padding and engine/trainer gap (mismatch_sums) go to `sums`."""
     with autocast(cfg.dtype, device):
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
