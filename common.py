@@ -137,7 +137,6 @@ BASELINES = {
              "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "updates_per_step": 4},
 }
 
-
 # --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies
 # before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags override both.
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
@@ -324,9 +323,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 # 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
 #    one dict the update reads; advantages; micro-batches. Its contract (B = this rank's groups x G):
 #    input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
-#    mask                       (B, T)    make_batch          1 = a completion token the loss counts; zeroed
-#                                                             for tokens rollout_correction rejects, and in
-#                                                             daro.py for the groups of bins 0 and G
+#    mask                       (B, T)    make_batch          1 = a token the loss counts; zeroed where
+#                                                             rollout_correction rejects; daro.py: bins 0, G
 #    reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
 #    group                      (B,)      make_batch          index of the row's group (prompt) on this rank
 #    rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
@@ -581,8 +579,7 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
 
 class UpdateGuard:
     """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or
-    the gradient is not finite on some rank; then the update is skipped (every rank agrees), so one bad batch
-    cannot poison the weights. After max_bad_updates skipped in a row the run stops (exit 1) with a hint."""
+    gradient is not finite on a rank; then every rank skips it, so one bad batch cannot poison the weights."""
 
     def __init__(self, max_bad_updates: int):
         self.max_bad, self.in_a_row = max_bad_updates, 0
@@ -634,13 +631,12 @@ def majority_correct(group: dict, answer_format: str) -> bool:
 @torch.no_grad()
 def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1,
              k: int = 0) -> dict:
-    """k completions per problem (0: cfg.eval_samples; each rank its stride) from a private seeded stream: the
-    same weights always get the same score, and the training stream is untouched. Returns eval/acc (avg@k),
-    eval/pass@j for j = 1, 2, 4, ... up to k, eval/maj@k and eval/acc_level<l>."""
+    """k completions per problem (0: cfg.eval_samples) from a private seeded stream: the same weights get the
+    same score. Returns eval/acc (avg@k), eval/pass@j (j = 1, 2, 4, ...), eval/maj@k, eval/acc_level<l>."""
     n = k or cfg.eval_samples
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
-    with torch.random.fork_rng(devices=devices):  # our sampler draws on torch's RNG; vLLM seeds each request
+    with torch.random.fork_rng(devices=devices):  # our sampler's RNG; the training stream stays untouched
         torch.manual_seed(seed)
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
@@ -663,9 +659,8 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
 
 def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0,
                   world_size: int = 1) -> dict:
-    """evaluate() on each named eval set, with its own k (--eval_data set@k, else --eval_samples): keys
-    eval/<set>/acc, eval/<set>/pass@j, ...; and the headline eval/acc, eval/pass@j, eval/maj@k,
-    eval/acc_level<l>: each key's mean over the sets that have it (eval/maj@k: those with that k)."""
+    """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as eval/<set>/...;
+    the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over the sets with the key."""
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
     out, per_set = {}, []
     for (name, problems), k in zip(eval_sets.items(), ks):
