@@ -239,8 +239,8 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
 
 def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float,
                 seed: int | None = None):
-    """G completions for each problem, verified and rewarded: a group per prompt, its "completions", "texts",
-    "truncated", "correct", "reward" and "rollout_logp" (engine log-probs or None) lists of G. `seed`:
+    """G completions for each problem, verified and rewarded: a group per prompt; its "completions", "texts",
+    "truncated", "correct", "reward" and "rollout_logp" (engine log-probs or None) are lists of G. `seed`:
     evaluation's (the engine seeds each request). Returns (groups, verify_batch's info + "seconds")."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
     completions, truncated, logps = engine.generate(
@@ -341,10 +341,10 @@ def group_tokens(group: dict) -> int:
 def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
     """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank). The kept
     groups (the same on every rank, a multiple of the world size) make min(num_updates, groups / world)
-    contiguous updates, sized in multiples of the world size within one group per rank of each other: every
-    group is trained once, no update is empty, also at the sampling cap. In an update each rank gets as many
-    groups: every world-th, or with `balance` the heaviest first, each to the rank with the fewest tokens so
-    far. Returns (this rank's groups in update order, each update's rows in make_batch of them).
+    contiguous updates, their sizes multiples of the world size that differ by at most one group per rank:
+    every group is trained once, no update is empty, also at the sampling cap. In an update each rank gets as
+    many groups: every world-th, or with `balance` the heaviest first, each to the rank with the fewest tokens
+    so far. Returns (this rank's groups in update order, each update's rows in make_batch of them).
     Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
     world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
     blocks = len(kept) // world  # groups per rank
