@@ -404,8 +404,8 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 
 
 
 def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
-    """Each row's completion length, counted on the attention mask, not the loss mask: a trained token after a
-    hole in that (a token rollout_correction rejects, DARO's bins 0 and G) stays in the micro-batch."""
+    """Completion lengths (len(rows),), counted on the attention mask, not the loss mask: a trained token
+    after a hole in that (tokens rollout_correction rejects, DARO's bins 0 and G) stays in the micro-batch."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     return batch["attention_mask"][rows, P:].sum(-1)
 
