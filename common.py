@@ -1,17 +1,16 @@
 """
-The RL step both scripts share, in the order the loop takes it: every part of one step that no equation of DA3PO or
-DARO points at. What keeps a run going around the step lives in files to look up when needed: ranks.py (processes,
-collectives, stop signals), modeling.py (loading, log-probs of any model, sharding, start-up probes), dataset.py
-(problems, prompts, eval sets), bookkeeping.py (flags, records, checkpoints); the rollout engines are engine.py, the
-verifier verifier.py.
+The RL step both scripts share, in the order the loop takes it: every part of one step that no equation of
+DA3PO or DARO points at. Around it, in files to look up when needed: ranks.py (processes, collectives, stop
+signals), modeling.py (loading, log-probs of any model, sharding, start-up probes), dataset.py (problems,
+prompts, eval sets), bookkeeping.py (flags, records, checkpoints), engine.py (rollout engines), verifier.py.
 
    1. the shared knobs, the baselines' presets        5. pi and pi_old: log-probs of the batch's completions
    2. the step's record and its metrics               6. the token losses and the guarded update
    3. rollout: groups, rewards, dynamic sampling      7. evaluation (avg@k, pass@k, maj@k)
    4. the update plan and the batch (its contract)
 
-Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens (left
-padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
+Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens
+(left padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
 """
 import contextlib
 import math
@@ -28,17 +27,20 @@ from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_
 from verifier import extract_answer, majority_vote, verify_batch
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run the CPU
-#    demo; the papers' scale is in docs/gpu.md.
+# ------------------------------------------------------------------------------------------------------------
+# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run
+#    the CPU demo; the papers' scale is in docs/gpu.md.
 @dataclass
 class TrainConfig:
     # run
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
-    demo: str = "arith"  # the shipped demo the defaults run: arith (sums, answer only) | reasoning (a trace before
-    #   the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags: common.DEMOS)
-    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model, see demo/build.py)
-    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows
+    demo: str = "arith"  # the shipped demo the defaults run: arith (sums, answer only) | reasoning (a trace
+    #   before the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more
+    #   flags: common.DEMOS)
+    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
+    #   see demo/build.py)
+    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
+    #   of problem/answer rows
     eval_data: str = "arith"  # same choices, comma-separated for several sets, each with its own k as set@k
     #   (aime24.jsonl@32,math500.jsonl@8; a set without @k gets --eval_samples); 'arith': 200 held-out sums
     out_dir: str = ""  # config.json, metrics.jsonl, samples.jsonl, checkpoints
@@ -53,14 +55,16 @@ class TrainConfig:
     group_size: int = 8  # G (K in DARO): completions per prompt
     dynamic_sampling: bool = True  # DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts
     oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
-    max_gen_batches: int = 4  # cap on generation batches per step; at the cap, warn and train on what was kept
+    max_gen_batches: int = 4  # cap on generation batches per step;
+    #   at the cap, warn and train on what was kept
     max_new_tokens: int = 12  # L_max: hard limit on completion length
     max_prompt_length: int = 1024  # prompts longer than this (tokens, template included) are dropped at load
     temperature: float = 1.0  # rollout sampling temperature
     top_p: float = 1.0  # rollout nucleus sampling
     rollout_batch_size: int = 512  # sequences per forward of our sampler (memory knob)
     rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)
-    vllm_gpu_memory: float = 0.0  # vLLM's share of GPU memory; 0 = the most the trainer leaves (bench/memory.py)
+    vllm_gpu_memory: float = 0.0  # vLLM's share of GPU memory; 0 = the most the trainer leaves
+    #   (bench/memory.py)
     max_model_len: int = 0  # longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens
     vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
     rollout_is: str = "none"  # correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)
@@ -68,10 +72,13 @@ class TrainConfig:
     rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C] instead
     prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, else chat if any)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
-    prompt_key: str = ""  # data field holding the problem ('' = try problem, question, prompt; dots for nested)
-    answer_key: str = ""  # data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)
+    prompt_key: str = ""  # data field holding the problem
+    #   ('' = try problem, question, prompt; dots for nested)
+    answer_key: str = ""  # data field holding the answer
+    #   ('' = try answer, final_answer, reward_model.ground_truth)
     # reward (DAPO)
-    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off
+    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max;
+    #   0 = off
     overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
     # advantages and loss
     std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
@@ -84,9 +91,11 @@ class TrainConfig:
     # optimisation
     lr: float = 1e-4  # AdamW learning rate (the papers: 1e-6)
     weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
-    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps
+    #   (not optimizer updates), as verl
     grad_clip: float = 1.0  # max global gradient norm
-    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step; the step's groups are split evenly
+    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step;
+    #   the step's groups are split evenly
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
     micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
     logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
@@ -98,26 +107,26 @@ class TrainConfig:
     eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
     eval_batch_size: int = 128  # eval problems per generate call
     sample_every: int = 10  # write a few completions to samples.jsonl every N steps
-    save_every: int = 0  # checkpoint every N steps (and at the end, and on a stop request); 0 = only at the end
+    save_every: int = 0  # checkpoint every N steps (and at the end, and on a stop request);
+    #   0 = only at the end
     keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
     resume: bool = False  # continue from the latest checkpoint in out_dir
-    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row (each is skipped)
+    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row
+    #   (each is skipped)
     eval_only: bool = False  # evaluate --model on --eval_data and exit
     report_to: str = "none"  # also log to: none | tensorboard | wandb (requirements-tracking.txt)
     wandb_project: str = ""  # wandb project of --report_to wandb
 
 
-# The baselines both papers compare against, each its paper's recipe written out for every knob that defines the
-# algorithm; the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on) comes from the flags.
-_DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False, "clip_low": 0.2,
-         "clip_high": 0.28}  # clip-higher, token-mean, dynamic sampling (and overlong shaping: the default buffer)
-
+# The baselines both papers compare against, each its paper's recipe for every knob that defines the
+# algorithm; the flags give the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on).
+_DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
+         "clip_low": 0.2, "clip_high": 0.28}  # DAPO's 4 techniques (overlong shaping: the default buffer)
 
 BASELINES = {
     "dapo": _DAPO,
-    # GRPO: z-scored advantages, per-sequence token mean, symmetric clip, no shaping, no dynamic sampling. No KL
-    # term, as in DAPO, Dr. GRPO and GSPO, so that GRPO vs DAPO changes nothing else; verl's GRPO examples add a k3
-    # KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
+    # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else; verl's GRPO
+    # examples add a k3 KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
     "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
              "overlong_buffer": 0},
     # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
@@ -128,10 +137,9 @@ BASELINES = {
              "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "updates_per_step": 4},
 }
 
-
-# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies before
-# the --algo preset (GRPO's preset turns its overlong shaping off) and explicit flags override both.
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # the shipped demos (demo/build.py)
+# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies
+# before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags override both.
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
 _REASONING = os.path.join(DEMO_DIR, "reasoning")
 DEMOS = {"arith": {},
          "reasoning": {"model": os.path.join(_REASONING, "model"),
@@ -145,12 +153,11 @@ def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
     return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
-#    all-reduce (Sums), and the seconds of each phase (StepTimer); train_metrics turns them into metrics.jsonl's.
+#    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.
 class Sums:
-    """Named sums of per-micro-batch and per-update numbers on this rank; reduce() sums each over all ranks in one
-    all-reduce (every rank holds the same names: the fixed list given at creation)."""
+    """Named sums on this rank; reduce() sums each over all ranks (all ranks hold the same fixed names)."""
 
     def __init__(self, *names: str):
         self.sums = dict.fromkeys(names, 0.0)
@@ -164,13 +171,12 @@ class Sums:
         return dict(zip(self.sums, totals.tolist()))
 
 
-TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff", "kl_k1",
-              "kl_k3", "compared", "boundary", "forward_tokens", "real_tokens")
+TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff",
+              "kl_k1", "kl_k3", "compared", "boundary", "forward_tokens", "real_tokens")
 
 
 class StepTimer:
-    """Seconds spent in each phase of a step: `with timer("rollout"): ...`; metrics() gives time/<phase>_s and
-    time/step_s (the whole step so far)."""
+    """`with timer("rollout"): ...` times a phase; metrics(): time/<phase>_s, time/step_s (step so far)."""
 
     def __init__(self):
         self.start, self.seconds = time.time(), {}
@@ -182,36 +188,39 @@ class StepTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - t0
 
     def metrics(self) -> dict:
-        return {**{f"time/{k}_s": v for k, v in self.seconds.items()}, "time/step_s": time.time() - self.start}
+        return {**{f"time/{k}_s": v for k, v in self.seconds.items()},
+                "time/step_s": time.time() - self.start}
 
 
 def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> dict:
-    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected ones left out)
-    or per applied update; `mismatch` (an engine whose log-probs are not pi_old): the rollout/* gap too."""
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected ones
+    left out) or per applied update; `mismatch` (engine log-probs are not pi_old): the rollout/* gap too."""
     tokens, applied = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
     record = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
-              "train/clipfrac_low": totals["clip_low"] / tokens, "train/clipfrac_high": totals["clip_high"] / tokens,
+              "train/clipfrac_low": totals["clip_low"] / tokens,
+              "train/clipfrac_high": totals["clip_high"] / tokens,
               "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
               "train/num_updates": num_updates, "train/lr": lr,
-              "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}  # of the forwards
-    if mismatch:  # the engine vs the trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
+              "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}
+    if mismatch:  # engine vs trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
         compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
         record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
-                       "rollout/kl_k1": totals["kl_k1"] / compared, "rollout/kl_k3": totals["kl_k3"] / compared,
+                       "rollout/kl_k1": totals["kl_k1"] / compared,
+                       "rollout/kl_k3": totals["kl_k3"] / compared,
                        "rollout/nucleus_boundary_frac": totals["boundary"] / tokens})
     return record
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded (DAPO's
-#    shaped reward); DAPO's dynamic sampling keeps the groups whose correctness is mixed and refills from fresh
-#    prompts, up to a cap.
-def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int, min_width: int = 1):
-    """Left-pad prompts to P and right-pad completions to T >= min_width; returns input_ids (B, P+T), attention_mask
-    (B, P+T) and the completion mask (B, T) (1 = a real completion token, the final eos included)."""
+# ------------------------------------------------------------------------------------------------------------
+# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
+#    (DAPO's shaped reward); dynamic sampling keeps the groups of mixed correctness, refilling up to a cap.
+def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                          min_width: int = 1):
+    """Left-pad prompts to P and right-pad completions to T >= min_width: input_ids and attention_mask
+    (B, P+T), the completion mask (B, T) (1 = a real completion token, the final eos included)."""
     P, T = max(map(len, prompts)), max(min_width, max(map(len, completions)))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p + c + [pad_id] * (T - len(c))
-                        for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T), one tensor built
+                        for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T)
     attn = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
                          for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T)
     return ids, attn, attn[:, P:].clone()
@@ -219,7 +228,7 @@ def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]]
 
 def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buffer: int,
                   overlong_penalty: float = 1.0) -> float:
-    """DAPO's reward: +1 correct, -1 otherwise, plus the soft overlong punishment, which falls linearly from 0 at
+    """DAPO's reward: +1 correct, -1 otherwise, plus the soft overlong punishment, falling linearly from 0 at
     `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens` (DAPO, Sec. 3.4)."""
     reward = 1.0 if correct else -1.0
     expected = max_new_tokens - overlong_buffer
@@ -230,12 +239,12 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
 
 def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float,
                 seed: int | None = None):
-    """G completions for each problem, verified and rewarded. One group = one prompt: {"prompt_ids", "completions" (G
-    lists of ids), "texts", "truncated", "correct" (G bools), "reward" (G floats), "answer", "level", "prompt",
-    "rollout_logp" (G lists: the engine's log-probs of its samples, or None)}. `seed`: evaluation (the engine seeds
-    each request). Returns (groups, the verifier's info: timeouts, symbolic comparisons, cache hits, its seconds)."""
+    """G completions for each problem, verified and rewarded: a group per prompt; its "completions", "texts",
+    "truncated", "correct", "reward" and "rollout_logp" (engine log-probs or None) are lists of G. `seed`:
+    evaluation's (the engine seeds each request). Returns (groups, verify_batch's info + "seconds")."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
-    completions, truncated, logps = engine.generate(prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
+    completions, truncated, logps = engine.generate(
+        prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
     texts = tok.batch_decode(completions, skip_special_tokens=True)
     t0 = time.perf_counter()
     correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
@@ -258,25 +267,22 @@ def _mixed(group: dict) -> bool:
 
 
 def _summary(group: dict, rank: int, index: int) -> dict:
-    """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs), and where
-    it lives: (the rank that generated it, its index there)."""
+    """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs),
+    and where it lives: (the rank that generated it, its index there)."""
     return {"origin": (rank, index), "prompt": group["prompt"], "answer": group["answer"],
             "correct": group["correct"], "reward": group["reward"], "truncated": group["truncated"],
             "lengths": [len(c) for c in group["completions"]], "prompt_len": len(group["prompt_ids"])}
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO's dynamic sampling: roll out batches of fresh prompts (oversample x prompts_per_step, each rank its stride),
-    keep the groups whose correctness is mixed, until prompts_per_step are kept across all ranks or max_gen_batches
-    batches were generated; then keep exactly prompts_per_step (at the cap: what was kept, a multiple of the world size,
-    possibly none, with a warning; it never raises and never loops forever). --no-dynamic_sampling: one batch, all kept.
-    Each group stays on the rank that generated it; every rank gets every group's _summary. A stop request between
-    batches ends the rollout: it then returns None.
-    Returns (the kept groups' summaries, every generated group's summary, the step's rollout metrics); the kept
-    summaries of this rank's groups carry the group itself under "group"."""
+    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until prompts_per_step groups
+    of mixed correctness are kept across ranks; then exactly that many, or at the cap what was kept, cut to a
+    multiple of the world size (possibly none, never an error). --no-dynamic_sampling: one batch, all kept.
+    Groups stay where made; every rank gets all _summary()s, a kept one of this rank's holding the group under
+    "group". Returns (kept summaries, all summaries, rollout metrics); None if stopped between batches."""
     rank, world = dist_info.rank, dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
-    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per generation batch
+    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
     local, kept, generated, n_batches, timeouts, verify_s = [], [], [], 0, 0, 0.0
     while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
@@ -292,9 +298,9 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
         kept += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
     if len(kept) < cfg.prompts_per_step:
         usable = len(kept) - len(kept) % world  # an equal share per rank keeps FSDP's collectives in lockstep
-        print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} generation "
-               f"batches (--max_gen_batches); training on " + (f"all {usable}" if usable == len(kept) else
-                                                              f"{usable} (a multiple of the {world} ranks)"))
+        print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} "
+               f"generation batches (--max_gen_batches); training on "
+               + (f"all {usable}" if usable == len(kept) else f"{usable} (a multiple of the {world} ranks)"))
     kept = kept[:min(cfg.prompts_per_step, len(kept) - len(kept) % world)]
     for g in kept:
         if g["origin"][0] == rank:
@@ -305,43 +311,40 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     lengths = [n for g in generated for n in g["lengths"]]
     stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
              "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
-             "train/num_gen_batches": n_batches, "train/num_groups": len(kept), "train/num_completions": len(lengths),
-             "train/response_len": sum(lengths) / len(lengths), "train/truncated_frac": sum(truncated) / len(truncated),
+             "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
+             "train/num_completions": len(lengths), "train/response_len": sum(lengths) / len(lengths),
+             "train/truncated_frac": sum(truncated) / len(truncated),
              "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item(),
              "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
     return kept, generated, stats
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 4. The step's batch: plan_updates splits the kept groups into the step's updates and brings each rank its own;
-#    make_batch makes them padded tensors, the one dict the update reads; its advantages; its micro-batches. Its
-#    contract, every key with its shape (B rows: this rank's groups x G) and who writes it:
-#      input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
-#      mask                       (B, T)    make_batch          1 = a completion token the loss counts; zeroed for
-#                                                               tokens rollout_correction rejects, and in daro.py for
-#                                                               the groups of bins 0 and G
-#      reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
-#      group                      (B,)      make_batch          which of this rank's groups (prompts) a row belongs to
-#      rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
-#      advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
-#      old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
-#      is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
-#      weight                     (B, T)    the script          each token's share of its update's loss
-#      bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
+# ------------------------------------------------------------------------------------------------------------
+# 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
+#    one dict the update reads; advantages; micro-batches. Its contract (B = this rank's groups x G):
+#    input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
+#    mask                       (B, T)    make_batch          1 = a token the loss counts; zeroed where
+#                                                             rollout_correction rejects; daro.py: bins 0, G
+#    reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
+#    group                      (B,)      make_batch          index of the row's group (prompt) on this rank
+#    rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
+#    advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
+#    old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
+#    is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
+#    weight                     (B, T)    the script          each token's share of its update's loss
+#    bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
 def group_tokens(group: dict) -> int:
     """Tokens a group (or its _summary) puts through the trainer: its G prompt + completion rows."""
     return sum(group["prompt_len"] + n for n in group["lengths"])
 
 
 def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
-    """Which groups this rank trains in each optimizer update of the step, brought to it. The kept groups (the same
-    summaries on every rank, a multiple of the world size) are cut into min(num_updates, groups / world) contiguous
-    updates whose sizes are multiples of the world size and differ by at most one group per rank: every group is
-    trained once and no update is empty, also at the sampling cap. Inside an update every rank takes as many groups:
-    every world-th one, or with `balance` the heaviest first, each to the rank with the fewest tokens so far. Every
-    rank computes the whole plan from the summaries; each rank then sends the others the groups it generated that
-    they train (one scatter per rank).
-    Returns (this rank's groups in update order, the row indices of each update into make_batch of those groups).
+    """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank). The kept
+    groups (the same on every rank, a multiple of the world size) make min(num_updates, groups / world)
+    contiguous updates, their sizes multiples of the world size that differ by at most one group per rank:
+    every group is trained once, no update is empty, also at the sampling cap. In an update each rank gets as
+    many groups: every world-th, or with `balance` the heaviest first, each to the rank with the fewest tokens
+    so far. Returns (this rank's groups in update order, each update's rows in make_batch of them).
     Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
     world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
     blocks = len(kept) // world  # groups per rank
@@ -352,8 +355,8 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
         size = (blocks // n + (i < blocks % n)) * world
         part, start = list(range(start, start + size)), start + size
         if balance and world > 1:
-            shares, load = [[] for _ in range(world)], [0] * world
-            for j in sorted(part, key=lambda j: group_tokens(kept[j]), reverse=True):  # stable: the same on all ranks
+            shares, load = [[] for _ in range(world)], [0] * world  # sorted() is stable: same on all ranks
+            for j in sorted(part, key=lambda j: group_tokens(kept[j]), reverse=True):
                 r = min((r for r in range(world) if len(shares[r]) < size // world), key=lambda r: load[r])
                 shares[r].append(j)
                 load[r] += group_tokens(kept[j])
@@ -367,7 +370,8 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
         for src in range(world):
             send = None  # what src sends each rank: the groups src generated that the rank trains
             if rank == src:
-                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src] for r in range(world)]
+                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src]
+                        for r in range(world)]
             got = [None]
             dist.scatter_object_list(got, send, src=src)
             arrived = iter(got[0])
@@ -377,10 +381,10 @@ def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balanc
 
 
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
-    """Flatten groups into the padded tensors of the batch's contract (above) on `device`."""
+    """Flatten groups into the batch contract's padded tensors on `device` (T >= 2: _predicting_outputs)."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
-    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)  # 2: see _predicting_outputs
+    ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
              "reward": torch.tensor([r for g in groups for r in g["reward"]]),
              "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
@@ -392,28 +396,25 @@ def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.dev
 
 
 def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's advantage of each completion from its group's rewards (N, G): (r - mean) / (std + eps), the unbiased
-    std as verl computes it; Dr. GRPO drops the std (std_norm=False). Example: [1, -1, -1, 1] -> [0.866, -0.866,
-    -0.866, 0.866]."""
+    """GRPO's advantages from each group's rewards (N, G): (r - mean) / (std + eps), the unbiased std as in
+    verl; Dr. GRPO: std_norm=False. Example: [1, -1, -1, 1] -> [0.866, -0.866, -0.866, 0.866]."""
     assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
     centered = rewards - rewards.mean(-1, keepdim=True)
     return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
 
 
 def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
-    """Each row's completion length (len(rows),): its real tokens, counted on the attention mask. Not on the loss
-    mask: the tokens rollout_correction rejects (and DARO's bins 0 and G) are holes in it, but still in the sequence,
-    and a trained token after a hole must stay in the micro-batch."""
+    """Completion lengths (len(rows),), counted on the attention mask, not the loss mask: a trained token
+    after a hole in that (tokens rollout_correction rejects, DARO's bins 0 and G) stays in the micro-batch."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     return batch["attention_mask"][rows, P:].sum(-1)
 
 
 def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
-    """The rows `index` cut into micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
-    length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt + longest
-    completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its largest
-    micro-batches until all make as many as the busiest one (FSDP's collectives must match; the ranks' row counts are
-    equal, so it is always possible)."""
+    """The rows `index` in micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
+    length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt +
+    longest completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its
+    largest micro-batches until all make as many as the busiest one (FSDP: collectives must match)."""
     if max_tokens <= 0:
         return [index[s:s + size] for s in range(0, len(index), size)]
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
@@ -429,7 +430,8 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
         chunks[-1].append(i)
         width = wider
     count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())  # no rows (all ranks alike): 0
-    assert chunks or not count, "a rank with no rows where another has some: plan_updates gives every rank as many"
+    assert chunks or not count, ("a rank with no rows where another has some: "
+                                 "plan_updates gives every rank as many")
     while len(chunks) < count:
         k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
         chunks[k:k + 1] = [chunks[k][:len(chunks[k]) // 2], chunks[k][len(chunks[k]) // 2:]]
@@ -437,13 +439,13 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
 
 
 def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int = 0):
-    """The rows `index` of `batch` in micro-batches (_packed_rows), each with the padding columns empty in it trimmed
-    away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
+    """The rows `index` of `batch` in micro-batches (_packed_rows), each with its empty padding columns
+    trimmed away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
-        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest completion, >= 2 (_predicting_outputs)
+        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest, >= 2 (_predicting_outputs)
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left padding shared by all rows
+        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left pad all rows share
         for k in ("input_ids", "attention_mask"):
             mb[k] = mb[k][:, first:P + T]
         for k, v in mb.items():
@@ -452,24 +454,23 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
         yield rows, mb
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 5. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt once,
-#    the output layer in chunks); pi_old once per step, before the first update, unless the engine's are exact.
+# ------------------------------------------------------------------------------------------------------------
+# 5. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt
+#    once, the output layer in chunks); pi_old once per step, before the first update, unless exact.
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
-    """token_logprobs of a micro-batch's completion tokens at the rollout temperature, in chunks of --logprob_chunk
-    tokens, each group's prompt run once: (logp (B, T), the entropy with with_entropy, or the log-probs renormalised
-    over the --top_p nucleus with with_nucleus, or None)."""
+    """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T), the
+    entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus), or None)."""
     return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
-                          with_entropy, cfg.logprob_chunk, mb.get("group"), cfg.top_p if with_nucleus else 1.0)
+                          with_entropy, cfg.logprob_chunk, mb.get("group"),
+                          cfg.top_p if with_nucleus else 1.0)
 
 
 @torch.no_grad()
 def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
-    """pi_old of the clipped ratio, by one rule: the engine's log-probs when they are exactly the trainer's (`exact`:
-    our sampler in float32 at top_p = 1, the trainer's own weights and arithmetic), else recomputed by the trainer for
-    every row before the step's first update (no grad). Returns the batch's new entries: old_logp (B, T) [and
-    old_logp_nucleus (B, T) with top_p < 1: pi_old renormalised over its own nucleus, what the engine's log-probs of
-    its nucleus samples compare with]; an exact engine's rollout_logp becomes old_logp, an inexact one's stays."""
+    """pi_old: the engine's log-probs if exactly the trainer's (`exact`: our sampler in float32 at top_p = 1,
+    the trainer's own weights and arithmetic), else recomputed before the step's first update. Returns new
+    batch entries: old_logp (B, T) [with top_p < 1 also old_logp_nucleus (B, T), pi_old renormalised over its
+    own nucleus, for the engine's nucleus samples]; an exact engine's rollout_logp becomes old_logp."""
     if exact:
         return {"old_logp": batch.pop("rollout_logp")}
     out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
@@ -486,22 +487,19 @@ def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> 
     return out
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 6. The update: each token's clipped surrogate (the papers agree on it), which each script weighs and sums its own
-#    way (DAPO's token mean, GRPO's per-sequence mean, Dr. GRPO's constant: loss_weights; DARO's per-bin means times
-#    w_mu), one micro-batch's forward, and the guarded optimizer step.
+# ------------------------------------------------------------------------------------------------------------
+# 6. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
+#    (loss_weights; DARO's per-bin means times w_mu), one micro-batch's forward, the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
-    """Per-token weights (B, T) that turn the sum of an update's token losses into the chosen aggregation over the
-    WHOLE update: the denominators are summed over every micro-batch and rank before the micro-batch loop, so the loss
-    and gradient do not depend on how the update is split (verl passes the global token count for this).
-      token-mean               1 / (#completion tokens)                     DAPO
-      seq-mean-token-mean      1 / (#sequences * |o_i|)                     GRPO, GSPO
-      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)            Dr. GRPO (a constant, not batch lengths)
-    A floating-point mask keeps its dtype (float64 tests), an integer one becomes float32."""
-    mask = mask if mask.is_floating_point() else mask.float()
+    """Per-token weights (B, T): summed token losses give the chosen aggregation over the WHOLE update, the
+    denominators spanning its micro-batches and ranks (verl's global token count), whatever the split.
+      token-mean               1 / (#completion tokens)            DAPO
+      seq-mean-token-mean      1 / (#sequences * |o_i|)            GRPO, GSPO
+      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)   Dr. GRPO (a constant, not batch lengths)"""
+    mask = mask if mask.is_floating_point() else mask.float()  # a float mask keeps its dtype (float64 tests)
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
-    # sequences with a token to train on: a sequence the rollout correction rejected whole leaves the mean (verl #3915)
+    # sequences with a token to train on: one rollout correction rejected whole leaves the mean (verl #3915)
     num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum().to(mask.dtype)).clamp(min=1)
     if loss_agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_seqs)
@@ -510,22 +508,23 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
     raise ValueError(f"unknown loss_agg {loss_agg!r}")
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *, clip_ratio_c: float = 0.0,
-                seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0, is_weight=None):
+def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *,
+                clip_ratio_c: float = 0.0, seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0,
+                is_weight=None):
     """Each token's loss (B, T): the clipped surrogate, in the inputs' dtype; the caller weighs and sums it.
       max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))          PPO/GRPO, DAPO's decoupled clip
       clip_ratio_c > 1 (dual clip): for A < 0 the loss is capped at -A * clip_ratio_c
-      seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)): every token of a
-        completion shares the length-normalised sequence ratio, and the whole sequence is clipped together
-      is_weight (B, T): rollout_correction's pi_old / pi_rollout, on the surrogate only (as verl and TRL apply it)
+      seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)): every token
+        of a completion shares the length-normalised sequence ratio; the whole sequence is clipped together
+      is_weight (B, T): rollout_correction's pi_old / pi_rollout, on the surrogate only (as verl and TRL do)
       kl_coef > 0: + kl_coef * the k3 estimate of KL(pi || pi_ref)
-    Returns (token losses (B, T), the counts of clipped tokens among `mask`'s, below and above, for logging)."""
+    Returns (token losses (B, T), counts of `mask`'s tokens clipped below and above, for logging)."""
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # (B, T)
     if seq_ratio:
         seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
         log_ratio = seq.detach() + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(max=20.0))  # clamp only guards exp overflow; such a ratio is clipped anyway
+    ratio = torch.exp(log_ratio.clamp(max=20.0))  # guards exp overflow only; such a ratio is clipped anyway
     adv = advantages.unsqueeze(-1)  # (B, 1)
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
     if clip_ratio_c > 1:
@@ -542,11 +541,11 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of |log r|
-    and of the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and
-    the count of `boundary` tokens: in the engine's top_p nucleus (it drew them) but outside pi_old's own, where pi_old
-    puts no mass and log r is OUTSIDE_NUCLEUS. Those are a share of their own (rollout/nucleus_boundary_frac), not
-    a ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of
+    |log r| and the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw
+    (`compared`), and the count of `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no
+    mass there: log r is OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a
+    ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
     old = mb.get("old_logp_nucleus", mb["old_logp"])
     mask = mb["mask"].to(old.dtype)
     boundary = mask * (old <= OUTSIDE_NUCLEUS)
@@ -558,9 +557,8 @@ def mismatch_sums(mb: dict) -> dict:
 
 
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
-    """Forward one micro-batch: each token's loss (B, T) (policy_loss, with the KL anchor's log-probs and
-    --rollout_is's weights when asked), for the script to weigh and sum; its entropy, clipped-token counts, tokens,
-    padding and (an engine whose log-probs are not pi_old) the engine/trainer log-prob gap go to `sums`."""
+    """One micro-batch's forward: each token's loss (B, T) (policy_loss), for the script to weigh and sum; its
+    entropy, clipped-token counts, tokens, padding and engine/trainer gap (mismatch_sums) go to `sums`."""
     with autocast(cfg.dtype, device):
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
@@ -570,9 +568,9 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
             reshard(ref_model)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights
         sums.add(**mismatch_sums(mb))
-    token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
-                                      clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
-                                      kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
+    token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low,
+                                      cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio,
+                                      ref_logp=ref_logp, kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
     sums.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=clipped["clip_low"].item(),
              clip_high=clipped["clip_high"].item(), tokens=mb["mask"].sum().item(),
              forward_tokens=mb["attention_mask"].numel(), real_tokens=mb["attention_mask"].sum().item())
@@ -580,10 +578,8 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
 
 
 class UpdateGuard:
-    """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or the
-    gradient is not finite on some rank; then the update is skipped (every rank agrees), so one bad batch cannot poison
-    the weights. After max_bad_updates skipped in a row the run stops (exit 1) with a hint. Either way the gradients
-    are freed after the step, so none lives through the next rollout."""
+    """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or
+    gradient is not finite on a rank; then every rank skips it, so one bad batch cannot poison the weights."""
 
     def __init__(self, max_bad_updates: int):
         self.max_bad, self.in_a_row = max_bad_updates, 0
@@ -612,11 +608,11 @@ class UpdateGuard:
         return False
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority answer's
-#    accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
+# ------------------------------------------------------------------------------------------------------------
+# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
+#    answer's accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
+    """Unbiased pass@k, n samples, c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
     if n - c < k:
         return 1.0
     prod = 1.0
@@ -626,22 +622,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_correct(group: dict, answer_format: str) -> bool:
-    """maj@k of one group: is the answer most of its samples give (equivalent answers counted as one; ties: the
-    first seen, verifier.majority_vote) correct? The winner's own verdict answers it, so nothing is verified twice."""
+    """maj@k of one group: is the answer most of its samples give (equivalent answers as one; ties: the first
+    seen, verifier.majority_vote) correct? The winner's own verdict decides: nothing is verified twice."""
     index, _ = majority_vote([extract_answer(t, answer_format) for t in group["texts"]])
     return index is not None and bool(group["correct"][index])
 
 
 @torch.no_grad()
-def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1, k: int = 0) -> dict:
-    """k completions per problem (0: cfg.eval_samples; each rank its stride) from a private seeded stream: the same
-    weights always get the same score, and the training stream is untouched (our sampler: torch's RNG, forked; vLLM:
-    seeded requests). Returns eval/acc (avg@k), eval/pass@j for j = 1, 2, 4, ... up to k, eval/maj@k and
-    eval/acc_level<l>."""
+def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1,
+             k: int = 0) -> dict:
+    """k completions per problem (0: cfg.eval_samples) from a private seeded stream: the same weights get the
+    same score. Returns eval/acc (avg@k), eval/pass@j (j = 1, 2, 4, ...), eval/maj@k, eval/acc_level<l>."""
     n = k or cfg.eval_samples
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
-    with torch.random.fork_rng(devices=devices):  # our sampler draws from torch's RNG; vLLM seeds each request
+    with torch.random.fork_rng(devices=devices):  # our sampler's RNG; the training stream stays untouched
         torch.manual_seed(seed)
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
@@ -662,11 +657,10 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
     return out
 
 
-def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0, world_size: int = 1) -> dict:
-    """evaluate() on each named eval set, with its own k (--eval_data set@k, else --eval_samples): keys
-    eval/<set>/acc, eval/<set>/pass@j, eval/<set>/maj@k, ...; and the run's headline: eval/acc, eval/pass@j,
-    eval/maj@k and eval/acc_level<l>, each the mean over the sets that have it (a set with another k does not enter
-    eval/maj@k)."""
+def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0,
+                  world_size: int = 1) -> dict:
+    """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as eval/<set>/...;
+    the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over the sets with the key."""
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
     out, per_set = {}, []
     for (name, problems), k in zip(eval_sets.items(), ks):
