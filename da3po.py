@@ -36,7 +36,7 @@ from modeling import load_model, model_path, prepare_models
 from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup_dist,
                    stop_requested, stop_run)
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DAA's
 
 
@@ -62,7 +62,7 @@ class Config(TrainConfig):
 PRESETS = presets({"da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": False, "tau": 0.5}},  # [dev 1]
                   off={"lam": 1.0, "adaptive_lam": False})
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Algorithm: Direct Advantage Amplification, and the theory behind it
 
 
@@ -211,7 +211,7 @@ class DAA:
         return f" | amp {record['daa/amplified_frac']:.2f}"
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Training
 
 

@@ -40,7 +40,7 @@ from modeling import load_model, model_path, prepare_models
 from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, print0, setup_dist, stop_requested,
                    stop_run)
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DARO's
 
 
@@ -67,7 +67,7 @@ PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DAR
                    "var": {**BASELINES["dapo"], "weighting": "var"}},  # variance-based static weights
                   off={"weighting": "none"})
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Algorithm: difficulty bins, per-bin losses and their learnable weights
 
 
@@ -208,7 +208,7 @@ class DARO:
         ws = [record[f"daro/w_{i / self.G:.3f}"] for i in range(1, self.G)]
         return f" | w {min(ws):.2f}-{max(ws):.2f}"
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Training
 
 

@@ -59,7 +59,7 @@ from sympy.solvers.solveset import solveset  # imported eagerly so forked worker
 
 __all__ = ["extract_answer", "math_equal", "verify_batch", "close_verifier_pool"]
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Limits and tolerances, shared by all sections.
 
 # Safety bounds, all checked before sympy sees anything: together they cap what one hostile or degenerate
@@ -76,7 +76,7 @@ _CACHE_SIZE = 100_000     # LRU entries keyed by the normalised (pred, gold) pai
 _MAX_TASKS_PER_WORKER = 5000  # recycle workers now and then: sympy caches grow without bound
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 1. Answer extraction: the last \boxed{...} (or \fbox) of a completion, else its last 'Answer: ...' line.
 #    Python's re cannot match nested braces, so braces are paired by one linear scan (_match_braces) instead;
 #    nothing here backtracks, and a 1 MB completion costs one pass over its last _EXTRACT_WINDOW characters.
@@ -160,7 +160,7 @@ def extract_answer(text: str, answer_format: str = "auto") -> str | None:
         return None
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 2a. String normalisation. _normalize maps the many spellings of one answer (\dfrac, 90^\circ, '10 cm', a unicode
 #     minus) to one string; _quick_check (2b) then settles most pairs inline, in microseconds and without sympy:
 #     string, word, clock-time and exact-number equality.
@@ -245,7 +245,7 @@ def _normalize(s: str) -> str:
     return s
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 2b. Plain-number fast paths and _quick_check, the inline verdict that most pairs never get past.
 
 # Plain numbers, the bulk of RL answers, are settled here without sympy. Values are fractions.Fraction, never
@@ -337,7 +337,7 @@ def _quick_check(pred: str, gold: str) -> tuple[tuple[str, str], bool | None]:
     return key, None  # undecided: the caller tries the cache, then the worker pool
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 3a. Parser: normalised answer -> tokens -> sympy objects, built by hand. sympify/parse_expr run Python's eval on
 #     their input (sympy's docs warn against using them on unsanitised strings), so they are never called here.
 #     Anything that could explode (powers, factorials, binomials, sums) is size-checked before sympy evaluates it,
@@ -453,7 +453,7 @@ def _power(base, exp):
         raise _ParseError(str(e))
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 3b. The parser class. Its sub-banners: token cursor, precedence levels, atoms, commands.
 
 # Grammar of _Parser, lowest precedence first ({x}: zero or more, [x]: optional). One method per rule.
@@ -857,7 +857,7 @@ class _Parser:
         raise _ParseError(f"unsupported environment {name}")
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 3c. Entry point of the parser: size limits first, then \pm expansion and the percent reading.
 
 
@@ -892,7 +892,7 @@ def _parse_answer(s: str) -> tuple[list, bool]:
         return [], False
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 4a. Comparison of parsed values: structural equality, then exact or high-precision numeric evaluation, then
 #     agreement at sample points, and sympy.simplify only as the slow last resort. Tuples keep their order, answer
 #     lists are multisets, equations match up to a constant factor, intervals and inequalities compare as sets.
@@ -975,7 +975,7 @@ def _equal_expr(a, b, loose: bool) -> bool:
         return False
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 4b. Labels ('x = 5' vs '5') and relations (equations and inequalities up to a constant factor).
 
 # Labels: models write 'x = 5', 'f(x) = 2x + 1' or 'AB = 3' where the gold answer is '5'. A left-hand side
@@ -1052,7 +1052,7 @@ def _equal_relations(a: _Rel, b: _Rel, loose: bool) -> bool:
     return ca[2] in ("=", "!=") or (abs(mpmath.im(ratio)) < 1e-9 and mpmath.re(ratio) > 0)
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 4c. Sets (intervals, unions, solved inequalities), unordered lists, and the dispatch over all value kinds.
 
 # Relations with one free variable are solved over the reals (solveset, imported at the top of the file so a
@@ -1159,7 +1159,7 @@ def _symbolic_equal(pred: str, gold: str) -> bool:
     return any(_equal(p, g, loose) for p in pred_values for g in gold_values)
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 5. Worker pool with hard deadlines. The symbolic step (3-4) runs in forked workers that are SIGKILLed at their
 #    deadline; extraction, normalisation, plain-number checks and the cache (6) run inline in the caller.
 
@@ -1323,7 +1323,7 @@ class _Pool:
         self.idle = []
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 6. Public API: math_equal, verify_batch, close_verifier_pool (and extract_answer, section 1). The cheap checks and
 #    an LRU cache of verdicts run inline; only undecided pairs go to the pool. verify_batch reports what happened
 #    in the call as a dict of counters, so a trainer can log timeouts per step without any module-level state.
@@ -1508,7 +1508,7 @@ def majority_vote(answers: list, timeout: float = 1.0, num_workers: int = 0) -> 
     return next(i for i in total if total[i] == best), best  # dicts keep insertion order: the first seen wins a tie
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # 7. Command line: one pair, or a JSONL file of pairs. Exit 0 = all equal, 1 = some pair not equal, 2 = bad input.
 
 _CLI_EPILOG = """examples:
