@@ -1,0 +1,81 @@
+"""The layout by role (issue 31): common.py holds the step, the files that keep a run going hold the rest, and
+imports point one way. Source checks only (no torch needed); bench/layout.py prints the size figures."""
+import ast
+import glob
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Lower first: a file may import only the files before it (verifier.py stands alone: anyone may import it).
+ORDER = ["ranks", "modeling", "dataset", "common", "engine", "bookkeeping", "da3po", "daro"]
+STEP_FILES = ("common.py", "da3po.py", "daro.py")  # what a reader opens to see one step
+# What keeps a run going, defined only in its own file: stop signals, process groups, the output-layer table,
+# the start-up probes, sharding, checkpoints, trackers.
+RUN_KEEPING = {"handle_stop_signals": "ranks", "stop_requested": "ranks", "setup_dist": "ranks",
+               "cleanup_dist": "ranks", "_LOGIT_TRANSFORMS": "modeling", "check_chunked_logprobs": "modeling",
+               "check_logprob_paths": "modeling", "shard_model": "modeling", "save_checkpoint": "bookkeeping",
+               "load_checkpoint": "bookkeeping", "Tracker": "bookkeeping", "Logger": "bookkeeping"}
+# Calls that set up processes, shard, install signal handlers or read and write checkpoint files.
+RUN_KEEPING_CALLS = {"init_process_group", "destroy_process_group", "fully_shard", "signal", "save", "load"}
+
+
+def tree(name: str) -> ast.Module:
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
+def core() -> list[str]:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))
+                  if os.path.basename(p) != "verifier.py")
+
+
+def imports(name: str) -> set[str]:
+    found = set()
+    for node in ast.walk(tree(name)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def top_level_names(name: str) -> set[str]:
+    names = set()
+    for node in tree(name).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_every_core_file_has_its_place_in_the_order():
+    assert sorted(f[:-3] for f in core()) == sorted(ORDER), "a new top-level file needs its place in ORDER"
+
+
+def test_imports_point_one_way():
+    for i, module in enumerate(ORDER):
+        ours = imports(module + ".py") & set(ORDER)
+        upward = ours - set(ORDER[:i])
+        assert not upward, f"{module}.py imports {sorted(upward)}, which come after it in {ORDER}"
+
+
+def test_what_keeps_a_run_going_is_defined_in_its_own_file():
+    for name, home in RUN_KEEPING.items():
+        assert name in top_level_names(home + ".py"), f"{name} should be defined in {home}.py"
+        for f in STEP_FILES:
+            assert name not in top_level_names(f), f"{f} defines {name}, which belongs in {home}.py"
+
+
+def test_the_step_files_set_up_no_process_shard_signal_or_checkpoint_file():
+    for f in STEP_FILES:
+        calls = {n.func.attr for n in ast.walk(tree(f))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        assert not calls & RUN_KEEPING_CALLS, f"{f} calls {sorted(calls & RUN_KEEPING_CALLS)}"
+
+
+def test_every_core_file_opens_with_what_it_holds_and_no_line_is_over_120():
+    for f in core():
+        assert ast.get_docstring(tree(f)), f"{f} has no module docstring"
+        with open(os.path.join(ROOT, f), encoding="utf-8") as fh:
+            long = [i + 1 for i, line in enumerate(fh.read().splitlines()) if len(line) > 120]
+        assert not long, f"{f}: lines over 120 characters: {long}"
