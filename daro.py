@@ -23,21 +23,19 @@ Run:  python daro.py                                                    # the bu
       torchrun --standalone --nproc_per_node=8 daro.py --model Qwen/Qwen2.5-Math-7B ...     # docs/gpu.md
 """
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
-                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state)
+                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
 from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateGuard, dynamic_sampling,
                     group_advantages, loss_weights, make_batch, micro_batches, old_logprobs, plan_updates,
                     presets, token_losses, train_metrics)
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_model, model_path, prepare_models
-from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, print0, setup_dist, stop_requested,
+from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup_dist, stop_requested,
                    stop_run)
 
 # ------------------------------------------------------------------------------------------------------------
@@ -215,50 +213,49 @@ class DARO:
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
-    check_config(cfg, dist_info.world_size)  # a flag combination that cannot work stops here (exit 2)
-    check_algorithm_config(cfg)
+    check_config(cfg, dist_info.world_size, check_algorithm_config)  # a flag that cannot work stops here
     device = dist_info.device
-    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, in a second, before any model is loaded
+    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
-    model, tok = load_model(resume_from or base_path)  # on the CPU: the rollout engine takes its GPU memory first
+    model, tok = load_model(resume_from or base_path)  # on the CPU: the engine takes its GPU memory first
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, resume_from or base_path)  # our sampler or vLLM
-    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; the KL anchor
+    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; KL anchor
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
     algo = DARO(cfg, device, state)  # the paper's part of the step (above), and its state in checkpoints
 
-    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last one finished
+    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
         save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream,
                         {**algo.state_dict(), "eval_due": eval_due}, cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, start_step if resume_from else -1)
-    first_eval = None  # at the start of a fresh run (a checkpoint at step 0 has it), and the one a stop left due
+    first_eval = None  # at a fresh run's start (a step-0 checkpoint has it), and the one a stop left due
     if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
         first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
     guard, pending = UpdateGuard(cfg.max_bad_updates), state["pending"]  # pending: a step a stop interrupted
-    for step in tqdm(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), desc="steps", leave=False,
-                     disable=not dist_info.is_main or not sys.stderr.isatty()):  # a bar in a terminal, not in logs
+    for step in step_bar(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), dist_info):
         timer, sums, my_groups, update_rows, first = StepTimer(), Sums(*TRAIN_SUMS), [], [], 0
         if pending:  # the rest of a step that a stop interrupted between two updates
             record, my_groups, update_rows, batch, first = pending.resume(sums, algo)
             pending = None
         else:
-            # 1) roll out G completions per prompt, verify and reward them; dynamic sampling keeps the mixed groups
+            # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
             start = (stream.position, rng_state())
             with timer("rollout"):
                 rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
-            if rollout is None:  # a stop between generation batches: this step is redone on resume, from its start
-                stream.position, _ = start[0], set_rng_state(start[1])
+            if rollout is None:  # a stop between generation batches: the step is redone on resume
+                stream.position = start[0]
+                set_rng_state(start[1])
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
             kept, generated, record = rollout
             if kept:  # (a step that keeps no group is logged and skipped)
                 with timer("update"):
-                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 7)
+                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
                     my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
                                                           cfg.micro_batch_tokens > 0)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
@@ -274,7 +271,7 @@ def main(cfg: Config):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(first, len(update_rows)):
-                    if u > first and stop_requested():  # a stop between updates: the checkpoint keeps the rest
+                    if u > first and stop_requested():  # between updates: the checkpoint keeps the rest
                         save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
                                                            sums.sums, algo.step_state()))
                         return stop_run(engine, f"in step {step} before update {u}")
@@ -292,15 +289,15 @@ def main(cfg: Config):
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 7) one printed line and one metrics record: sums over micro-batches and ranks, means per token or update
-        record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0], not engine.exact_logprobs))
+        # 7) a printed line and a metrics record: sums over micro-batches and ranks, means per token/update
+        record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0],
+                                    not engine.exact_logprobs))
         record.update({"step": step, **timer.metrics()})
         record.update(algo.metrics(record))
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
-        if cfg.sample_every and step % cfg.sample_every == 0 and my_groups:
-            logger.samples(step, my_groups[0])
-        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due evaluation runs on resume)
+        logger.samples(step, my_groups)  # every --sample_every steps
+        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
         if eval_due and not stopping:
@@ -310,9 +307,7 @@ def main(cfg: Config):
         if stopping:
             return stop_run(engine, f"at step {step}")
     if not cfg.eval_only:
-        last_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps)
-        if first_eval is not None and first_eval["step"] == 0:
-            print0(f"eval/acc before {first_eval['eval/acc']:.3f} -> after {last_eval['eval/acc']:.3f}")
+        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps, before=first_eval)
     cleanup_dist(engine)
 
 
