@@ -298,8 +298,7 @@ def main(cfg: Config):
         record.update(algo.metrics(record))
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
-        if cfg.sample_every and step % cfg.sample_every == 0 and my_groups:
-            logger.samples(step, my_groups[0])
+        logger.samples(step, my_groups)  # every --sample_every steps
         # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due evaluation runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
