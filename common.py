@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dataset import PromptStream, parse_eval_data
-from modeling import OUTSIDE_NUCLEUS, autocast, full_tensor, reshard, token_logprobs
+from modeling import OUTSIDE_NUCLEUS, autocast, forward_tokens, full_tensor, reshard, token_logprobs
 from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0, stop_requested
 from verifier import extract_answer, majority_vote, verify_batch
 
@@ -575,7 +575,8 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
                                       ref_logp=ref_logp, kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
     sums.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=clipped["clip_low"].item(),
              clip_high=clipped["clip_high"].item(), tokens=mb["mask"].sum().item(),
-             forward_tokens=mb["attention_mask"].numel(), real_tokens=mb["attention_mask"].sum().item())
+             **dict(zip(("forward_tokens", "real_tokens"), forward_tokens(
+                 model, mb["attention_mask"], mb["mask"].shape[1], mb.get("group"), cfg.pack))))
     return token_loss
 
 

@@ -233,6 +233,14 @@ def _shares_prompts(model, groups) -> bool:
         model.training and getattr(model, "is_gradient_checkpointing", False))
 
 
+def _group_rows(groups):
+    """(inverse (B,): each row's group as 0..U-1, first (U,): a row of each group)."""
+    inverse = torch.unique(groups, return_inverse=True)[1]
+    first = torch.zeros(int(inverse.max()) + 1, dtype=torch.long, device=groups.device).scatter_(
+        0, inverse, torch.arange(len(groups), device=groups.device))
+    return inverse, first
+
+
 def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
     """The model's outputs (logits, or hidden states while the output layer is captured) at the T positions
     that predict each row's last T tokens: (B, T, .), position_ids from the attention mask (left padding
@@ -247,9 +255,7 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
                      logits_to_keep=T + 1).logits[:, :-1]
     assert T >= 2, "shared-prompt forwards need T >= 2 completion columns (make_batch pads to 2)"
     P = input_ids.shape[1] - T
-    unique, inverse = torch.unique(groups, return_inverse=True)
-    first = torch.zeros(len(unique), dtype=torch.long, device=groups.device).scatter_(
-        0, inverse, torch.arange(len(groups), device=groups.device))  # a row of each prompt
+    inverse, first = _group_rows(groups)
     prompt = model(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
                    position_ids=position_ids[first, :P], use_cache=True, logits_to_keep=1)  # (U, 1, .)
     cache = prompt.past_key_values
@@ -309,10 +315,8 @@ def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
     P, B = input_ids.shape[1] - T, input_ids.shape[0]
     device = input_ids.device
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    unique, inverse = torch.unique(groups, return_inverse=True)
-    U = len(unique)
-    first = torch.zeros(U, dtype=torch.long, device=device).scatter_(
-        0, inverse, torch.arange(B, device=device))  # a row of each prompt
+    inverse, first = _group_rows(groups)
+    U = len(first)
     real = attention_mask[first, :P].bool()  # (U, P): the prompts' tokens (left padded)
     assert bool(real.any(-1).all()), "every prompt needs a token"
     p_pos = position_ids[first, :P][real]
@@ -334,6 +338,27 @@ def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
     return torch.cat([prompt.logits[0], rest[0]])[where[attention_mask[:, P:].bool()]][None]
 
 
+def _runs_packed(model, groups, pack: bool) -> bool:
+    """Whether token_logprobs runs packed: asked for, a group's prompt once, and a model that packs (the
+    start-up check's verdict, model.pack_refusal, else pack_refusal's)."""
+    return pack and _shares_prompts(model, groups) and not getattr(model, "pack_refusal", pack_refusal(model))
+
+
+def forward_tokens(model, attention_mask, T: int, groups=None, pack: bool = False) -> tuple[int, int]:
+    """(positions token_logprobs' forwards run, those of them that hold a token): rows whole (B x width); a
+    group's prompt once, then the completions padded (U x prompt width + B x (T - 1)); or both packed. The
+    tokens a forward needs: each row's (whole) or each prompt's once and each completion's but its last."""
+    B, width = attention_mask.shape
+    if not _shares_prompts(model, groups):
+        return B * width, int(attention_mask.sum())
+    first = _group_rows(groups)[1]
+    prompts = int(attention_mask[first, :width - T].sum())
+    completions = int((attention_mask[:, width - T:].sum(-1) - 1).clamp(min=0).sum())
+    if _runs_packed(model, groups, pack):
+        return prompts + max(completions, 1), prompts + completions
+    return len(first) * (width - T) + B * (T - 1), prompts + completions
+
+
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                    with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0,
                    pack: bool = False):
@@ -346,7 +371,7 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
     gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
     T = num_completion_tokens
-    pack = pack and _shares_prompts(model, groups) and not getattr(model, "pack_refusal", pack_refusal(model))
+    pack = _runs_packed(model, groups, pack)
     if pack:  # outputs (1, N, .) at the completions' N tokens, scattered back to (B, T) at the end
         where = attention_mask[:, -T:].bool()
         forward = lambda: _packed_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731

@@ -110,3 +110,12 @@ def test_start_up_check_compares_packed_and_padded(float64_model):
     model, _ = float64_model
     modeling.check_logprob_paths(model, common.TrainConfig(pack=True))
     assert model.pack_refusal == ""
+
+
+def test_forward_tokens_count_what_the_forwards_run(float64_model):
+    """perf/pad_frac's counts: one group, a prompt of 3, completions of 5, 3 and 1 tokens (T = 5)."""
+    model, _ = float64_model
+    ids, attn, groups = _one_group([5, 3, 1])
+    assert modeling.forward_tokens(model, attn, 5) == (3 * 8, 3 * 3 + 9)  # rows whole
+    assert modeling.forward_tokens(model, attn, 5, groups) == (3 + 3 * 4, 3 + 4 + 2)  # the prompt once, padded
+    assert modeling.forward_tokens(model, attn, 5, groups, pack=True) == (9, 9)  # packed: no padding
