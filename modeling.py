@@ -339,24 +339,40 @@ def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
 
 
 def _runs_packed(model, groups, pack: bool) -> bool:
-    """Whether token_logprobs runs packed: asked for, a group's prompt once, and a model that packs (the
-    start-up check's verdict, model.pack_refusal, else pack_refusal's)."""
-    return pack and _shares_prompts(model, groups) and not getattr(model, "pack_refusal", pack_refusal(model))
+    """Whether token_logprobs runs packed: asked for, on a model that packs (the start-up check's verdict,
+    model.pack_refusal, else pack_refusal's)."""
+    return pack and not getattr(model, "pack_refusal", pack_refusal(model))
 
 
 def forward_tokens(model, attention_mask, T: int, groups=None, pack: bool = False) -> tuple[int, int]:
-    """(positions token_logprobs' forwards run, those of them that hold a token): rows whole (B x width); a
-    group's prompt once, then the completions padded (U x prompt width + B x (T - 1)); or both packed. The
-    tokens a forward needs: each row's (whole) or each prompt's once and each completion's but its last."""
+    """(positions token_logprobs' forwards run, those a forward needs: each completion's tokens but its last,
+    and each row's prompt, or each group's once where rows share it): rows whole, B x width; a group's
+    prompt once, then the completions padded, U x prompt width + B x (T - 1); packed, the tokens needed."""
     B, width = attention_mask.shape
-    if not _shares_prompts(model, groups):
-        return B * width, int(attention_mask.sum())
-    first = _group_rows(groups)[1]
-    prompts = int(attention_mask[first, :width - T].sum())
     completions = int((attention_mask[:, width - T:].sum(-1) - 1).clamp(min=0).sum())
+    if not _shares_prompts(model, groups):
+        needed = int(attention_mask[:, :width - T].sum()) + completions
+        return (needed if _runs_packed(model, groups, pack) else B * width), needed
+    first = _group_rows(groups)[1]
+    needed = int(attention_mask[first, :width - T].sum()) + completions
     if _runs_packed(model, groups, pack):
-        return prompts + max(completions, 1), prompts + completions
-    return len(first) * (width - T) + B * (T - 1), prompts + completions
+        return needed + (completions == 0), needed  # (a placeholder when no completion has 2 tokens)
+    return len(first) * (width - T) + B * (T - 1), needed
+
+
+def _packed_whole_outputs(model, input_ids, attention_mask, T: int):
+    """_packed_outputs where rows run whole (no groups, a checkpointed model, or one that cannot share its
+    cache: _shares_prompts): each row's tokens but its last, all rows in one row, one forward."""
+    B, width = input_ids.shape
+    P = width - T
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    keep = attention_mask.bool()
+    keep[:, P:] = torch.arange(T, device=keep.device) < attention_mask[:, P:].sum(-1, keepdim=True) - 1
+    rows = torch.arange(B, device=keep.device)[:, None].expand(B, width)[keep]
+    t = (rows, rows, position_ids[keep])  # a row is its own group: it sees its own earlier tokens only
+    where = (keep.flatten().cumsum(0).view(B, width) - 1)[:, P - 1:-1]  # target t: column P - 1 + t's output
+    return model(input_ids=input_ids[keep][None], attention_mask=_packed_mask(model, t, t),
+                 position_ids=t[2][None], logits_to_keep=where[attention_mask[:, P:].bool()]).logits
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
@@ -374,7 +390,9 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     pack = _runs_packed(model, groups, pack)
     if pack:  # outputs (1, N, .) at the completions' N tokens, scattered back to (B, T) at the end
         where = attention_mask[:, -T:].bool()
-        forward = lambda: _packed_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
+        forward = lambda: (_packed_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
+                           if _shares_prompts(model, groups) else
+                           _packed_whole_outputs(model, input_ids, attention_mask, T))
         targets = input_ids[:, -T:][where][None]  # (1, N)
     else:
         forward = lambda: _predicting_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
@@ -519,7 +537,7 @@ def check_logprob_paths(model, cfg):
         model.shares_prompts = bool(torch.allclose(shared, whole, rtol=1e-4, atol=1e-4))
     except (RuntimeError, AttributeError, TypeError, ValueError, IndexError):
         model.shares_prompts = False  # the cache cannot be indexed out
-    if getattr(cfg, "pack", False) and model.shares_prompts:
+    if getattr(cfg, "pack", False):
         model.pack_refusal = pack_refusal(model)  # then packed as it would run: compared with padded
         model.pack_refusal = model.pack_refusal or _check_packed(model)
         if model.pack_refusal:
@@ -527,7 +545,7 @@ def check_logprob_paths(model, cfg):
     model.train(was_training)
     if not model.shares_prompts:
         print0(f"note: {_model_name(model)}'s KV cache cannot be shared by a group's rows: "
-               "each row runs its prompt" + (" (and --pack is off)" if getattr(cfg, "pack", False) else ""))
+               "each row runs its prompt")
 
 
 def _check_packed(model) -> str:
@@ -541,10 +559,10 @@ def _check_packed(model) -> str:
     groups = torch.tensor([0, 0, 1])
     try:
         padded = token_logprobs(model, ids, attn, 6, groups=groups)[0] * attn[:, 4:]
-        packed = token_logprobs(model, ids, attn, 6, groups=groups, pack=True)[0]
+        gap = max((token_logprobs(model, ids, attn, 6, groups=g, pack=True)[0] - padded).abs().max().item()
+                  for g in (groups, None))  # a group's prompt once, and rows whole (a checkpointed model)
     except (RuntimeError, AttributeError, TypeError, ValueError, IndexError) as e:
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    gap = (packed - padded).abs().max().item()
     return "" if gap <= 1e-4 else f"packed log-probs off by {gap:.3g}"
 
 

@@ -116,6 +116,37 @@ def test_forward_tokens_count_what_the_forwards_run(float64_model):
     """perf/pad_frac's counts: one group, a prompt of 3, completions of 5, 3 and 1 tokens (T = 5)."""
     model, _ = float64_model
     ids, attn, groups = _one_group([5, 3, 1])
-    assert modeling.forward_tokens(model, attn, 5) == (3 * 8, 3 * 3 + 9)  # rows whole
+    assert modeling.forward_tokens(model, attn, 5) == (3 * 8, 3 * 3 + 6)  # rows whole, padded
     assert modeling.forward_tokens(model, attn, 5, groups) == (3 + 3 * 4, 3 + 4 + 2)  # the prompt once, padded
     assert modeling.forward_tokens(model, attn, 5, groups, pack=True) == (9, 9)  # packed: no padding
+    assert modeling.forward_tokens(model, attn, 5, pack=True) == (3 * 3 + 6, 3 * 3 + 6)  # packed rows whole
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_rows_whole_packed_equal_padded(float64_model, chunk):
+    """A checkpointed model (its layers drop the KV cache in training) runs rows whole: packed, in one forward,
+    the same log-probs and gradient as padded, the last prompt position predicting each first token."""
+    model, _ = float64_model
+    ids, attn, _ = _one_group([5, 3, 1, 0])
+    other, other_attn, _ = _one_group([2, 4], prompt=(15, 16))
+    width = ids.shape[1]
+    ids = torch.cat([ids, torch.nn.functional.pad(other, (width - other.shape[1], 0))])  # left pad the prompt
+    attn = torch.cat([attn, torch.nn.functional.pad(other_attn, (width - other.shape[1], 0))])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    groups, results = torch.tensor([0, 0, 0, 0, 1, 1]), []
+    for pack in (False, True):
+        model.zero_grad()
+        calls = []
+        handle = model.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            logp = modeling.token_logprobs(model, ids, attn, 5, chunk_tokens=chunk, groups=groups, pack=pack)[0]
+        finally:
+            handle.remove()
+        logp = logp * attn[:, -5:]
+        (logp * torch.arange(1, 6)).sum().backward()
+        results.append((logp, [p.grad.clone() for p in model.parameters()], len(calls)))
+    (padded, grad_padded, n_padded), (packed, grad_packed, n_packed) = results
+    assert n_padded == n_packed == 1
+    assert (packed - padded).abs().max().item() <= 1e-12
+    assert max((a - b).abs().max().item() for a, b in zip(grad_padded, grad_packed)) <= 1e-10
