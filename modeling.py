@@ -366,7 +366,7 @@ def _packed_whole_outputs(model, input_ids, attention_mask, T: int):
     B, width = input_ids.shape
     P = width - T
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    keep = attention_mask.bool()
+    keep = attention_mask.bool().clone()  # (a bool mask's .bool() is the mask itself)
     keep[:, P:] = torch.arange(T, device=keep.device) < attention_mask[:, P:].sum(-1, keepdim=True) - 1
     rows = torch.arange(B, device=keep.device)[:, None].expand(B, width)[keep]
     t = (rows, rows, position_ids[keep])  # a row is its own group: it sees its own earlier tokens only
@@ -380,8 +380,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
                    pack: bool = False):
     """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
     (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once. With
-    `pack` (and groups, on a model that packs: _packed_outputs) the forwards run without padding; both
-    outputs are 0 at padded positions.
+    `pack`, on a model that packs, the forwards run without padding (_packed_outputs, or
+    _packed_whole_outputs where rows run whole); both outputs are then 0 at padded positions.
     Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
     log-softmax, entropy and backward make several. With chunk_tokens > 0, head_logits, the log-softmax and
     the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
@@ -549,7 +549,7 @@ def check_logprob_paths(model, cfg):
 
 
 def _check_packed(model) -> str:
-    """'' if packed log-probs (_packed_outputs) agree with padded ones on two groups of uneven prompts and
+    """'' if packed log-probs (both paths) agree with padded ones on two groups of uneven prompts and
     completions, else why not (a family whose forward does not take a custom mask as it should)."""
     ids = 3 + torch.arange(30).view(3, 10) % 7  # (3, 10): prompts of 4, 4, 2 tokens; completions of 5, 2, 6
     attn = torch.ones_like(ids)
