@@ -8,6 +8,8 @@ import re
 
 import torch
 import torch.utils.checkpoint
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
 from ranks import DistInfo, die, is_dist, print0
@@ -286,9 +288,46 @@ def pack_refusal(model) -> str:
     return ""
 
 
+def _attention_rows(q: tuple, k: tuple) -> tuple:
+    """The packed queries q = (group, row, position) (Lq,) and keys k (Lk,) laid out again as R padded rows,
+    one per (group, row) of the queries, for sdpa (_rows_sdpa): (q_at (R, Tq) and k_at (R, Tk), indices into
+    the packed queries and keys; q_valid (R, Tq); the mask (R, 1, Tq, Tk); order: the rows' valid outputs in
+    packed order). Attention then costs what padded rows cost, while the rest of the model runs packed."""
+    (qg, qr, qp), (kg, kr, kp) = q, k
+    span = int(max(qr.max(), kr.max())) + 3  # (group, row) -> one id: rows run from -1 (a prompt's) up
+    rows, row_of = torch.unique((qg + 1) * span + qr + 1, return_inverse=True)
+    g, r = rows // span - 1, rows % span - 1
+
+    def lay_out(member):  # (R, L) bool -> each row's members in order, padded: (at (R, T), valid (R, T))
+        count = member.sum(1)
+        at = torch.argsort((~member).to(torch.int8), dim=1, stable=True)[:, :int(count.max())]
+        return at, torch.arange(at.shape[1], device=at.device) < count[:, None]
+
+    q_at, q_valid = lay_out(row_of[None] == torch.arange(len(rows), device=rows.device)[:, None])
+    k_at, k_valid = lay_out((kg[None] == g[:, None]) & ((kr[None] == r[:, None]) | (kr[None] < 0)))
+    mask = (k_valid[:, None] & (kp[k_at][:, None] <= qp[q_at][:, :, None])) | ~q_valid[:, :, None]  # (a
+    return q_at, q_valid, k_at, mask[:, None], torch.argsort(q_at[q_valid])  # padded query sees all: no NaN)
+
+
+def _rows_sdpa(module, query, key, value, attention_mask, packed_rows=None, **kwargs):
+    """transformers' sdpa, unless a packed forward passes its rows (_attention_rows): then the packed queries,
+    keys and values (1, heads, L, d) are laid out as padded rows, attend, and go back to packed order."""
+    if packed_rows is None:
+        return _SDPA(module, query, key, value, attention_mask, **kwargs)
+    q_at, q_valid, k_at, mask, order = packed_rows
+    q, k, v = (x[0][:, at].transpose(0, 1) for x, at in ((query, q_at), (key, k_at), (value, k_at)))
+    out = _SDPA(module, q, k, v, mask, **kwargs)[0]  # (R, Tq, heads, d)
+    return out[q_valid][order][None], None
+
+
+# sdpa's entry in transformers' registry, wrapped: a call without packed_rows runs as before (generation too)
+_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
+AttentionInterface.register("sdpa", _rows_sdpa)
+
+
 def _packed_mask(model, q: tuple, k: tuple):
-    """The attention mask of queries q = (group, row, position), each (Lq,), on keys k (Lk,) each (see above),
-    in the form the model's attention implementation reads, (1, 1, Lq, Lk)."""
+    """The attention of queries q = (group, row, position), each (Lq,), on keys k (Lk,) each (see above), as
+    the model's forward arguments: sdpa its rows (_attention_rows), else a mask (1, 1, Lq, Lk)."""
     (qg, qr, qp), (kg, kr, kp) = q, k
     implementation = model.config._attn_implementation
     if implementation == "flex_attention":
@@ -296,14 +335,15 @@ def _packed_mask(model, q: tuple, k: tuple):
 
         def mask_mod(b, h, i, j):
             return (kg[j] == qg[i]) & ((kr[j] == qr[i]) | (kr[j] < 0)) & (kp[j] <= qp[i])
-        return create_block_mask(mask_mod, None, None, len(qg), len(kg), device=qg.device)
+        return {"attention_mask": create_block_mask(mask_mod, None, None, len(qg), len(kg), device=qg.device)}
+    if implementation == "sdpa":  # a 4D placeholder, which transformers passes through as it is
+        return {"attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=qg.device),
+                "packed_rows": _attention_rows(q, k)}
     allowed = ((kg[None] == qg[:, None]) & ((kr[None] == qr[:, None]) | (kr[None] < 0))
                & (kp[None] <= qp[:, None]))[None, None]
-    if implementation == "sdpa":
-        return allowed
     dtype = torch.promote_types(model.get_input_embeddings().weight.dtype, torch.float32)  # eager adds it
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)
+    return {"attention_mask": torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)}
 
 
 def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
@@ -322,7 +362,7 @@ def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
     p_pos = position_ids[first, :P][real]
     p = (torch.arange(U, device=device)[:, None].expand(U, P)[real], torch.full_like(p_pos, -1), p_pos)
     last = real.sum(-1).cumsum(0) - 1  # (U,): each prompt's last token in the packed row
-    prompt = model(input_ids=input_ids[first, :P][real][None], attention_mask=_packed_mask(model, p, p),
+    prompt = model(input_ids=input_ids[first, :P][real][None], **_packed_mask(model, p, p),
                    position_ids=p[2][None], use_cache=True, logits_to_keep=last)  # logits (1, U, .)
     inputs = torch.arange(T - 1, device=device)[None] < attention_mask[:, P:].sum(-1, keepdim=True) - 1
     rows = torch.arange(B, device=device)[:, None].expand(B, T - 1)[inputs]  # (B, T-1): all but the last
@@ -330,7 +370,7 @@ def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
     ids = input_ids[:, P:-1][inputs]
     if not len(ids):  # no completion has 2 tokens: a placeholder (sees itself only) keeps the forward count
         c, ids = tuple(torch.full((1,), v, device=device) for v in (-1, B, 0)), input_ids[:1, P]
-    rest = model(input_ids=ids[None], attention_mask=_packed_mask(model, c, tuple(map(torch.cat, zip(p, c)))),
+    rest = model(input_ids=ids[None], **_packed_mask(model, c, tuple(map(torch.cat, zip(p, c)))),
                  position_ids=c[2][None], past_key_values=prompt.past_key_values, use_cache=True).logits
     where = torch.empty(B, T, dtype=torch.long, device=device)  # each target's output in cat(prompt, rest)
     where[:, 0] = inverse  # the first completion token: its prompt's last position
@@ -371,7 +411,7 @@ def _packed_whole_outputs(model, input_ids, attention_mask, T: int):
     rows = torch.arange(B, device=keep.device)[:, None].expand(B, width)[keep]
     t = (rows, rows, position_ids[keep])  # a row is its own group: it sees its own earlier tokens only
     where = (keep.flatten().cumsum(0).view(B, width) - 1)[:, P - 1:-1]  # target t: column P - 1 + t's output
-    return model(input_ids=input_ids[keep][None], attention_mask=_packed_mask(model, t, t),
+    return model(input_ids=input_ids[keep][None], **_packed_mask(model, t, t),
                  position_ids=t[2][None], logits_to_keep=where[attention_mask[:, P:].bool()]).logits
 
 
