@@ -271,9 +271,10 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
 # Packed forwards (--pack): a micro-batch's prompts in one row, then its completions in one row on their KV
 # cache, no padding. Every token carries (group, row, position); query q sees key k iff they share the
 # group, k is a prompt token (row -1) or in q's row, and k's position <= q's: a completion sees its own
-# group's prompt and its own earlier tokens. The mask takes the form the model's attention reads: a dense
-# (Lq, Lk) bool (sdpa) or additive float (eager) mask, which grows as Lq x Lk and so is for CPU-sized
-# micro-batches, or flex attention's BlockMask, one entry per 128 x 128 block (what scales on GPUs).
+# group's prompt and its own earlier tokens. The attention takes it in its own form: sdpa as padded rows of
+# the packed tokens, for the attention only (_attention_rows: the cost of padded rows, not Lq x Lk); eager as
+# a dense additive (Lq, Lk) mask (CPU-sized micro-batches only); flex attention as a BlockMask, one entry per
+# 128 x 128 block (what scales on GPUs).
 PACKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
