@@ -150,3 +150,18 @@ def test_rows_whole_packed_equal_padded(float64_model, chunk):
     assert n_padded == n_packed == 1
     assert (packed - padded).abs().max().item() <= 1e-12
     assert max((a - b).abs().max().item() for a, b in zip(grad_padded, grad_packed)) <= 1e-10
+
+
+def test_eager_packed_mask_equals_sdpa_rows(float64_model):
+    """eager reads a dense additive mask, sdpa the rows layout (_attention_rows): the same log-probs."""
+    model, _ = float64_model
+    ids, attn, _ = _one_group([5, 3, 1])
+    other, other_attn, _ = _one_group([2, 4], prompt=(15, 16))
+    width = ids.shape[1]
+    ids = torch.cat([ids, torch.nn.functional.pad(other, (width - other.shape[1], 0))])
+    attn = torch.cat([attn, torch.nn.functional.pad(other_attn, (width - other.shape[1], 0))])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    sdpa = modeling.token_logprobs(model, ids, attn, 5, groups=groups, pack=True)[0]
+    model.config._attn_implementation = "eager"
+    eager = modeling.token_logprobs(model, ids, attn, 5, groups=groups, pack=True)[0]
+    assert (sdpa - eager).abs().max().item() <= 1e-6  # eager's softmax runs in float32, even on float64
