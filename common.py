@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dataset import PromptStream, parse_eval_data
-from modeling import OUTSIDE_NUCLEUS, autocast, full_tensor, reshard, token_logprobs
+from modeling import OUTSIDE_NUCLEUS, autocast, forward_tokens, full_tensor, reshard, token_logprobs
 from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0, stop_requested
 from verifier import extract_answer, majority_vote, verify_batch
 
@@ -99,6 +99,8 @@ class TrainConfig:
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
     micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
     logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
+    pack: bool = False  # a micro-batch's completions in one row, no padding (modeling._packed_outputs);
+    #   off = rows padded to the longest (bench/results/pack.md: the figures)
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
     eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k
@@ -462,7 +464,7 @@ def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleu
     entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus), or None)."""
     return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
                           with_entropy, cfg.logprob_chunk, mb.get("group"),
-                          cfg.top_p if with_nucleus else 1.0)
+                          cfg.top_p if with_nucleus else 1.0, cfg.pack)
 
 
 @torch.no_grad()
@@ -573,7 +575,8 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
                                       ref_logp=ref_logp, kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
     sums.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=clipped["clip_low"].item(),
              clip_high=clipped["clip_high"].item(), tokens=mb["mask"].sum().item(),
-             forward_tokens=mb["attention_mask"].numel(), real_tokens=mb["attention_mask"].sum().item())
+             **dict(zip(("forward_tokens", "real_tokens"), forward_tokens(
+                 model, mb["attention_mask"], mb["mask"].shape[1], mb.get("group"), cfg.pack))))
     return token_loss
 
 

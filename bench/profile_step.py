@@ -2,9 +2,11 @@
 logging and the rest, as seconds per step and shares, plus cProfile's top functions, for two workloads:
   demo   the default demo (`python da3po.py`: 32 prompts x 8, dynamic sampling, completions of ~6 tokens)
   vs_trl bench/vs_trl.py's work on our side (the demo model, 16 prompts x 8, no dynamic sampling, 4 updates)
+  reasoning  the reasoning demo (`python da3po.py --demo reasoning`: a trace before the answer, ~45-60 tokens)
   25M    a 25M-parameter Qwen3-shaped model built in code (hidden 512, 8 layers, the demo's tokenizer, untrained, so
          its completions run to the 128-token cap), 16 prompts x 8, no dynamic sampling, 4 updates per step
 Usage: python bench/profile_step.py [--workloads demo,vs_trl,25M] [--steps 8] [--threads 2] [--out FILE]
+       [--flags=--pack]  (extra flags for every workload)
 
 da3po.main runs in this process with the phases' functions wrapped by timers (nothing in the training code is
 changed for this); the first step of each workload is a warm-up and is not counted, nor are set-up and evaluation.
@@ -58,18 +60,20 @@ def build_25m(folder: str) -> str:
     return folder
 
 
-def run(workload: str, steps: int, tmp: str):
+def run(workload: str, steps: int, tmp: str, extra: list[str] = ()):
     """One workload: (per-phase seconds per counted step, the step seconds, cProfile stats of the counted steps)."""
     flags = ["--steps", str(steps + 1), "--out_dir", os.path.join(tmp, workload), "--eval_every", "0",
              "--eval_size", "5", "--eval_samples", "1", "--sample_every", "0"]
     if workload == "vs_trl":  # bench/vs_trl.py's work: 16 prompts x 8, 4 updates of one forward/backward each
         flags += ["--algo", "dapo", "--prompts_per_step", "16", "--updates_per_step", "4", "--micro_batch_size", "32",
                   "--no-dynamic_sampling"]
+    if workload == "reasoning":
+        flags += ["--demo", "reasoning"]
     if workload == "25M":
         flags += ["--model", build_25m(os.path.join(tmp, "model25m")), "--prompt_template", "none",
                   "--prompts_per_step", "16", "--updates_per_step", "4", "--max_new_tokens", "128",
                   "--overlong_buffer", "32", "--no-dynamic_sampling"]
-    cfg = bookkeeping.parse_config(da3po.Config, flags, da3po.PRESETS)
+    cfg = bookkeeping.parse_config(da3po.Config, [*flags, *extra], da3po.PRESETS)
     clock, prof, marks = Clock(), cProfile.Profile(), []
     patches = [(eng.HFRollout, "generate", "generate"), (common, "verify_batch", "verify"),
                (da3po, "old_logprobs", "old log-probs"), (da3po, "token_losses", "forward"),
@@ -122,6 +126,7 @@ def main():
     p.add_argument("--steps", type=int, default=8, help="counted steps per workload (after one warm-up step)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--flags", default="", help="extra flags for every workload, space-separated (e.g. --pack)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "profile.md"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,7 +135,7 @@ def main():
              f"{os.getloadavg()[0]:.1f} at the start.", ""]
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads.split(","):
-            phases, step_s, prof = run(workload, args.steps, tmp)
+            phases, step_s, prof = run(workload, args.steps, tmp, args.flags.split())
             other = step_s - sum(phases.values())
             lines += [f"### {workload}: {step_s:.3f} s per step ({args.steps} steps)", "",
                       "| phase | s per step | share |", "|---|---|---|"]

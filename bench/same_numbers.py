@@ -3,6 +3,7 @@
 
   python bench/same_numbers.py --save /tmp/before      # on the old code
   python bench/same_numbers.py --compare /tmp/before   # on the new code: prints each run's first difference, exit 1
+  python bench/same_numbers.py --compare /tmp/before --flags=--pack   # with extra flags
 Keys the new code adds (a new metric) are listed but are not a difference; every old key must keep its value.
 
 The reference runs: da3po.py and daro.py, 12 steps, seed 3; a 2-rank torchrun of da3po.py (FSDP2 on gloo); a
@@ -32,7 +33,7 @@ def records(path: str) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in open(path)]
 
 
-def run(name: str, args: list[str], out: str) -> list[dict] | None:
+def run(name: str, args: list[str], out: str, flags: list[str]) -> list[dict] | None:
     if name == "vllm":
         try:
             import vllm  # noqa: F401
@@ -40,7 +41,8 @@ def run(name: str, args: list[str], out: str) -> list[dict] | None:
             print(f"{name}: skipped (vLLM is not installed)")
             return None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, *args, "--out_dir", out], cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, *args, *flags, "--out_dir", out], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"error: run {name} failed:\n{r.stderr[-3000:]}")
     return records(os.path.join(out, "metrics.jsonl"))
@@ -52,6 +54,7 @@ def main():
     mode.add_argument("--save", metavar="DIR", help="write each run's records to DIR/<run>.json")
     mode.add_argument("--compare", metavar="DIR", help="compare each run's records with DIR/<run>.json")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    p.add_argument("--flags", default="", help="extra flags for every run, space-separated (e.g. --pack)")
     a = p.parse_args()
     names = a.runs.split(",")
     bad = [n for n in names if n not in RUNS]
@@ -61,7 +64,7 @@ def main():
     for name in names:
         tmp = tempfile.mkdtemp(prefix=f"same_{name}_")
         try:
-            got = run(name, RUNS[name], tmp)
+            got = run(name, RUNS[name], tmp, a.flags.split())
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if got is None:
@@ -84,6 +87,11 @@ def main():
             differ += 1
             i, k, w, g = diffs[0]
             print(f"{name}: DIFFERENT in {len(diffs)} values; first: record {i} {k}: {w} -> {g}{new}")
+            numbers = [(abs(g - w) / max(abs(w), 1e-12), k) for _, k, w, g in diffs
+                       if isinstance(w, float) and isinstance(g, float)]  # how far: the worst relative gap
+            if numbers:
+                print(f"  largest relative difference: {max(numbers)[0]:.3g} ({max(numbers)[1]}); "
+                      f"keys that differ: {', '.join(sorted({k for _, k, _, _ in diffs}))}")
         else:
             print(f"{name}: identical ({len(got)} records, every key but time/*{new})")
     sys.exit(1 if differ else 0)

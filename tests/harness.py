@@ -52,6 +52,8 @@ def random_case(seed: int, model, script: str | None = None, **fixed) -> dict:
     rows = n_groups * G
     flags["micro_batch_size"] = rng.randint(1, rows)
     flags["micro_batch_tokens"] = rng.choice([0, rng.randint(4, 60)])  # small: packs few rows, one row may exceed it
+    # --pack from a stream of its own, so that every other draw (and so every earlier case) stays as it was
+    flags["pack"] = random.Random(f"pack {seed}").random() < 0.5
     if script == "da3po":
         flags.update(lam=rng.choice([1.0, 2.0, 3.0]), tau=rng.choice([0.25, 0.5, 0.75, 1.0]),
                      daa_scope=rng.choice(["correct", "correct", "all"]),
@@ -98,7 +100,7 @@ def describe(case: dict) -> str:
     if f["rollout_is"] != "none":
         parts.append(f"is-{f['rollout_is']}" + ("-mask" if f["rollout_is_mask"] else ""))
     parts += [name for name, on in [("gspo", f["seq_ratio"]), ("dual", f["clip_ratio_c"] > 1), ("kl", f["kl_coef"]),
-                                    ("packed", f["micro_batch_tokens"])] if on]
+                                    ("packed", f["micro_batch_tokens"]), ("pack", f.get("pack"))] if on]
     return " ".join(parts)
 
 

@@ -2,7 +2,7 @@
 skewed on purpose (tests/lockstep.py: one rank's completions long and the other's short, one-token completions, the
 sampling cap, a non-finite loss on one rank, a single update with packed micro-batches, eval, a save), across the
 flags that choose code paths. Each rank's collectives come from torch's Flight Recorder.
-Run: python -m pytest -q tests/test_lockstep.py        (LOCKSTEP_FULL=1: all 64 flag combinations x 2 skews)"""
+Run: python -m pytest -q tests/test_lockstep.py        (LOCKSTEP_FULL=1: all 256 flag combinations x 2 skews)"""
 import itertools
 import json
 import os
@@ -22,14 +22,18 @@ FACTORS = {  # the flags that choose code paths: (off, on)
     "chunked": (["--logprob_chunk", "0"], ["--logprob_chunk", "8"]),
     "bf16": ([], ["--dtype", "bfloat16"]),
     "one_update": ([], ["--updates_per_step", "1"]),  # with packing and a recomputed pi_old: an empty micro-batch
+    "pack": (["--no-pack"], ["--pack"]),  # completions in one row: two forwards per micro-batch, whatever the data
 }
 # An orthogonal array: every pair of levels of any two factors appears twice in these 8 rows, plus the issue's own
 # repro (checkpointing, KL and packing together, which the array never combines).
-ROWS = [(0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 1, 1, 1, 1), (0, 1, 1, 0, 0, 1, 1), (0, 1, 1, 1, 1, 0, 0),
-        (1, 0, 1, 0, 1, 0, 1), (1, 0, 1, 1, 0, 1, 0), (1, 1, 0, 0, 1, 1, 0), (1, 1, 0, 1, 0, 0, 1),
-        (1, 1, 1, 0, 0, 0, 0)]
-SKEWS = ["onetoken", "onetoken", "lengths", "lengths", "cap", "cap", "nan", "nan", "lengths"]
-SCRIPTS = ["da3po.py", "daro.py"] * 4 + ["da3po.py"]
+# --pack (the last factor) on in three more rows: with token-budget micro-batches, KL and chunks on skewed lengths;
+# bf16 on one-token completions (the packed forward's placeholder); checkpointing (which runs rows whole) and NaN.
+ROWS = [(0, 0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 1, 1, 1, 1, 0), (0, 1, 1, 0, 0, 1, 1, 0), (0, 1, 1, 1, 1, 0, 0, 0),
+        (1, 0, 1, 0, 1, 0, 1, 0), (1, 0, 1, 1, 0, 1, 0, 0), (1, 1, 0, 0, 1, 1, 0, 0), (1, 1, 0, 1, 0, 0, 1, 0),
+        (1, 1, 1, 0, 0, 0, 0, 0), (0, 1, 1, 1, 1, 0, 1, 1), (0, 0, 0, 0, 0, 1, 0, 1), (1, 0, 1, 0, 0, 0, 0, 1)]
+SKEWS = ["onetoken", "onetoken", "lengths", "lengths", "cap", "cap", "nan", "nan", "lengths", "lengths", "onetoken",
+         "nan"]
+SCRIPTS = ["da3po.py", "daro.py"] * 4 + ["da3po.py", "da3po.py", "daro.py", "da3po.py"]
 CASES = [(SCRIPTS[i], SKEWS[i], row) for i, row in enumerate(ROWS)]
 if os.environ.get("LOCKSTEP_FULL"):
     CASES = [(script, skew, row) for row in itertools.product((0, 1), repeat=len(FACTORS))

@@ -60,13 +60,14 @@ def test_ci_cases_cover_every_flag(float64_model):
         seen |= {f["loss_agg"] if f.get("weighting", "none") == "none" else f["weighting"],
                  f"updates{f['updates_per_step']}", f"chunk{f['logprob_chunk']}"}
         seen |= {name for name, on in [("gspo", f["seq_ratio"]), ("dual", f["clip_ratio_c"] > 1), ("kl", f["kl_coef"]),
-                                       ("packed", f["micro_batch_tokens"]), ("dr_grpo", not f["std_norm"]),
+                                       ("packed", f["micro_batch_tokens"]), ("pack", f["pack"]),
+                                       ("dr_grpo", not f["std_norm"]),
                                        ("scope_all", f.get("daa_scope") == "all"), ("literal", f.get("daro_literal")),
                                        ("running", f.get("p_estimate") == "running")]
                  if on}
     wanted = {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "learned", "uniform", "var", "updates1",
-              "updates2", "chunk0", "chunk7", "chunk1024", "gspo", "dual", "kl", "packed", "dr_grpo", "scope_all",
-              "literal", "running"}
+              "updates2", "chunk0", "chunk7", "chunk1024", "gspo", "dual", "kl", "packed", "pack", "dr_grpo",
+              "scope_all", "literal", "running"}
     assert wanted <= seen, wanted - seen
 
 
