@@ -267,6 +267,52 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
     return torch.cat([prompt.logits[inverse], rest], 1)  # (B, T, .): last prompt position + completion 1..T-1
 
 
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
+                   with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0,
+                   pack: bool = False):
+    """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
+    (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once. With
+    `pack`, on a model that packs, the forwards run without padding (_packed_outputs, or
+    _packed_whole_outputs where rows run whole); both outputs are then 0 at padded positions.
+    Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
+    log-softmax, entropy and backward make several. With chunk_tokens > 0, head_logits, the log-softmax and
+    the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
+    gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
+    T = num_completion_tokens
+    pack = _runs_packed(model, groups, pack)
+    if pack:  # outputs (1, N, .) at the completions' N tokens, scattered back to (B, T) at the end
+        where = attention_mask[:, -T:].bool()
+        forward = lambda: (_packed_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
+                           if _shares_prompts(model, groups) else
+                           _packed_whole_outputs(model, input_ids, attention_mask, T))
+        targets = input_ids[:, -T:][where][None]  # (1, N)
+    else:
+        forward = lambda: _predicting_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
+        targets = input_ids[:, -T:]  # (B, T)
+    if chunk_tokens <= 0 or targets.numel() <= chunk_tokens:  # small enough: the whole logits at once
+        logp, second = _logprobs_of_logits(forward(), targets, temperature, with_entropy, top_p)
+    else:
+        head = model.get_output_embeddings()
+        with _head_inputs_as_logits(model, head):
+            hidden = forward()  # (B, T, H) or (1, N, H)
+        step = max(1, chunk_tokens // targets.shape[0])  # positions per chunk
+        logps, seconds = [], []  # seconds: the chunks' entropies, or nucleus log-probs, or Nones
+        for s in range(0, targets.shape[1], step):
+            args = (model, head, hidden[:, s:s + step], targets[:, s:s + step], temperature, with_entropy,
+                    top_p)
+            if torch.is_grad_enabled():  # recompute this chunk's logits in the backward, not keep them
+                logp, second = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            else:
+                logp, second = _chunk_logprobs(*args)
+            logps.append(logp)
+            seconds.append(second)
+        logp, second = torch.cat(logps, 1), torch.cat(seconds, 1) if with_entropy or top_p < 1 else None
+    if not pack:
+        return logp, second
+    unpack = lambda x: x.new_zeros(where.shape).masked_scatter(where, x[0])  # noqa: E731
+    return unpack(logp), None if second is None else unpack(second)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Packed forwards (--pack): a micro-batch's prompts in one row, then its completions in one row on their KV
 # cache, no padding. Every token carries (group, row, position); query q sees key k iff they share the
@@ -414,52 +460,6 @@ def _packed_whole_outputs(model, input_ids, attention_mask, T: int):
     where = (keep.flatten().cumsum(0).view(B, width) - 1)[:, P - 1:-1]  # target t: column P - 1 + t's output
     return model(input_ids=input_ids[keep][None], **_packed_mask(model, t, t),
                  position_ids=t[2][None], logits_to_keep=where[attention_mask[:, P:].bool()]).logits
-
-
-def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                   with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0,
-                   pack: bool = False):
-    """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
-    (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once. With
-    `pack`, on a model that packs, the forwards run without padding (_packed_outputs, or
-    _packed_whole_outputs where rows run whole); both outputs are then 0 at padded positions.
-    Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
-    log-softmax, entropy and backward make several. With chunk_tokens > 0, head_logits, the log-softmax and
-    the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
-    gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
-    T = num_completion_tokens
-    pack = _runs_packed(model, groups, pack)
-    if pack:  # outputs (1, N, .) at the completions' N tokens, scattered back to (B, T) at the end
-        where = attention_mask[:, -T:].bool()
-        forward = lambda: (_packed_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
-                           if _shares_prompts(model, groups) else
-                           _packed_whole_outputs(model, input_ids, attention_mask, T))
-        targets = input_ids[:, -T:][where][None]  # (1, N)
-    else:
-        forward = lambda: _predicting_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
-        targets = input_ids[:, -T:]  # (B, T)
-    if chunk_tokens <= 0 or targets.numel() <= chunk_tokens:  # small enough: the whole logits at once
-        logp, second = _logprobs_of_logits(forward(), targets, temperature, with_entropy, top_p)
-    else:
-        head = model.get_output_embeddings()
-        with _head_inputs_as_logits(model, head):
-            hidden = forward()  # (B, T, H) or (1, N, H)
-        step = max(1, chunk_tokens // targets.shape[0])  # positions per chunk
-        logps, seconds = [], []  # seconds: the chunks' entropies, or nucleus log-probs, or Nones
-        for s in range(0, targets.shape[1], step):
-            args = (model, head, hidden[:, s:s + step], targets[:, s:s + step], temperature, with_entropy,
-                    top_p)
-            if torch.is_grad_enabled():  # recompute this chunk's logits in the backward, not keep them
-                logp, second = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-            else:
-                logp, second = _chunk_logprobs(*args)
-            logps.append(logp)
-            seconds.append(second)
-        logp, second = torch.cat(logps, 1), torch.cat(seconds, 1) if with_entropy or top_p < 1 else None
-    if not pack:
-        return logp, second
-    unpack = lambda x: x.new_zeros(where.shape).masked_scatter(where, x[0])  # noqa: E731
-    return unpack(logp), None if second is None else unpack(second)
 
 
 # ------------------------------------------------------------------------------------------------------------
