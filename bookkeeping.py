@@ -247,7 +247,8 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
                      before: dict | None = None) -> dict:
     """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); with
     `before`, the step-0 evaluation's record, the run's gain too."""
-    record = {"step": step, **evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)}
+    scores = evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)
+    record = {"step": step, **scores}
     logger.log(record)
     for name in eval_sets:
         prefix = f"eval/{name}/"
@@ -417,7 +418,8 @@ def find_checkpoint(cfg) -> str | None:
     return ckpt[0]
 
 
-def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
+def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int,
+                    dist_info: DistInfo):
     """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
     scheduler, data position, this rank's RNGs (a fresh run seeds them instead; so does a run on another
     number of ranks: the saved streams belong to the old ranks). Returns (the step to continue after, the

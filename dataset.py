@@ -183,7 +183,8 @@ def resolve_template(template: str, tok) -> str:
     return "none" if chat == DEMO_CHAT_TEMPLATE else "chat" if chat else "plain"
 
 
-def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_length: int, name: str) -> list[dict]:
+def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_length: int,
+                      name: str) -> list[dict]:
     """Add "prompt_ids" to each problem; drop, with a warning (as verl does), those whose prompt is over
     max_prompt_length tokens: one 6,000-token problem would pad a whole generation batch to its length."""
     kept = []

@@ -143,7 +143,7 @@ class HFRollout:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 2. vLLM (optional: requirements-vllm-gpu.txt or -cpu.txt): one engine per rank, synced and probe-checked.
+# 2a. vLLM (optional: requirements-vllm-gpu.txt or -cpu.txt): one engine per rank, synced and probe-checked.
 VLLM_PROBE_TEXT = "Question: What is 12 + 345?\nAnswer: 12 + 345 = 357, so the answer is \\boxed{357}."
 
 
@@ -179,7 +179,8 @@ class VLLMRollout:
                 from torch._inductor import config  # even eager; inductor's vectorised C++ needs SIMD
                 config.cpp.simdlen = 1
         self.llm = LLM(model=model_path, **kw)
-        self.device, self.on_gpu, self.asleep, self.dtype, self.freed = dist_info.device, on_gpu, False, dtype, 0
+        self.device, self.on_gpu, self.dtype = dist_info.device, on_gpu, dtype
+        self.asleep, self.freed = False, 0
         self.vocab_size = len(tok)  # Qwen pads its output layer past it (151936 rows vs 151669): see generate
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = getattr(hf_config, "tie_word_embeddings", False)
@@ -250,6 +251,8 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
     @torch.no_grad()
+# ------------------------------------------------------------------------------------------------------------
+# 2b. vLLM's weights: streamed from the trainer after each step, then checked against it by a probe.
     def sync_weights(self, model) -> dict:
         """Stream the trainer's weights into the engine a full tensor at a time (every rank gathers each FSDP2
         shard on the device in the engine's dtype: on the host, with --cpu_offload, it would go over gloo in
@@ -385,7 +388,8 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     if dist_info.device.type == "cuda":
         print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to "
                f"{cfg.max_model_len} tokens")
-    return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share, cfg.vllm_cpu_kv_gb)
+    return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share,
+                       cfg.vllm_cpu_kv_gb)
 
 
 # ------------------------------------------------------------------------------------------------------------

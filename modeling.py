@@ -551,7 +551,8 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
             logp = token_logprobs(model, ids, attn, 4, 1.0, False, chunk_tokens=1)[0]  # chunks of 1 position
         except Exception as e:  # e.g. a forward that needs its output layer's result to be logits
             refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    eps = max(torch.finfo(t).eps for t in (logits.dtype, ours.dtype, head.weight.dtype, getattr(torch, dtype)))
+    dtypes = (logits.dtype, ours.dtype, head.weight.dtype, getattr(torch, dtype))
+    eps = max(torch.finfo(t).eps for t in dtypes)
     scale = 1.0 + logits.abs().max().item()
     if ours.shape != logits.shape or not (ours - logits).abs().max().item() <= eps * scale:  # (NaN fails too)
         refuse("its forward changes its output layer's result in a way common.head_logits does not know")
