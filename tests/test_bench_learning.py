@@ -98,11 +98,36 @@ def test_protocol_tables_are_consistent():
     assert len(claims) == len(set(claims))  # one primary per claim
     for e in learning.ENDPOINTS:
         task = learning.TASKS[e["task"]]
-        assert e["arm"] in task["arms"] and e["vs"] in task["arms"] and e["better"] in (1, -1)
+        arms = task["arms"] + task.get("study_arms", [])
+        assert e["arm"] in arms and e["vs"] in arms and e["better"] in (1, -1)
         assert e["kind"] in ("last3", "steps_to") and ("target" in e) == (e["kind"] == "steps_to")
     for task in learning.TASKS.values():
         assert all(a in learning.ARMS for a in task["arms"])
     assert len(learning.TASKS["hard"]["arms"]) >= 10 and len(learning.PROTOCOL["seeds"]) >= 8
+
+
+def test_the_daro_study_is_its_own_holm_family_at_the_papers_travel():
+    """The study's arms run only when named; its weight lr makes lr x (weight updates) = 600 x 1e-3 on each task's
+    horizon; its primaries form their own Holm family (the benchmark's report and p-values stay as they were)."""
+    study = [e for e in learning.ENDPOINTS if e.get("family") == "daro_study"]
+    assert len(study) == 8 and {e["task"] for e in study} == {"hard", "reasoning"}
+    args = learning.parse_args(["--tasks", "hard,reasoning", "--arms", "dapo,daro_travel", "--seeds", "0,1"])
+    assert "daro_travel" not in learning.task_arms("hard", [])  # the default benchmark does not run it
+    for task, updates in (("hard", 60 * 4), ("reasoning", 20 * 4)):
+        s = args.sets[task]
+        cmd = learning.command(task, "daro_travel", 0, s, "/tmp/x")
+        lr = float(cmd[cmd.index("--weight_lr") + 1])
+        assert lr * updates == pytest.approx(0.6) and "{travel}" not in cmd
+    def runs(values):
+        return [{"evals": [{"step": 0, "eval/acc": v}] * 3, "hard": None, "K": 4} for v in values]
+    stats = {("hard", "dapo"): runs([0.5, 0.5, 0.5]), ("hard", "daro"): runs([0.6, 0.6, 0.61]),
+             ("hard", "daro_travel"): runs([0.6, 0.6, 0.61]), ("hard", "uniform"): runs([0.5, 0.5, 0.5])}
+    sets = {"hard": {"steps": 60, "eval_every": 10}}
+    study_rows = learning.primaries(stats, sets, "daro_study")
+    bench_rows = learning.primaries(stats, sets)
+    assert [r["id"] for r in study_rows] == ["D1", "D2"] and {r["id"] for r in bench_rows} == {"P3", "P4", "P5"}
+    # the same difference in each family: Holm multiplies by the family's own size (2 here), not by 4
+    assert study_rows[0]["p_adj"] == pytest.approx(min(1, 2 * study_rows[0]["d"]["p"]))
 
 
 @pytest.mark.parametrize("args, message", [
