@@ -190,3 +190,32 @@ def test_hard_prompts_survey_runs_the_real_calibration_as_a_script():
     hard = {shape: int(line.split("[")[1].split(",")[1]) for shape, line in rows.items()}  # problems in [5%, 40%)
     assert max(hard, key=hard.get) == "3+3" and hard["3+3"] >= 20, rows
     assert mean["2+1"] > 0.7 and mean["4+4"] < 0.05, mean
+
+
+def test_daro_study_weight_summaries_by_hand():
+    """bench/daro_study.py on two fake runs of G = 4 (bins 1/4, 2/4, 3/4): the design read from ENDPOINTS, the weights'
+    spread and clamp share, w over its fixed point, and the shared control's distance to DARO's mean weight."""
+    spec = importlib.util.spec_from_file_location("daro_study", os.path.join(ROOT, "bench", "daro_study.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    arms = study.design()
+    assert arms["hard"] == ["daro_travel", "dapo", "uniform", "daro_travel_shared", "daro_closed"]
+    assert arms["reasoning"] == ["daro_travel", "uniform", "daro_closed", "daro_closed_shared"]
+
+    def run(ws, Ls, ns=(1, 1, 1)):
+        mus = ("0.250", "0.500", "0.750")
+        return {"train": [{**{f"daro/w_{m}": w for m, w in zip(mus, row)},
+                           **{f"daro/L_{m}": L for m, L in zip(mus, Ls)},
+                           **{f"daro/n_{m}": n for m, n in zip(mus, ns)}} for row in ws]}
+    # |L| + delta = 0.1, 0.5, 0.001 -> fixed points 10, 2, 10 (1000 clamped); bin 3/4 absent in the last step of b
+    a = run([[1.0, 1.0, 1.0], [5.0, 2.0, 10.0]], [-0.099, 0.499, 0.0])
+    b = run([[1.0, 1.0, 1.0], [10.0, 1.0, 10.0]], [0.099, 0.499, 0.0], ns=(2, 1, 0))
+    s = study.weight_summary([a, b])
+    assert s["w_last_per_bin"] == pytest.approx([7.5, 1.5, 10.0])
+    assert s["spread_last"] == pytest.approx((5 + 10) / 2) and s["mean_w_last"] == pytest.approx((17 / 3 + 7) / 2)
+    assert s["share_at_w_max"] == pytest.approx(2 / 5)  # a: bin 3/4; b: bin 1/4 (b's bin 3/4 was absent)
+    assert s["w_over_fixed_range"] == pytest.approx([0.5, 1.0]) and s["w_over_fixed_median"] == pytest.approx(1.0)
+    shared = run([[1.0, 1.0, 1.0], [2 * 17 / 3] * 3], [0.1] * 3)  # twice DARO a's mean at its last step
+    c = study.closeness([a], [shared])
+    assert c["abs_log_ratio_max"] == pytest.approx(math.log(2)) and c["ratio_last_mean"] == pytest.approx(2.0)
+    assert c["abs_log_ratio_median"] == pytest.approx(math.log(2) / 2)  # steps: 0 and ln 2
