@@ -110,7 +110,7 @@ def test_the_daro_study_is_its_own_holm_family_at_the_papers_travel():
     """The study's arms run only when named; its weight lr makes lr x (weight updates) = 600 x 1e-3 on each task's
     horizon; its primaries form their own Holm family (the benchmark's report and p-values stay as they were)."""
     study = [e for e in learning.ENDPOINTS if e.get("family") == "daro_study"]
-    assert len(study) == 8 and {e["task"] for e in study} == {"hard", "reasoning"}
+    assert len(study) == 7 and {e["task"] for e in study} == {"hard", "reasoning"}
     args = learning.parse_args(["--tasks", "hard,reasoning", "--arms", "dapo,daro_travel", "--seeds", "0,1"])
     assert "daro_travel" not in learning.task_arms("hard", [])  # the default benchmark does not run it
     for task, updates in (("hard", 60 * 4), ("reasoning", 20 * 4)):
@@ -200,7 +200,7 @@ def test_daro_study_weight_summaries_by_hand():
     spec.loader.exec_module(study)
     arms = study.design()
     assert arms["hard"] == ["daro_travel", "dapo", "uniform", "daro_travel_shared", "daro_closed"]
-    assert arms["reasoning"] == ["daro_travel", "uniform", "daro_closed", "daro_closed_shared"]
+    assert arms["reasoning"] == ["daro_closed", "uniform", "daro_closed_shared"]
 
     def run(ws, Ls, ns=(1, 1, 1)):
         mus = ("0.250", "0.500", "0.750")
