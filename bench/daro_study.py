@@ -92,6 +92,21 @@ def closeness(daro_runs: list[dict], shared_runs: list[dict]) -> dict:
             "ratio_last_mean": statistics.mean(last), "ratio_last_range": [min(last), max(last)]}
 
 
+def clipping(stats: dict, arms: dict) -> dict:
+    """Per arm, the pre-clip gradient norm over steps and seeds (min, median, max, share of steps above 1), and per
+    shared control the seeds whose endpoint equals uniform weights' (a loss scale that the clip divides out)."""
+    norms, equal = {}, {}
+    for t in arms:
+        for a in arms[t]:
+            g = [r["train/grad_norm"] for run in stats[t, a] for r in run["train"]]
+            norms[f"{t}/{a}"] = {"min": min(g), "median": statistics.median(g), "max": max(g),
+                                 "above_1": sum(x > 1 for x in g) / len(g)}
+            if a.endswith("_shared") and "uniform" in arms[t]:
+                equal[f"{t}/{a}"] = sum(abs(learning.value(x, "eval/acc") - learning.value(y, "eval/acc")) < 1e-9
+                                        for x, y in zip(stats[t, a], stats[t, "uniform"]))
+    return {"norms": norms, "equal_to_uniform": equal}
+
+
 def run_all(arms: dict, sets: dict, seeds: list[int], jobs: int) -> tuple[dict, dict]:
     todo = [(t, a, s) for t in arms for a in arms[t] for s in seeds]
     with ThreadPoolExecutor(jobs) as pool:
@@ -155,6 +170,18 @@ def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: list[int], a
     for key, c in close.items():
         lines.append(f"| {key} | {c['abs_log_ratio_median']:.4f} | {c['abs_log_ratio_max']:.4f} | "
                      f"{c['ratio_last_mean']:.3f} [{c['ratio_last_range'][0]:.3f}, {c['ratio_last_range'][1]:.3f}] |")
+    clip = clipping(stats, arms)
+    lines += ["", "## Gradient clipping: what a global loss scale can change here", "",
+              "daro.py clips the model's gradient to norm --grad_clip 1.0 before AdamW. Once an update's norm is above "
+              "1, a weight common to every bin is divided out by the clip: only the direction, set by the bins' "
+              "relative weights, reaches the optimizer. The logged pre-clip norm (train/grad_norm, per step) and "
+              "whether each shared control reproduced uniform weights' endpoint to 1e-9 in every seed:", "",
+              "| task/arm | pre-clip gradient norm, min / median / max over steps and seeds | steps above 1 |",
+              "|---|---|---|"]
+    for key, c in clip["norms"].items():
+        lines.append(f"| {key} | {c['min']:.2f} / {c['median']:.2f} / {c['max']:.2f} | {c['above_1']:.3f} |")
+    lines += [""] + [f"- {key}: the same endpoint as uniform in {n} of {len(seeds)} seeds"
+                     for key, n in clip["equal_to_uniform"].items()]
     total = sum(sum(c) for c in costs.values())
     lines += ["", "## Cost", "", f"{sum(len(c) for c in costs.values())} runs, {total / 60:.0f} CPU-minutes "
               f"measured (each run's own user + system time; runs made by bench/learning.py with the same command "
@@ -164,7 +191,7 @@ def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: list[int], a
                           for r in rows],
             "endpoints": {f"{t}/{a}": [learning.value(r, "eval/acc") for r in stats[t, a]] for t in arms
                           for a in arms[t]},
-            "weights": summaries, "closeness": close,
+            "weights": summaries, "closeness": close, "clipping": clip,
             "weight_traces": {f"{t}/{a}": [weights(r) for r in stats[t, a]] for t in arms for a in arms[t]
                               if a.startswith("daro")},
             "cpu_s": {f"{t}/{a}": c for (t, a), c in costs.items()}}

@@ -219,3 +219,12 @@ def test_daro_study_weight_summaries_by_hand():
     c = study.closeness([a], [shared])
     assert c["abs_log_ratio_max"] == pytest.approx(math.log(2)) and c["ratio_last_mean"] == pytest.approx(2.0)
     assert c["abs_log_ratio_median"] == pytest.approx(math.log(2) / 2)  # steps: 0 and ln 2
+    # clipping: norms over steps and seeds, and a shared control that reproduces uniform's endpoint in 1 of 2 seeds
+    def fake(norms, acc):
+        return {"train": [{"train/grad_norm": g} for g in norms], "evals": [{"eval/acc": acc}] * 3, "hard": None,
+                "K": 4}
+    stats = {("hard", "uniform"): [fake([0.5, 2.0], 0.6), fake([3.0, 4.0], 0.7)],
+             ("hard", "daro_travel_shared"): [fake([2.0, 2.0], 0.6), fake([2.0, 2.0], 0.71)]}
+    clip = study.clipping(stats, {"hard": ["uniform", "daro_travel_shared"]})
+    assert clip["norms"]["hard/uniform"] == {"min": 0.5, "median": 2.5, "max": 4.0, "above_1": 0.75}
+    assert clip["equal_to_uniform"] == {"hard/daro_travel_shared": 1}
