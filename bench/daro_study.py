@@ -108,11 +108,12 @@ def clipping(stats: dict, arms: dict) -> dict:
 
 
 def run_all(arms: dict, sets: dict, seeds: list[int], jobs: int) -> tuple[dict, dict]:
-    todo = [(t, a, s) for t in arms for a in arms[t] for s in seeds]
+    # seed-major within a task: a run cut short by the clock leaves whole seeds (every arm), still paired
+    todo = [(t, a, s) for t in arms for s in seeds for a in arms[t]]
     with ThreadPoolExecutor(jobs) as pool:
         results = list(pool.map(lambda j: learning.run(*j, sets[j[0]], max(1, 2 // jobs)), todo))
     stats, costs = {}, {}
-    for (t, a, _), r in zip(todo, results):
+    for (t, a, _), r in sorted(zip(todo, results), key=lambda x: (x[0][0], x[0][2])):  # each arm in seed order
         stats.setdefault((t, a), []).append(learning.summarise(r["records"], t, sets[t]))
         costs.setdefault((t, a), []).append(r["cpu_s"])
     return stats, costs
