@@ -222,7 +222,7 @@ def plot(data: dict, path: str):
                       [100 * (r["d"]["hi"] - r["d"]["mean"]) for r in prim]])
     ax.axvline(0, color="gray", lw=0.8)
     ax.set(yticks=ys, yticklabels=[f"{r['id']} {r['arm']}-{r['vs']}" for r in prim], xlabel="points of eval/acc",
-           title="primaries: difference, 95% interval")
+           title="primaries (95% intervals)")
     ax.tick_params(axis="y", labelsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
