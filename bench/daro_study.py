@@ -107,9 +107,9 @@ def clipping(stats: dict, arms: dict) -> dict:
     return {"norms": norms, "equal_to_uniform": equal}
 
 
-def run_all(arms: dict, sets: dict, seeds: list[int], jobs: int) -> tuple[dict, dict]:
+def run_all(arms: dict, sets: dict, seeds: dict, jobs: int) -> tuple[dict, dict]:
     # seed-major within a task: a run cut short by the clock leaves whole seeds (every arm), still paired
-    todo = [(t, a, s) for t in arms for s in seeds for a in arms[t]]
+    todo = [(t, a, s) for t in arms for s in seeds[t] for a in arms[t]]
     with ThreadPoolExecutor(jobs) as pool:
         results = list(pool.map(lambda j: learning.run(*j, sets[j[0]], max(1, 2 // jobs)), todo))
     stats, costs = {}, {}
@@ -119,14 +119,15 @@ def run_all(arms: dict, sets: dict, seeds: list[int], jobs: int) -> tuple[dict, 
     return stats, costs
 
 
-def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: list[int], argv: list[str]) -> tuple[str, dict]:
+def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: dict, argv: list[str]) -> tuple[str, dict]:
     rows = learning.primaries(stats, sets, FAMILY)
     cmd = " ".join(["python bench/daro_study.py", *argv])
     lines = ["# DARO where its weights move: the study (issue 32, item 2)", "",
              f"Command: `{cmd}` (every number below; the runs are bench/learning.py's, cached in "
              "bench/results/runs/learning/). Endpoints fixed in bench/learning.py (ENDPOINTS, family daro_study) "
-             "before any run of the study (see git log). Seeds " + ",".join(map(str, seeds)) +
-             f" ({len(seeds)}), paired by seed; 95% Student-t intervals; two-sided paired t-tests, Holm across the "
+             "before any run of the study (see git log). Seeds: " + "; ".join(
+                 f"`{t}` {','.join(map(str, seeds[t]))} ({len(seeds[t])})" for t in arms) +
+             ", paired by seed; 95% Student-t intervals; two-sided paired t-tests, Holm across the "
              f"{len(rows)} primaries. Differences in points of eval/acc (mean of the last {learning.LAST} evals).",
              "", "Design: " + "; ".join(
                  f"`{t}`: {sets[t]['steps']} steps x {learning.PROTOCOL['updates_per_step']} updates = "
@@ -181,7 +182,7 @@ def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: list[int], a
               "|---|---|---|"]
     for key, c in clip["norms"].items():
         lines.append(f"| {key} | {c['min']:.2f} / {c['median']:.2f} / {c['max']:.2f} | {c['above_1']:.3f} |")
-    lines += [""] + [f"- {key}: the same endpoint as uniform in {n} of {len(seeds)} seeds"
+    lines += [""] + [f"- {key}: the same endpoint as uniform in {n} of {len(seeds[key.split('/')[0]])} seeds"
                      for key, n in clip["equal_to_uniform"].items()]
     total = sum(sum(c) for c in costs.values())
     lines += ["", "## Cost", "", f"{sum(len(c) for c in costs.values())} runs, {total / 60:.0f} CPU-minutes "
@@ -233,13 +234,20 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--seeds", default="0-7", help="'0-7' or '0,1,2'; at least 2 (the study was registered at 8)")
+    p.add_argument("--seeds_for", action="append", default=[], metavar="TASK=SEEDS",
+                   help="other seeds for one task (repeatable), e.g. reasoning=0-5 when its runs were cut short")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (threads per run: 2 // jobs, at least 1)")
     p.add_argument("--out", default=os.path.join(learning.RESULTS, "daro_study"), help="<out>.md, .json, .png")
     args = p.parse_args(argv)
-    seeds = learning.parse_seeds(args.seeds)
-    if len(set(seeds)) < 2 or args.jobs < 1:
-        p.error("--seeds: at least 2 distinct seeds; --jobs: at least 1")
     arms = design()
+    seeds = {t: learning.parse_seeds(args.seeds) for t in arms}
+    for item in args.seeds_for:
+        task, _, text = item.partition("=")
+        if task not in arms:
+            p.error(f"--seeds_for: {task!r} is not a task of the study ({', '.join(arms)})")
+        seeds[task] = learning.parse_seeds(text)
+    if any(len(set(x)) < 2 for x in seeds.values()) or args.jobs < 1:
+        p.error("--seeds: at least 2 distinct seeds per task; --jobs: at least 1")
     none = argparse.Namespace(steps=None, eval_every=None, eval_samples=None)
     sets = {t: learning.settings(t, none) for t in arms}
     t0 = time.time()
