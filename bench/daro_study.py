@@ -131,8 +131,9 @@ def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: dict, argv: 
              f"{len(rows)} primaries. Differences in points of eval/acc (mean of the last {learning.LAST} evals).",
              "", "Design: " + "; ".join(
                  f"`{t}`: {sets[t]['steps']} steps x {learning.PROTOCOL['updates_per_step']} updates = "
-                 f"{sets[t]['steps'] * learning.PROTOCOL['updates_per_step']} weight updates, daro_travel's "
-                 f"--weight_lr {learning.travel_lr(sets[t]):.6g}, arms " + ", ".join(arms[t]) for t in arms) + ".",
+                 f"{sets[t]['steps'] * learning.PROTOCOL['updates_per_step']} weight updates" +
+                 (f", daro_travel's --weight_lr {learning.travel_lr(sets[t]):.6g}" if "daro_travel" in arms[t] else "")
+                 + ", arms " + ", ".join(arms[t]) for t in arms) + ".",
              "", "## Primaries", "",
              "| id | claim | arm - vs, task | difference [95% interval] | p (Holm) | survives Holm? | what the data "
              "exclude | holds here? |", "|---|---|---|---|---|---|---|---|"]
