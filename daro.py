@@ -48,7 +48,9 @@ class Config(TrainConfig):
     algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override it
     out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     wandb_project: str = "daro"  # wandb project of --report_to wandb
-    weighting: str = "learned"  # w_mu: learned (DARO) | uniform (1) | var (sqrt(mu(1-mu))) | none (no bins, loss_agg)
+    weighting: str = "learned"  # w_mu: learned (DARO) | closed | uniform (1) | var (sqrt(mu(1-mu))) | none (no bins);
+    #   closed: no optimizer, w_mu = 1 / (|L_mu| + delta) (clamped) from the last applied update's L_mu: the weights
+    #   DARO would converge to, one update late (1 before a bin's first update); with --daro_literal no minimum exists
     weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu, the weights' parameters (paper: 1e-3).
     #   Adam moves each s_mu by about weight_lr per update whatever its gradient, so ln w_mu travels at most ~weight_lr
     #   x (weight updates): 0.12 in the demo's 120 (w <= 1.13), 0.6 in the paper's 600 (w <= 1.8), while the fixed
@@ -58,6 +60,8 @@ class Config(TrainConfig):
     daro_literal: bool = False  # fit the weights to L_mu itself, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
     w_min: float = 0.1  # lower clamp of every w_mu, applied after each weight step [dev 1]
     w_max: float = 10.0  # upper clamp of every w_mu [dev 1]
+    shared_weight: bool = False  # a control: every bin gets the mean over bins of the weights --weighting learned or
+    #   closed computes (each bin's own still fitted as usual): DARO's overall loss scale without its reweighting
 
 
 PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DARO on the DAPO loss [dev 4]
@@ -80,17 +84,20 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
     return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
 
 
-def bin_weights(neg_log_w: list[torch.Tensor], weighting: str) -> torch.Tensor:
-    """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): learned exp(-s_mu), Eq. (3), or a static function of mu; 0 for
-    mu = 0 and 1. `none` (the baselines' own loss, no bins) weighs every bin 1."""
+def bin_weights(neg_log_w: list[torch.Tensor], weighting: str, shared: bool = False) -> torch.Tensor:
+    """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the closed form), or a
+    static function of mu; 0 for mu = 0 and 1. `none` (the baselines' own loss, no bins) weighs every bin 1. shared:
+    every bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global loss-scale control)."""
     G, device = len(neg_log_w) + 1, neg_log_w[0].device
     if weighting == "none":
         return torch.ones(G + 1, device=device)
     mu = torch.arange(1, G, device=device) / G  # (G-1,)
-    if weighting == "learned":
+    if weighting in ("learned", "closed"):
         w = torch.exp(-torch.stack(neg_log_w).detach())  # Eq. (3)
     else:
         w = torch.ones_like(mu) if weighting == "uniform" else (mu * (1 - mu)).sqrt()
+    if shared:
+        w = w.mean().expand(G - 1)
     return torch.nn.functional.pad(w, (1, 1))
 
 
@@ -115,10 +122,28 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
             s.clamp_(-math.log(cfg.w_max), -math.log(cfg.w_min))  # w = exp(-s) in [w_min, w_max] [dev 1]
 
 
+def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, cfg):
+    """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu| + delta), clamped
+    to [w_min, w_max], for each bin present in the update; an absent bin keeps its weight (no L_mu to fit)."""
+    with torch.no_grad():
+        for i, s in enumerate(neg_log_w, 1):
+            if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, an infinite fixed point, clamped to w_max
+                s.copy_((bin_loss[i].abs() + cfg.daro_delta).log().clamp(-math.log(cfg.w_max), -math.log(cfg.w_min)))
+
+
 def check_algorithm_config(cfg: Config):
     """DARO's flags that cannot work stop here, naming the flag (exit 2)."""
-    if cfg.weighting not in ("learned", "uniform", "var", "none"):
-        die(f"--weighting {cfg.weighting!r}: choose one of learned, uniform, var, none")
+    if cfg.weighting not in ("learned", "closed", "uniform", "var", "none"):
+        die(f"--weighting {cfg.weighting!r}: choose one of learned, closed, uniform, var, none")
+    if cfg.weighting == "learned" and not cfg.weight_lr > 0:
+        die(f"--weight_lr must be > 0 for --weighting learned (0 freezes w = 1: use --weighting uniform), "
+            f"got {cfg.weight_lr}")
+    if cfg.weighting == "closed" and cfg.daro_literal:
+        die("--weighting closed fits |L_mu| + delta: with --daro_literal a bin with L_mu <= 0 has no minimum in w")
+    if cfg.daro_delta < 0:
+        die(f"--daro_delta must be >= 0 (it keeps |L_mu| + delta positive), got {cfg.daro_delta}")
+    if cfg.shared_weight and cfg.weighting not in ("learned", "closed"):
+        die(f"--shared_weight shares the weights of --weighting learned or closed; {cfg.weighting} has none to share")
     if not 0 < cfg.w_min <= 1 <= cfg.w_max:
         die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
 
@@ -126,8 +151,9 @@ def check_algorithm_config(cfg: Config):
 class DARO:
     """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G), 0 at
     start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's weight decay
-    (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); `bins` (3, G+1), the step's sums
-    per bin: L_mu over updates, updates, groups."""
+    (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); --weighting closed sets s_mu
+    itself after each update (its Adam stays unused), so a checkpoint's s_mu resumes it too; `bins` (3, G+1), the
+    step's sums per bin: L_mu over updates, updates, groups."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         self.cfg, self.G, self.device = cfg, cfg.group_size, device
@@ -141,7 +167,7 @@ class DARO:
         self.bins = torch.zeros(3, self.G + 1)
         # the current update's (set by token_weights): tokens per bin, w_mu, this rank's share of each L_mu
         self.bin_tokens = torch.zeros(self.G + 1, device=device)
-        self.w = bin_weights(self.neg_log_w, cfg.weighting)
+        self.w = bin_weights(self.neg_log_w, cfg.weighting, cfg.shared_weight)
         self.bin_loss = torch.zeros(self.G + 1, device=device)
 
     def state_dict(self) -> dict:
@@ -169,7 +195,7 @@ class DARO:
         weight, self.bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], self.G)
         if self.cfg.weighting == "none":  # the baselines' own aggregation over the whole update
             weight = loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
-        self.w = bin_weights(self.neg_log_w, self.cfg.weighting)  # (G+1,)
+        self.w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight)  # (G+1,)
         self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's share of each L_mu
         return weight
 
@@ -185,6 +211,8 @@ class DARO:
         bin_loss, present = all_reduce_sum(self.bin_loss), self.bin_tokens > 0  # (G+1,)
         if self.cfg.weighting == "learned":
             update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.cfg)
+        elif self.cfg.weighting == "closed":  # the next update's weights: this one's L_mu (one update late)
+            closed_form_weights(self.neg_log_w, bin_loss, present, self.cfg)
         self.bins[0] += torch.where(present, bin_loss, 0.0).cpu()
         self.bins[1] += present.float().cpu()
 
@@ -192,7 +220,7 @@ class DARO:
         """The step's daro/* record (keys name mu with three decimals, daro/w_0.125): w_mu after the step, L_mu (mean
         over the updates that had bin mu; 0 if none), n_mu (groups trained on, all ranks). Resets `bins`."""
         G, bins, self.bins = self.G, self.bins, torch.zeros(3, self.G + 1)
-        w = bin_weights(self.neg_log_w, self.cfg.weighting).cpu()  # (G+1,)
+        w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()  # (G+1,), as applied
         counts = all_reduce_sum(bins[2])  # groups trained on, per bin, over all ranks
         metrics = {}
         for i in range(G + 1):

@@ -50,7 +50,17 @@ ARMS = {
     "daro": ("daro.py", ["--algo", "daro"]),  # the paper's weight lr 1e-3
     "uniform": ("daro.py", ["--algo", "uniform"]),
     "var": ("daro.py", ["--algo", "var"]),
+    # The DARO study (issue 32; bench/daro_study.py runs it): DARO where its weights move. "{travel}" stands for the
+    # weight lr at which ln w can travel TRAVEL in the run: TRAVEL / (steps x updates per step) (command() fills it
+    # in), the paper's 600 updates x 1e-3; the closed form w_mu = 1 / (|L_mu| + delta) is DARO's fixed point at every
+    # update; --shared_weight gives every bin the mean of those weights: the same overall loss scale, no reweighting.
+    "daro_travel": ("daro.py", ["--algo", "daro", "--weight_lr", "{travel}"]),
+    "daro_travel_shared": ("daro.py", ["--algo", "daro", "--weight_lr", "{travel}", "--shared_weight"]),
+    "daro_closed": ("daro.py", ["--algo", "daro", "--weighting", "closed"]),
+    "daro_closed_shared": ("daro.py", ["--algo", "daro", "--weighting", "closed", "--shared_weight"]),
 }
+TRAVEL = 600 * 1e-3  # the paper's weight updates (300 steps x 2) x its weight lr: how far ln w_mu can move
+DARO_STUDY_ARMS = ["daro_travel", "daro_travel_shared", "daro_closed", "daro_closed_shared"]
 DA3PO_ARMS = ["dapo", "da3po_lam1.5", "da3po_lam2", "da3po_lam4", "da3po_adaptive", "da3po_all", "grpo", "daro",
               "uniform", "var"]
 HARD_EVAL, DEMO_EVAL = "bench/data/hard_eval.jsonl", "demo/arith_eval.jsonl"
@@ -65,7 +75,8 @@ HARD_EVAL, DEMO_EVAL = "bench/data/hard_eval.jsonl", "demo/arith_eval.jsonl"
 HARD_TASK = {"model": "demo", "eval": [HARD_EVAL, DEMO_EVAL], "flags": [], "hard_set": "hard_eval",
              "forget_set": "arith_eval", "cpu_s": {"start": 7.0, "step": 0.25, "eval": 3.2}}
 TASKS = {
-    "hard": {**HARD_TASK, "train": "bench/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0},
+    "hard": {**HARD_TASK, "train": "bench/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0,
+             "study_arms": DARO_STUDY_ARMS},  # run only when --arms names them (the default benchmark stays as it was)
     **{f"mix_easy{e}": {**HARD_TASK, "train": f"bench/data/mix_easy{e}_train.jsonl", "arms": ["dapo", "da3po_lam2"],
                         "hard_share": 1 - e / 100, "cpu_s": {"start": 7.0, "step": step, "eval": 3.2}}
        for e, step in ((25, 0.30), (50, 0.36), (75, 0.42))},
@@ -77,7 +88,7 @@ TASKS = {
                   "eval": ["demo/reasoning/eval.jsonl"], "arms": ["dapo", "daro", "uniform", "var"],
                   "flags": ["--max_new_tokens", "72", "--overlong_buffer", "16", "--prompts_per_step", "16"],
                   "steps": 20, "eval_every": 5, "eval_samples": 4, "hard_set": None, "forget_set": None,
-                  "cpu_s": {"start": 7.0, "step": 1.9, "eval": 13.6}},
+                  "cpu_s": {"start": 7.0, "step": 1.9, "eval": 13.6}, "study_arms": DARO_STUDY_ARMS},
     # The demo's own training mix (bench/results/learning.md's task), on the same eval sets: few hard prompts.
     "arith": {**HARD_TASK, "train": "arith", "arms": ["dapo", "da3po_lam2"], "hard_share": None,
               "cpu_s": {"start": 7.0, "step": 0.45, "eval": 3.2}},
@@ -111,6 +122,34 @@ ENDPOINTS = [
     {"id": "R3", "claim": "DARO's learned weights beat static ones (reasoning demo)", "task": "reasoning",
      "arm": "daro", "vs": "uniform", "metric": "eval/acc", "kind": "last3", "better": 1},
 ]
+# The DARO study (issue 32, item 2), fixed before its runs: DARO where its weights move, a family of its own (Holm
+# across these 7; bench/daro_study.py). `hard` at 60 steps (240 weight updates: --weight_lr 2.5e-3 for the matched
+# travel), `reasoning` at 20 (80 updates: 7.5e-3), 8 seeds. On `hard` every bin's fixed point sits at the w_max clamp
+# (bench/results/daro_mechanism.md), so there the closed form is one global scale of 10 and the shared control of the
+# matched-travel arm is the informative one; on `reasoning` the bins' loss scales differ, so the closed form really
+# reweighs and its shared control asks whether a gain is reweighting or a larger step. DAPO is not run on `reasoning`
+# (the CPU budget of the study, ~100 CPU-minutes): there the weights are tested against uniform weights, whose loss
+# differs from DARO's only by w. Cut before any `reasoning` run, when the hard runs showed the machine's wall time
+# (shared, ~2x the CPU time): daro_travel on `reasoning` (D6, vs uniform; its id stays unused). There ln w can
+# travel 0.6 in 80 updates, below ln 3.4 = 1.22, the smallest fixed point measured (bench/results/daro_mechanism.md):
+# its weights would still rise together, the loss-scale ramp that D1-D3 test on `hard`.
+DARO_STUDY = [
+    {"id": "D1", "claim": "DARO at the paper's weight travel beats DAPO", "task": "hard", "arm": "daro_travel",
+     "vs": "dapo"},
+    {"id": "D2", "claim": "DARO at the paper's weight travel beats uniform weights", "task": "hard",
+     "arm": "daro_travel", "vs": "uniform"},
+    {"id": "D3", "claim": "DARO's gain at the paper's travel is reweighting, not its overall loss scale",
+     "task": "hard", "arm": "daro_travel", "vs": "daro_travel_shared"},
+    {"id": "D4", "claim": "DARO's converged (closed-form) weights beat DAPO", "task": "hard", "arm": "daro_closed",
+     "vs": "dapo"},
+    {"id": "D5", "claim": "DARO's converged (closed-form) weights beat uniform weights", "task": "hard",
+     "arm": "daro_closed", "vs": "uniform"},
+    {"id": "D7", "claim": "DARO's converged (closed-form) weights beat uniform weights (reasoning demo)",
+     "task": "reasoning", "arm": "daro_closed", "vs": "uniform"},
+    {"id": "D8", "claim": "DARO's converged weights' gain is reweighting, not their overall loss scale (reasoning "
+     "demo)", "task": "reasoning", "arm": "daro_closed", "vs": "daro_closed_shared"},
+]
+ENDPOINTS += [{**e, "family": "daro_study", "metric": "eval/acc", "kind": "last3", "better": 1} for e in DARO_STUDY]
 # The papers' headline numbers, for scale only (other models, benchmarks and units), as the papers' summaries state
 # them (their full tables were not available to us): DA3PO, arXiv:2608.27982; DARO, arXiv:2510.09001 (summary at
 # papers.lunadong.com/paper/14080). Percentage points of benchmark accuracy.
@@ -256,9 +295,16 @@ def run_dir(task: str, arm: str, seed: int, steps: int) -> str:
     return os.path.join(RESULTS, "runs", "learning", task, f"{arm}-s{seed}-{steps}steps")
 
 
+def travel_lr(s: dict) -> float:
+    """The weight lr at which ln w can travel TRAVEL in a run of the task: one Adam step moves ln w by ~lr, and the
+    run makes steps x updates_per_step weight updates (60 x 4 = 240 on `hard`: 2.5e-3)."""
+    return TRAVEL / (s["steps"] * PROTOCOL["updates_per_step"])
+
+
 def command(task: str, arm: str, seed: int, s: dict, out: str) -> list[str]:
     t = TASKS[task]
     script, flags = ARMS[arm]
+    flags = [f"{travel_lr(s):.6g}" if f == "{travel}" else f for f in flags]
     return [script, *flags, "--model", t["model"], "--train_data", t["train"], "--eval_data", ",".join(t["eval"]),
             "--seed", str(seed), "--steps", str(s["steps"]), "--eval_every", str(s["eval_every"]),
             "--eval_samples", str(s["eval_samples"]), "--updates_per_step", str(PROTOCOL["updates_per_step"]),
@@ -379,11 +425,12 @@ def endpoint_text(e: dict, s: dict | None = None) -> str:
     return f"`{metric}`, {what[e['kind']]}, {e['arm']} - {e['vs']}, task {e['task']}"
 
 
-def primaries(stats: dict, sets: dict) -> list[dict]:
-    """Every declared primary whose task was run, with its paired test and Holm-adjusted p-value."""
+def primaries(stats: dict, sets: dict, family: str = "learning") -> list[dict]:
+    """Every declared primary of a family whose task was run, with its paired test and Holm-adjusted p-value (Holm
+    across that family: this benchmark's, or the DARO study's)."""
     rows = []
     for e in ENDPOINTS:
-        if e["task"] not in sets:
+        if e["task"] not in sets or e.get("family", "learning") != family:
             continue
         d = compare(stats, e["task"], e["arm"], e["vs"], e["metric"], e["kind"], e.get("target"), sets[e["task"]])
         if d is not None:
@@ -413,7 +460,7 @@ def report(stats: dict, sets: dict, args, costs: dict, wall: float) -> str:
               f"run here ({', '.join(sorted(done)) or 'none'}):", ""]
     lines += [f"- {e['id']} ({e['claim']}): {endpoint_text(e, sets.get(e['task']))}" +
               ("" if e["id"] in done else " (task not run)" if e["task"] not in sets else " (an arm not run)")
-              for e in ENDPOINTS]
+              for e in ENDPOINTS if e.get("family", "learning") == "learning"]  # the DARO study: its own report
     lines += ["", "Secondary (labelled so; unadjusted, each at 95%): every other arm and metric, per-level accuracy, "
               "the easy mixes, the trend over the hard share, forgetting on the demo's eval set.", ""]
     lines += ["## Claims", "",
@@ -734,14 +781,20 @@ def parse_args(argv=None):
     return args
 
 
+def task_arms(task: str, arm_list: list[str]) -> list[str]:
+    """A task's arms to run: its own list, or those of --arms among its own and its study arms."""
+    if not arm_list:
+        return TASKS[task]["arms"]
+    return [a for a in TASKS[task]["arms"] + TASKS[task].get("study_arms", []) if a in arm_list]
+
+
 def plan(args) -> list[tuple[str, str, int]]:
     """The runs, and a printed estimate of their CPU time."""
-    jobs = [(t, a, s) for t in args.task_list for a in TASKS[t]["arms"] if not args.arm_list or a in args.arm_list
-            for s in args.seed_list]
+    jobs = [(t, a, s) for t in args.task_list for a in task_arms(t, args.arm_list) for s in args.seed_list]
     print(f"plan: {len(jobs)} runs, seeds {','.join(map(str, args.seed_list))}")
     total, unknown = 0.0, []
     for t in args.task_list:
-        arms = [a for a in TASKS[t]["arms"] if not args.arm_list or a in args.arm_list]
+        arms = task_arms(t, args.arm_list)
         each = estimate_cpu_s(t, args.sets[t])
         n = len(arms) * len(args.seed_list)
         s = args.sets[t]

@@ -98,11 +98,36 @@ def test_protocol_tables_are_consistent():
     assert len(claims) == len(set(claims))  # one primary per claim
     for e in learning.ENDPOINTS:
         task = learning.TASKS[e["task"]]
-        assert e["arm"] in task["arms"] and e["vs"] in task["arms"] and e["better"] in (1, -1)
+        arms = task["arms"] + task.get("study_arms", [])
+        assert e["arm"] in arms and e["vs"] in arms and e["better"] in (1, -1)
         assert e["kind"] in ("last3", "steps_to") and ("target" in e) == (e["kind"] == "steps_to")
     for task in learning.TASKS.values():
         assert all(a in learning.ARMS for a in task["arms"])
     assert len(learning.TASKS["hard"]["arms"]) >= 10 and len(learning.PROTOCOL["seeds"]) >= 8
+
+
+def test_the_daro_study_is_its_own_holm_family_at_the_papers_travel():
+    """The study's arms run only when named; its weight lr makes lr x (weight updates) = 600 x 1e-3 on each task's
+    horizon; its primaries form their own Holm family (the benchmark's report and p-values stay as they were)."""
+    study = [e for e in learning.ENDPOINTS if e.get("family") == "daro_study"]
+    assert len(study) == 7 and {e["task"] for e in study} == {"hard", "reasoning"}
+    args = learning.parse_args(["--tasks", "hard,reasoning", "--arms", "dapo,daro_travel", "--seeds", "0,1"])
+    assert "daro_travel" not in learning.task_arms("hard", [])  # the default benchmark does not run it
+    for task, updates in (("hard", 60 * 4), ("reasoning", 20 * 4)):
+        s = args.sets[task]
+        cmd = learning.command(task, "daro_travel", 0, s, "/tmp/x")
+        lr = float(cmd[cmd.index("--weight_lr") + 1])
+        assert lr * updates == pytest.approx(0.6) and "{travel}" not in cmd
+    def runs(values):
+        return [{"evals": [{"step": 0, "eval/acc": v}] * 3, "hard": None, "K": 4} for v in values]
+    stats = {("hard", "dapo"): runs([0.5, 0.5, 0.5]), ("hard", "daro"): runs([0.6, 0.6, 0.61]),
+             ("hard", "daro_travel"): runs([0.6, 0.6, 0.61]), ("hard", "uniform"): runs([0.5, 0.5, 0.5])}
+    sets = {"hard": {"steps": 60, "eval_every": 10}}
+    study_rows = learning.primaries(stats, sets, "daro_study")
+    bench_rows = learning.primaries(stats, sets)
+    assert [r["id"] for r in study_rows] == ["D1", "D2"] and {r["id"] for r in bench_rows} == {"P3", "P4", "P5"}
+    # the same difference in each family: Holm multiplies by the family's own size (2 here), not by 4
+    assert study_rows[0]["p_adj"] == pytest.approx(min(1, 2 * study_rows[0]["d"]["p"]))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -165,3 +190,41 @@ def test_hard_prompts_survey_runs_the_real_calibration_as_a_script():
     hard = {shape: int(line.split("[")[1].split(",")[1]) for shape, line in rows.items()}  # problems in [5%, 40%)
     assert max(hard, key=hard.get) == "3+3" and hard["3+3"] >= 20, rows
     assert mean["2+1"] > 0.7 and mean["4+4"] < 0.05, mean
+
+
+def test_daro_study_weight_summaries_by_hand():
+    """bench/daro_study.py on two fake runs of G = 4 (bins 1/4, 2/4, 3/4): the design read from ENDPOINTS, the weights'
+    spread and clamp share, w over its fixed point, and the shared control's distance to DARO's mean weight."""
+    spec = importlib.util.spec_from_file_location("daro_study", os.path.join(ROOT, "bench", "daro_study.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    arms = study.design()
+    assert arms["hard"] == ["daro_travel", "dapo", "uniform", "daro_travel_shared", "daro_closed"]
+    assert arms["reasoning"] == ["daro_closed", "uniform", "daro_closed_shared"]
+
+    def run(ws, Ls, ns=(1, 1, 1)):
+        mus = ("0.250", "0.500", "0.750")
+        return {"train": [{**{f"daro/w_{m}": w for m, w in zip(mus, row)},
+                           **{f"daro/L_{m}": L for m, L in zip(mus, Ls)},
+                           **{f"daro/n_{m}": n for m, n in zip(mus, ns)}} for row in ws]}
+    # |L| + delta = 0.1, 0.5, 0.001 -> fixed points 10, 2, 10 (1000 clamped); bin 3/4 absent in the last step of b
+    a = run([[1.0, 1.0, 1.0], [5.0, 2.0, 10.0]], [-0.099, 0.499, 0.0])
+    b = run([[1.0, 1.0, 1.0], [10.0, 1.0, 10.0]], [0.099, 0.499, 0.0], ns=(2, 1, 0))
+    s = study.weight_summary([a, b])
+    assert s["w_last_per_bin"] == pytest.approx([7.5, 1.5, 10.0])
+    assert s["spread_last"] == pytest.approx((5 + 10) / 2) and s["mean_w_last"] == pytest.approx((17 / 3 + 7) / 2)
+    assert s["share_at_w_max"] == pytest.approx(2 / 5)  # a: bin 3/4; b: bin 1/4 (b's bin 3/4 was absent)
+    assert s["w_over_fixed_range"] == pytest.approx([0.5, 1.0]) and s["w_over_fixed_median"] == pytest.approx(1.0)
+    shared = run([[1.0, 1.0, 1.0], [2 * 17 / 3] * 3], [0.1] * 3)  # twice DARO a's mean at its last step
+    c = study.closeness([a], [shared])
+    assert c["abs_log_ratio_max"] == pytest.approx(math.log(2)) and c["ratio_last_mean"] == pytest.approx(2.0)
+    assert c["abs_log_ratio_median"] == pytest.approx(math.log(2) / 2)  # steps: 0 and ln 2
+    # clipping: norms over steps and seeds, and a shared control that reproduces uniform's endpoint in 1 of 2 seeds
+    def fake(norms, acc):
+        return {"train": [{"train/grad_norm": g} for g in norms], "evals": [{"eval/acc": acc}] * 3, "hard": None,
+                "K": 4}
+    stats = {("hard", "uniform"): [fake([0.5, 2.0], 0.6), fake([3.0, 4.0], 0.7)],
+             ("hard", "daro_travel_shared"): [fake([2.0, 2.0], 0.6), fake([2.0, 2.0], 0.71)]}
+    clip = study.clipping(stats, {"hard": ["uniform", "daro_travel_shared"]})
+    assert clip["norms"]["hard/uniform"] == {"min": 0.5, "median": 2.5, "max": 4.0, "above_1": 0.75}
+    assert clip["equal_to_uniform"] == {"hard/daro_travel_shared": 1}

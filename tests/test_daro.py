@@ -14,7 +14,8 @@ import bookkeeping
 import modeling
 import daro
 from conftest import ROOT, weighted_loss
-from daro import PRESETS, Config, bin_token_weights, bin_weights, update_weights, weight_objective
+from daro import (PRESETS, Config, bin_token_weights, bin_weights, check_algorithm_config, closed_form_weights,
+                  update_weights, weight_objective)
 from demo.build import warm_start
 
 G = 8  # group size K: bins mu = 0, 1/8, ..., 1
@@ -81,6 +82,52 @@ def test_edge_and_absent_bins_get_no_gradient_and_no_update():
     # no bin present at all: nothing happens
     update_weights(log_w, opt, bin_loss, torch.zeros(G + 1, dtype=torch.bool), cfg)
     assert torch.equal(torch.stack([s.detach() for s in log_w]), after)
+
+
+def test_closed_form_weights_hand_worked():
+    """--weighting closed sets w_mu = 1 / (|L_mu| + delta) in one go, clamped to [w_min, w_max] = [0.1, 10], for the
+    bins present; an absent bin keeps its weight and bins 0 and G weigh 0. float64 throughout."""
+    cfg = Config(weighting="closed")  # delta 1e-3
+    log_w = make_log_w([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, math.log(2.0)], torch.float64)  # bin 7/8 was set to w = 0.5
+    assert torch.equal(bin_weights(log_w, "closed"), torch.tensor([0.0] + [1.0] * 6 + [0.5, 0.0], dtype=torch.float64))
+    bin_loss = torch.tensor([9.0, 0.5, -0.249, 0.0, 2.0, 30.0, 0.099, 0.05, 9.0], dtype=torch.float64)
+    present = torch.tensor([True] * 7 + [False, True])  # bin 7/8 absent from this update
+    closed_form_weights(log_w, bin_loss, present, cfg)
+    # 1/0.501, 1/0.25 (the sign of L_mu does not matter), 1/0.001 -> 10, 1/2.001, 1/30.001 -> 0.1, 1/0.1 = 10, kept
+    expected = [0.0, 1 / 0.501, 4.0, 10.0, 1 / 2.001, 0.1, 10.0, 0.5, 0.0]
+    assert bin_weights(log_w, "closed").tolist() == pytest.approx(expected, rel=1e-12)
+    # the same function, applied as the global control, gives every bin the mean of bins 1/8 .. 7/8
+    shared = sum(expected) / 7
+    assert bin_weights(log_w, "closed", shared=True).tolist() == pytest.approx([0.0] + [shared] * 7 + [0.0], rel=1e-12)
+    # delta 0 and L_mu = 0: an infinite fixed point, clamped to w_max, not a crash or a nan
+    closed_form_weights(log_w, bin_loss, present, Config(weighting="closed", daro_delta=0.0))
+    assert bin_weights(log_w, "closed")[3].item() == pytest.approx(10.0, rel=1e-12)
+
+
+def test_shared_weight_is_the_mean_of_the_learned_ones_hand_worked():
+    """--shared_weight: the learned weights still take their own Adam steps; every bin weighs their mean. Weights
+    e^0 = 1, e^-ln2 = 2 (s = -ln 2), e^ln4 = 1/4, and four at 1: mean (1 + 2 + 0.25 + 4) / 7 = 7.25 / 7."""
+    log_w = make_log_w([0.0, -math.log(2.0), math.log(4.0), 0.0, 0.0, 0.0, 0.0], torch.float64)
+    w = bin_weights(log_w, "learned", shared=True)
+    assert w.tolist() == pytest.approx([0.0] + [7.25 / 7] * 7 + [0.0], rel=1e-12)
+    assert bin_weights(log_w, "learned")[2].item() == pytest.approx(2.0, rel=1e-12)  # unshared: each its own
+    assert torch.equal(bin_weights(log_w, "uniform", shared=False)[1:G], torch.ones(G - 1, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"weighting": "closd"}, "--weighting 'closd': choose one of learned, closed"),
+    ({"weighting": "closed", "daro_literal": True}, "--weighting closed fits |L_mu| + delta"),
+    ({"daro_delta": -1e-3}, "--daro_delta must be >= 0"),
+    ({"weight_lr": 0.0}, "--weight_lr must be > 0 for --weighting learned"),
+    ({"weighting": "uniform", "shared_weight": True}, "--shared_weight shares the weights of --weighting learned"),
+])
+def test_bad_weighting_flags_stop_with_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        check_algorithm_config(Config(**flags))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    check_algorithm_config(Config(weighting="closed", weight_lr=0.0))  # closed has no optimizer: its lr is moot
 
 
 def test_bin_token_weights_hand_worked():
@@ -292,17 +339,21 @@ def test_every_preset_runs_and_logs_every_bin(coin, tmp_path):
     assert loss["var"] != pytest.approx(loss["uniform"], rel=1e-3)
 
 
-def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys):
+@pytest.mark.parametrize("mode", [[], ["--weighting", "closed"], ["--shared_weight"]])
+def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys, mode):
     """3 steps in one go (checkpoints every step) vs 2 steps + --resume for the 3rd: the same weights at step 3. A
-    large weight_lr makes the weights move far from 1, so a lost weight or Adam state would show. In-process
+    large weight_lr makes the weights move far from 1, so a lost weight or Adam state would show; the closed form's
+    weights are far from 1 at once (its state is s_mu alone), the shared control's are one mean. In-process
     (main(parse_config(argv)), the script's own entry) to save two interpreter start-ups."""
     out = tmp_path / "run"
-    args = daro_args(coin, out, "--steps", "3", "--save_every", "1", "--weight_lr", "0.2")[1:]
+    args = daro_args(coin, out, "--steps", "3", "--save_every", "1", "--weight_lr", "0.2", *mode)[1:]
     daro.main(bookkeeping.parse_config(Config, args, PRESETS))
     straight = train_records(out)[-1]
     state = torch.load(out / "step_000002" / "trainer.pt", weights_only=False)
     assert state["daro_neg_log_w"].shape == (G - 1,) and state["daro_neg_log_w"].abs().max() > 0.1
-    assert len(state["weight_optimizer"]["state"]) > 0
+    assert (len(state["weight_optimizer"]["state"]) > 0) == ("closed" not in mode)  # closed: no optimizer steps
+    ws = [straight[f"daro/w_{i / G:.3f}"] for i in range(1, G)]
+    assert (max(ws) == pytest.approx(min(ws), rel=1e-6)) == ("--shared_weight" in mode) and max(ws) != 1
     shutil.rmtree(out / "step_000003")
     capsys.readouterr()
     daro.main(bookkeeping.parse_config(Config, args + ["--resume"], PRESETS))
