@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from common import DEMOS, evaluate_sets
+from common import evaluate_sets
 from dataset import PromptStream, parse_eval_data
 from modeling import full_state_dict
 from ranks import DistInfo, all_reduce_max, die, is_dist, print0
@@ -33,6 +33,17 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 # ------------------------------------------------------------------------------------------------------------
 # Flags from a script's Config (each field's comment is its --help line), and checks of their combinations.
+# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies
+# before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags override both.
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
+_REASONING = os.path.join(DEMO_DIR, "reasoning")
+DEMOS = {"arith": {},
+         "reasoning": {"model": os.path.join(_REASONING, "model"),
+                       "train_data": os.path.join(_REASONING, "train.jsonl"),
+                       "eval_data": os.path.join(_REASONING, "eval.jsonl"),
+                       "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
+
+
 def _field_comments(cls) -> dict[str, str]:
     """Each Config field's trailing comment (and '#   more text' lines below it), over the class and bases."""
     comments = {}

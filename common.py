@@ -14,7 +14,6 @@ Shapes in comments: B = completions on this rank, G = group size, N = groups (B 
 """
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ class TrainConfig:
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
     demo: str = "arith"  # the shipped demo the defaults run: arith (sums, answer only) | reasoning (a trace
     #   before the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more
-    #   flags: common.DEMOS)
+    #   flags: bookkeeping.DEMOS)
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
     #   see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
@@ -138,17 +137,6 @@ BASELINES = {
     "gspo": {**_DAPO, "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
              "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "updates_per_step": 4},
 }
-
-# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies
-# before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags override both.
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
-_REASONING = os.path.join(DEMO_DIR, "reasoning")
-DEMOS = {"arith": {},
-         "reasoning": {"model": os.path.join(_REASONING, "model"),
-                       "train_data": os.path.join(_REASONING, "train.jsonl"),
-                       "eval_data": os.path.join(_REASONING, "eval.jsonl"),
-                       "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
-
 
 def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
     """A script's --algo presets: its own, then the baselines with its own algorithm switched off (`off`)."""

@@ -38,8 +38,6 @@ from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_sto
 
 # ------------------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DAA's
-
-
 @dataclass
 class Config(TrainConfig):
     """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path.
@@ -64,8 +62,6 @@ PRESETS = presets({"da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": Fa
 
 # ------------------------------------------------------------------------------------------------------------
 # Algorithm: Direct Advantage Amplification, and the theory behind it
-
-
 def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None,
         scope: str = "correct"):
     """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau (the
@@ -213,8 +209,6 @@ class DAA:
 
 # ------------------------------------------------------------------------------------------------------------
 # Training
-
-
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)

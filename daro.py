@@ -1,26 +1,26 @@
 """
-DARO: the GRPO/DAPO loss split by difficulty bin, each bin with a learnable weight.
-Paper: "DARO: Difficulty-Aware Reweighting Policy Optimization", arXiv:2510.09001; DAPO (the base): arXiv:2503.14476.
+DARO: the GRPO/DAPO loss split by difficulty bin, each bin with a learnable weight. Paper: "DARO:
+Difficulty-Aware Reweighting Policy Optimization", arXiv:2510.09001; DAPO (the base): arXiv:2503.14476.
 
-One RL step: as in da3po.py up to GRPO's advantages; then each completion goes to the bin mu = #correct / K of its
-group, and each update of the model and the weights minimises
+One RL step: as in da3po.py up to GRPO's advantages; then each completion goes to the bin mu = #correct / K of
+its group, and each update of the model and the weights minimises
   L(theta, w) = sum_{mu = 1/K .. (K-1)/K} [ w_mu * L_mu(theta) - ln w_mu ]                   Eq. (1)
   L_mu = (clipped token losses of bin mu, summed) / (#tokens of bin mu in the whole update)  Eq. (2)
   w_mu = exp(-s_mu), s = 0 at start; Adam (--weight_lr), no weight decay, no gradient clip   Eq. (3)
-The optimum w_mu = 1 / L_mu gives every bin the same loss scale. Bins 0 and 1 (no advantage) are left out. --algo:
-daro; the static uniform (w = 1) and var (w = sqrt(mu (1 - mu)): a total weight of the reward variance); the
-baselines dapo, grpo, dr_grpo, gspo (common.BASELINES).
+The optimum w_mu = 1 / L_mu gives every bin the same loss scale; bins 0 and 1 (no advantage) are left out.
+--algo: daro; the static uniform (w = 1) and var (w = sqrt(mu (1 - mu)), the reward variance); the baselines
+dapo, grpo, dr_grpo, gspo (common.BASELINES).
 
-Deviations [dev N]: 1) the paper's text does not settle the sign of L_mu: at ratio 1 it is minus its bin's mean
-advantage per token, negative when the bin's correct completions are the longer ones, and Eq. (1) then has no minimum
-in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the model's gradient is the same); --daro_literal
-fits L_mu. 2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO preset, as in
-DAPO. 4) The presets keep DAPO's dynamic sampling on (the CPU demos and bench/learning.py were measured so); the
-paper sets DARO's reweighting against DAPO's resampling, so docs/gpu.md's paper runs pass --no-dynamic_sampling.
+Deviations [dev N]: 1) the paper does not settle the sign of L_mu: at ratio 1 it is minus its bin's mean
+advantage per token, negative when the bin's correct completions are the longer ones, and Eq. (1) then has no
+minimum in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the model's gradient is the same);
+--daro_literal fits L_mu. 2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the
+GRPO preset, as in DAPO. 4) The presets keep DAPO's dynamic sampling on (as the CPU demos were measured); the
+paper sets reweighting against resampling, so docs/gpu.md's paper runs pass --no-dynamic_sampling.
 
-Run:  python daro.py                                                    # the built-in demo, about a minute on a CPU
-      python daro.py --algo var --steps 3 --out_dir /tmp/x              # a static weighting, a smoke test
-      torchrun --standalone --nproc_per_node=8 daro.py --model Qwen/Qwen2.5-Math-7B ...     # docs/gpu.md
+Run:  python daro.py                                          # the built-in demo, about a minute on a CPU
+      python daro.py --algo var --steps 3 --out_dir /tmp/x    # a static weighting, a smoke test
+      torchrun --standalone --nproc_per_node=8 daro.py --model Qwen/Qwen2.5-Math-7B ...   # docs/gpu.md
 """
 import math
 from dataclasses import dataclass
@@ -40,28 +40,26 @@ from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup
 
 # ------------------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DARO's
-
-
 @dataclass
 class Config(TrainConfig):
-    """DARO (learnable per-difficulty loss weights) and its baselines on one code path. Defaults run the CPU demo."""
-    algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override it
+    """DARO (learnable per-difficulty loss weights) and its baselines on one code path.
+    Defaults run the CPU demo."""
+    algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override
     out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     wandb_project: str = "daro"  # wandb project of --report_to wandb
-    weighting: str = "learned"  # w_mu: learned (DARO) | closed | uniform (1) | var (sqrt(mu(1-mu))) | none (no bins);
-    #   closed: no optimizer, w_mu = 1 / (|L_mu| + delta) (clamped) from the last applied update's L_mu: the weights
-    #   DARO would converge to, one update late (1 before a bin's first update); with --daro_literal no minimum exists
-    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu, the weights' parameters (paper: 1e-3).
-    #   Adam moves each s_mu by about weight_lr per update whatever its gradient, so ln w_mu travels at most ~weight_lr
-    #   x (weight updates): 0.12 in the demo's 120 (w <= 1.13), 0.6 in the paper's 600 (w <= 1.8), while the fixed
-    #   points 1 / (|L_mu| + delta) lie at ~5 to 200 (clamped at --w_max); until a bin reaches its own, all bins rise
-    #   together at the same rate: a loss-scale ramp, not yet a reweighting
+    weighting: str = "learned"  # w_mu: learned (DARO) | closed | uniform (1) | var (sqrt(mu(1-mu))) | none
+    #   (no bins); closed: no optimizer, w_mu = 1 / (|L_mu| + delta) (clamped) from the last applied update's
+    #   L_mu, the weights DARO would converge to, one update late (1 before a bin's first update)
+    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu (paper: 1e-3); whatever the gradient,
+    #   ln w_mu travels at most ~weight_lr x (weight updates): 0.12 in the demo's 120 (w <= 1.13), 0.6 in the
+    #   paper's 600 (w <= 1.8), while the fixed points 1 / (|L_mu| + delta) lie at ~5 to 200: until a bin
+    #   reaches its own, all bins rise together, a loss-scale ramp, not yet a reweighting
     daro_delta: float = 1e-3  # delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]
-    daro_literal: bool = False  # fit the weights to L_mu itself, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
+    daro_literal: bool = False  # fit w to L_mu, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
     w_min: float = 0.1  # lower clamp of every w_mu, applied after each weight step [dev 1]
     w_max: float = 10.0  # upper clamp of every w_mu [dev 1]
-    shared_weight: bool = False  # a control: every bin gets the mean over bins of the weights --weighting learned or
-    #   closed computes (each bin's own still fitted as usual): DARO's overall loss scale without its reweighting
+    shared_weight: bool = False  # a control: every bin gets the mean of the weights --weighting learned or
+    #   closed fits (each bin's own still fitted): DARO's overall loss scale without its reweighting
 
 
 PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DARO on the DAPO loss [dev 4]
@@ -71,13 +69,11 @@ PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DAR
 
 # ------------------------------------------------------------------------------------------------------------
 # Algorithm: difficulty bins, per-bin losses and their learnable weights
-
-
 def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
-    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token of bin mu weighs
-    1 / (#tokens of bin mu in the WHOLE update, all micro-batches and ranks); bins 0 and G weigh 0. A bin of one
-    prompt weighs as much as one of twenty. bins: (B,) #correct of each row's group. Example: bins [1, 1, 3],
-    lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
+    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token of bin mu
+    weighs 1 / (#tokens of bin mu in the WHOLE update, all micro-batches and ranks); bins 0 and G weigh 0, and
+    a bin of one prompt weighs as much as one of twenty. bins: (B,) #correct of each row's group. Example:
+    bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
     tokens = all_reduce_sum(mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1)))  # (G+1,)
     inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
@@ -85,9 +81,9 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
 
 
 def bin_weights(neg_log_w: list[torch.Tensor], weighting: str, shared: bool = False) -> torch.Tensor:
-    """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the closed form), or a
-    static function of mu; 0 for mu = 0 and 1. `none` (the baselines' own loss, no bins) weighs every bin 1. shared:
-    every bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global loss-scale control)."""
+    """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the closed
+    form), or a static function of mu; 0 for mu = 0 and 1; `none` (no bins) weighs every bin 1. shared: every
+    bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global loss-scale control)."""
     G, device = len(neg_log_w) + 1, neg_log_w[0].device
     if weighting == "none":
         return torch.ones(G + 1, device=device)
@@ -101,17 +97,18 @@ def bin_weights(neg_log_w: list[torch.Tensor], weighting: str, shared: bool = Fa
     return torch.nn.functional.pad(w, (1, 1))
 
 
-def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, delta: float,
-                     literal: bool) -> torch.Tensor:
-    """The weights' side of Eq. (1) over the bins present in the update: sum_mu w_mu L_mu + s_mu (s = -ln w), with
-    |L_mu| + delta in place of L_mu, so that the minimum w_mu = 1 / (|L_mu| + delta) exists [dev 1]."""
+def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor,
+                     delta: float, literal: bool) -> torch.Tensor:
+    """The weights' side of Eq. (1) over the bins present in the update: sum_mu w_mu L_mu + s_mu (s = -ln w),
+    with |L_mu| + delta in place of L_mu, so that the minimum w_mu = 1 / (|L_mu| + delta) exists [dev 1]."""
     target = bin_loss if literal else bin_loss.abs() + delta  # (G+1,)
-    return sum(torch.exp(-s) * target[i] + s for i, s in enumerate(neg_log_w, 1) if present[i])  # Eq. (1), (3)
+    return sum(torch.exp(-s) * target[i] + s  # Eq. (1), (3)
+               for i, s in enumerate(neg_log_w, 1) if present[i])
 
 
-def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor, present: torch.Tensor, cfg):
-    """One Adam step of s = -ln w on Eq. (1), then w clamped to [w_min, w_max]. An absent bin keeps .grad None, so
-    Adam skips it (with a zero gradient its momentum would still move the weight)."""
+def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor, present, cfg):
+    """One Adam step of s = -ln w on Eq. (1), then w clamped to [w_min, w_max]. An absent bin keeps .grad
+    None, so Adam skips it (with a zero gradient its momentum would still move the weight)."""
     if not present[1:-1].any():
         return
     weight_opt.zero_grad(set_to_none=True)
@@ -123,42 +120,41 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
 
 
 def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, cfg):
-    """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu| + delta), clamped
-    to [w_min, w_max], for each bin present in the update; an absent bin keeps its weight (no L_mu to fit)."""
+    """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu| + delta),
+    clamped to [w_min, w_max], for each bin present in the update; an absent bin keeps its weight."""
+    low, high = -math.log(cfg.w_max), -math.log(cfg.w_min)
     with torch.no_grad():
         for i, s in enumerate(neg_log_w, 1):
-            if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, an infinite fixed point, clamped to w_max
-                s.copy_((bin_loss[i].abs() + cfg.daro_delta).log().clamp(-math.log(cfg.w_max), -math.log(cfg.w_min)))
+            if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, an infinite fixed point: w_max
+                s.copy_((bin_loss[i].abs() + cfg.daro_delta).log().clamp(low, high))
 
 
 def check_algorithm_config(cfg: Config):
-    """DARO's flags that cannot work stop here, naming the flag (exit 2)."""
+    """DARO's flags that cannot work stop here, naming the flag (exit 2); check_config calls it last."""
     if cfg.weighting not in ("learned", "closed", "uniform", "var", "none"):
         die(f"--weighting {cfg.weighting!r}: choose one of learned, closed, uniform, var, none")
     if cfg.weighting == "learned" and not cfg.weight_lr > 0:
-        die(f"--weight_lr must be > 0 for --weighting learned (0 freezes w = 1: use --weighting uniform), "
-            f"got {cfg.weight_lr}")
+        die(f"--weight_lr must be > 0 for --weighting learned (w = 1: uniform), got {cfg.weight_lr}")
     if cfg.weighting == "closed" and cfg.daro_literal:
-        die("--weighting closed fits |L_mu| + delta: with --daro_literal a bin with L_mu <= 0 has no minimum in w")
+        die("--weighting closed fits |L_mu| + delta: --daro_literal has no minimum in w where L_mu <= 0")
     if cfg.daro_delta < 0:
         die(f"--daro_delta must be >= 0 (it keeps |L_mu| + delta positive), got {cfg.daro_delta}")
     if cfg.shared_weight and cfg.weighting not in ("learned", "closed"):
-        die(f"--shared_weight shares the weights of --weighting learned or closed; {cfg.weighting} has none to share")
+        die(f"--shared_weight shares the weights of --weighting learned or closed, not {cfg.weighting}")
     if not 0 < cfg.w_min <= 1 <= cfg.w_max:
         die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
 
 
 class DARO:
-    """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G), 0 at
-    start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's weight decay
-    (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); --weighting closed sets s_mu
-    itself after each update (its Adam stays unused), so a checkpoint's s_mu resumes it too; `bins` (3, G+1), the
-    step's sums per bin: L_mu over updates, updates, groups."""
+    """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G),
+    0 at start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's
+    weight decay (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); --weighting
+    closed sets s_mu itself (its Adam unused). `bins` (3, G+1), per bin: L_mu summed, updates, groups."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         self.cfg, self.G, self.device = cfg, cfg.group_size, device
-        self.neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(1, self.G)]  # Eq. (3)
-        self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=cfg.weight_lr)
+        self.neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(self.G - 1)]
+        self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=cfg.weight_lr)  # Eq. (3)
         if "daro_neg_log_w" in state:  # a resumed run
             with torch.no_grad():
                 for s, saved in zip(self.neg_log_w, state["daro_neg_log_w"]):
@@ -185,7 +181,7 @@ class DARO:
         G = self.G
         advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
-        if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained on
+        if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
         self.bins[2] = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
         return advantage
@@ -206,8 +202,7 @@ class DARO:
         return (token_loss * (mb["weight"] * self.w[mb["bin"]].unsqueeze(-1))).sum()
 
     def step_weights(self):
-        """After an applied update (not after a non-finite one, like the model's): L_mu over all ranks, one step of
-        the weights on every rank."""
+        """After an applied update (not a non-finite one): L_mu over all ranks, a weight step on each."""
         bin_loss, present = all_reduce_sum(self.bin_loss), self.bin_tokens > 0  # (G+1,)
         if self.cfg.weighting == "learned":
             update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.cfg)
@@ -217,10 +212,10 @@ class DARO:
         self.bins[1] += present.float().cpu()
 
     def metrics(self, record: dict) -> dict:
-        """The step's daro/* record (keys name mu with three decimals, daro/w_0.125): w_mu after the step, L_mu (mean
-        over the updates that had bin mu; 0 if none), n_mu (groups trained on, all ranks). Resets `bins`."""
+        """The step's daro/* record (daro/w_0.125: mu to three decimals): w_mu after the step, L_mu (mean over
+        the updates with bin mu, else 0), n_mu (groups trained on, all ranks); resets `bins`."""
         G, bins, self.bins = self.G, self.bins, torch.zeros(3, self.G + 1)
-        w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()  # (G+1,), as applied
+        w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()  # as applied
         counts = all_reduce_sum(bins[2])  # groups trained on, per bin, over all ranks
         metrics = {}
         for i in range(G + 1):
@@ -236,8 +231,6 @@ class DARO:
 
 # ------------------------------------------------------------------------------------------------------------
 # Training
-
-
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
@@ -304,7 +297,7 @@ def main(cfg: Config):
                                                            sums.sums, algo.step_state()))
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
-                    # ALGO LOGIC: the token losses' weights and sum, the paper's way; then a step of the weights
+                    # ALGO LOGIC: the token losses' weights and sum, the paper's way; then a weight step
                     batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):

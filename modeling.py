@@ -555,7 +555,7 @@ def check_chunked_logprobs(model, dtype: str = "float32"):
     eps = max(torch.finfo(t).eps for t in dtypes)
     scale = 1.0 + logits.abs().max().item()
     if ours.shape != logits.shape or not (ours - logits).abs().max().item() <= eps * scale:  # (NaN fails too)
-        refuse("its forward changes its output layer's result in a way common.head_logits does not know")
+        refuse("its forward changes its output layer's result in a way modeling.head_logits does not know")
     gap = (logp - _logprobs_of_logits(logits[:, 3:7], ids[:, 4:], 1.0, False)[0]).abs().max().item()
     if not gap <= max(1e-3, 8 * eps) * scale:
         refuse(f"chunked log-probs off by {gap:.3g}")
