@@ -475,7 +475,7 @@ def main(argv=None):
     cfg = types.SimpleNamespace(dtype=dtype, logprob_chunk=a.logprob_chunk, temperature=1.0, top_p=1.0,
                                 micro_batch_size=a.logprob_micro_batch, micro_batch_tokens=0, rollout_is="token",
                                 rollout_is_cap=2.0, rollout_is_mask=False, clip_low=0.2, clip_high=0.28,
-                                clip_ratio_c=0.0, seq_ratio=False, kl_coef=0.0)
+                                clip_ratio_c=0.0, seq_ratio=False, kl_coef=0.0, pack=False)
 
     def shard():
         modeling.check_logprob_paths(st.model, cfg)  # the trainer's start-up checks (chunked log-probs, shared prompts)
