@@ -37,11 +37,10 @@ from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_sto
                    stop_requested, stop_run)
 
 # ------------------------------------------------------------------------------------------------------------
-# Config: the shared knobs (common.TrainConfig) and DAA's
+# Config: the shared knobs (common.TrainConfig) and DAA's, the presets, the checks of DAA's flags
 @dataclass
 class Config(TrainConfig):
-    """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path.
-    Defaults run the CPU demo."""
+    """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path; CPU demo defaults."""
     algo: str = "da3po"  # preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset
     out_dir: str = "out/da3po"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     wandb_project: str = "da3po"  # wandb project of --report_to wandb
@@ -59,6 +58,20 @@ class Config(TrainConfig):
 
 PRESETS = presets({"da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": False, "tau": 0.5}},  # [dev 1]
                   off={"lam": 1.0, "adaptive_lam": False})
+
+
+def check_algorithm_config(cfg: Config):
+    """DAA's flags that cannot work stop here, naming the flag (exit 2)."""
+    if not 0 < cfg.tau <= 1:
+        die(f"--tau must be in (0, 1], got {cfg.tau}")
+    if cfg.lam <= 0:
+        die(f"--lam must be > 0, got {cfg.lam}")
+    if cfg.daa_scope not in ("correct", "all"):
+        die(f"--daa_scope {cfg.daa_scope!r}: choose one of correct, all")
+    if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
+        die(f"--p_estimate must be group or running and --lam_max >= 1, "
+            f"got {cfg.p_estimate!r}, {cfg.lam_max}")
+
 
 # ------------------------------------------------------------------------------------------------------------
 # Algorithm: Direct Advantage Amplification, and the theory behind it
@@ -80,19 +93,6 @@ def adaptive_lam(p: torch.Tensor, G: int, lam_max: float) -> torch.Tensor:
     1/gamma = (1 - p^(G-1)) / (1 - (1-p)^(G-1)), > 1 for p < 0.5. Example: G = 8, p = 1/8 -> 1.65."""
     p = p.clamp(1e-6, 1 - 1e-6)
     return ((1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1))).clamp(max=lam_max)
-
-
-def check_algorithm_config(cfg: Config):
-    """DAA's flags that cannot work stop here, naming the flag (exit 2)."""
-    if not 0 < cfg.tau <= 1:
-        die(f"--tau must be in (0, 1], got {cfg.tau}")
-    if cfg.lam <= 0:
-        die(f"--lam must be > 0, got {cfg.lam}")
-    if cfg.daa_scope not in ("correct", "all"):
-        die(f"--daa_scope {cfg.daa_scope!r}: choose one of correct, all")
-    if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
-        die(f"--p_estimate must be group or running and --lam_max >= 1, "
-            f"got {cfg.p_estimate!r}, {cfg.lam_max}")
 
 
 def pass_key(group: dict) -> str:

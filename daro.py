@@ -39,11 +39,10 @@ from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup
                    stop_run)
 
 # ------------------------------------------------------------------------------------------------------------
-# Config: the shared knobs (common.TrainConfig) and DARO's
+# Config: the shared knobs (common.TrainConfig) and DARO's, the presets, the checks of DARO's flags
 @dataclass
 class Config(TrainConfig):
-    """DARO (learnable per-difficulty loss weights) and its baselines on one code path.
-    Defaults run the CPU demo."""
+    """DARO (learnable per-difficulty loss weights) and its baselines on one code path; CPU demo defaults."""
     algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override
     out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
     wandb_project: str = "daro"  # wandb project of --report_to wandb
@@ -66,6 +65,23 @@ PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DAR
                    "uniform": {**BASELINES["dapo"], "weighting": "uniform"},  # the bins with frozen w = 1
                    "var": {**BASELINES["dapo"], "weighting": "var"}},  # variance-based static weights
                   off={"weighting": "none"})
+
+
+def check_algorithm_config(cfg: Config):
+    """DARO's flags that cannot work stop here, naming the flag (exit 2); check_config calls it last."""
+    if cfg.weighting not in ("learned", "closed", "uniform", "var", "none"):
+        die(f"--weighting {cfg.weighting!r}: choose one of learned, closed, uniform, var, none")
+    if cfg.weighting == "learned" and not cfg.weight_lr > 0:
+        die(f"--weight_lr must be > 0 for --weighting learned (w = 1: uniform), got {cfg.weight_lr}")
+    if cfg.weighting == "closed" and cfg.daro_literal:
+        die("--weighting closed fits |L_mu| + delta: --daro_literal has no minimum in w where L_mu <= 0")
+    if cfg.daro_delta < 0:
+        die(f"--daro_delta must be >= 0 (it keeps |L_mu| + delta positive), got {cfg.daro_delta}")
+    if cfg.shared_weight and cfg.weighting not in ("learned", "closed"):
+        die(f"--shared_weight shares the weights of --weighting learned or closed, not {cfg.weighting}")
+    if not 0 < cfg.w_min <= 1 <= cfg.w_max:
+        die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
+
 
 # ------------------------------------------------------------------------------------------------------------
 # Algorithm: difficulty bins, per-bin losses and their learnable weights
@@ -127,22 +143,6 @@ def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, p
         for i, s in enumerate(neg_log_w, 1):
             if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, an infinite fixed point: w_max
                 s.copy_((bin_loss[i].abs() + cfg.daro_delta).log().clamp(low, high))
-
-
-def check_algorithm_config(cfg: Config):
-    """DARO's flags that cannot work stop here, naming the flag (exit 2); check_config calls it last."""
-    if cfg.weighting not in ("learned", "closed", "uniform", "var", "none"):
-        die(f"--weighting {cfg.weighting!r}: choose one of learned, closed, uniform, var, none")
-    if cfg.weighting == "learned" and not cfg.weight_lr > 0:
-        die(f"--weight_lr must be > 0 for --weighting learned (w = 1: uniform), got {cfg.weight_lr}")
-    if cfg.weighting == "closed" and cfg.daro_literal:
-        die("--weighting closed fits |L_mu| + delta: --daro_literal has no minimum in w where L_mu <= 0")
-    if cfg.daro_delta < 0:
-        die(f"--daro_delta must be >= 0 (it keeps |L_mu| + delta positive), got {cfg.daro_delta}")
-    if cfg.shared_weight and cfg.weighting not in ("learned", "closed"):
-        die(f"--shared_weight shares the weights of --weighting learned or closed, not {cfg.weighting}")
-    if not 0 < cfg.w_min <= 1 <= cfg.w_max:
-        die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
 
 
 class DARO:
