@@ -142,7 +142,7 @@ def test_harness_finds_planted_bugs(models, monkeypatch):
     for fixed in (var_case, daa_case):
         assert not harness.failures(harness.check_case(model, ref_model, pad_id, 4, **fixed)[1])
     bin_weights = daro.bin_weights
-    monkeypatch.setattr(daro, "bin_weights", lambda s, weighting: bin_weights(s, weighting) ** (
+    monkeypatch.setattr(daro, "bin_weights", lambda s, weighting, shared=False: bin_weights(s, weighting, shared) ** (
         2 if weighting == "var" else 1))
     assert "weight" in harness.failures(harness.check_case(model, ref_model, pad_id, 4, **var_case)[1])
     daa = da3po.daa
