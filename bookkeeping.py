@@ -320,7 +320,7 @@ class PendingStep:
     record: dict  # its metrics record so far (rollout, advantages, pi_old)
     groups: list  # its first group on this rank (samples.jsonl)
     update_rows: list  # the rows of each of its updates (tensors)
-    batch: dict  # the batch's tensors (common section 7)
+    batch: dict  # the batch's tensors (common, section 4)
     next_update: int  # the first update not yet applied
     sums: dict  # Sums.sums of its updates so far
     algo: dict  # the algorithm's own sums over the step (algo.step_state(): DARO's per-bin sums)
