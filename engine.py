@@ -17,7 +17,7 @@ import os
 import torch
 
 from common import pad_prompt_completion
-from modeling import autocast, full_tensor, nucleus, reshard, token_logprobs
+from modeling import autocast, full_tensor, nucleus, positions, reshard, token_logprobs
 from ranks import DistInfo, all_reduce_max, all_reduce_sum, die, is_dist, print0
 
 
@@ -67,7 +67,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
             chunk = prompts[s:s + per_call]
             ids, attn, _ = pad_prompt_completion(chunk, [[]] * len(chunk), tok.pad_token_id)
             ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # (N, P), empty completion column cut
-            out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+            out = model(input_ids=ids, attention_mask=attn, position_ids=positions(attn),
                         use_cache=True, logits_to_keep=1)
             cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)  # (B, V), B = N*n
             cache.batch_repeat_interleave(n)

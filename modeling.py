@@ -230,6 +230,11 @@ def _head_inputs_as_logits(model, head):
 
 # ------------------------------------------------------------------------------------------------------------
 # Log-probs of completion tokens under pi or pi_old: a group's prompt runs once, the output layer in chunks.
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """position_ids from an attention mask: 0 at each row's first real token (left padding shifts none)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def _shares_prompts(model, groups) -> bool:
     """Whether a group's prompt runs once (_predicting_outputs): the model and config decide, never data."""
     return groups is not None and getattr(model, "shares_prompts", True) and not (
@@ -252,7 +257,7 @@ def _predicting_outputs(model, input_ids, attention_mask, T: int, groups=None):
     the same values and gradients as rows run whole. A checkpointed model runs rows whole (its layers drop the
     cache in training mode), as does one whose cache cannot be indexed out (model.shares_prompts).
     Lockstep: the path, and so the sharded model's forward count, depends on model and config, never data."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = positions(attention_mask)
     if not _shares_prompts(model, groups):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      logits_to_keep=T + 1).logits[:, :-1]
@@ -317,11 +322,9 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
 # ------------------------------------------------------------------------------------------------------------
 # Packed forwards (--pack): a micro-batch's prompts in one row, then its completions in one row on their KV
 # cache, no padding. Every token carries (group, row, position); query q sees key k iff they share the
-# group, k is a prompt token (row -1) or in q's row, and k's position <= q's: a completion sees its own
-# group's prompt and its own earlier tokens. The attention takes it in its own form: sdpa as padded rows of
-# the packed tokens, for the attention only (_attention_rows: the cost of padded rows, not Lq x Lk); eager as
-# a dense additive (Lq, Lk) mask (CPU-sized micro-batches only); flex attention as a BlockMask, one entry per
-# 128 x 128 block (what scales on GPUs).
+# group, k is a prompt token (row -1) or in q's row, and k's position <= q's (_sees). The attention takes
+# it in its own form: sdpa as padded rows of the packed tokens, for the attention only (_attention_rows);
+# eager as a dense additive (Lq, Lk) mask (CPU-sized only); flex attention as a BlockMask (scales on GPUs).
 PACKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
@@ -373,22 +376,26 @@ _SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
 AttentionInterface.register("sdpa", _rows_sdpa)
 
 
+def _sees(q: tuple, k: tuple) -> torch.Tensor:
+    """Whether query q = (group, row, position) sees key k (the rule above), elementwise, broadcasting."""
+    (qg, qr, qp), (kg, kr, kp) = q, k
+    return (kg == qg) & ((kr == qr) | (kr < 0)) & (kp <= qp)
+
+
 def _packed_mask(model, q: tuple, k: tuple):
     """The attention of queries q = (group, row, position), each (Lq,), on keys k (Lk,) each (see above), as
     the model's forward arguments: sdpa its rows (_attention_rows), else a mask (1, 1, Lq, Lk)."""
-    (qg, qr, qp), (kg, kr, kp) = q, k
-    implementation = model.config._attn_implementation
+    implementation, device = model.config._attn_implementation, q[0].device
     if implementation == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, i, j):
-            return (kg[j] == qg[i]) & ((kr[j] == qr[i]) | (kr[j] < 0)) & (kp[j] <= qp[i])
-        return {"attention_mask": create_block_mask(mask_mod, None, None, len(qg), len(kg), device=qg.device)}
+            return _sees(tuple(x[i] for x in q), tuple(x[j] for x in k))
+        return {"attention_mask": create_block_mask(mask_mod, None, None, len(q[0]), len(k[0]), device)}
     if implementation == "sdpa":  # a 4D placeholder, which transformers passes through as it is
-        return {"attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=qg.device),
+        return {"attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
                 "packed_rows": _attention_rows(q, k)}
-    allowed = ((kg[None] == qg[:, None]) & ((kr[None] == qr[:, None]) | (kr[None] < 0))
-               & (kp[None] <= qp[:, None]))[None, None]
+    allowed = _sees(tuple(x[:, None] for x in q), tuple(x[None] for x in k))[None, None]  # (1, 1, Lq, Lk)
     dtype = torch.promote_types(model.get_input_embeddings().weight.dtype, torch.float32)  # eager adds it
     return {"attention_mask": torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min)}
@@ -402,7 +409,7 @@ def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
     padded forwards (tests/test_pack.py)."""
     P, B = input_ids.shape[1] - T, input_ids.shape[0]
     device = input_ids.device
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = positions(attention_mask)
     inverse, first = _group_rows(groups)
     U = len(first)
     real = attention_mask[first, :P].bool()  # (U, P): the prompts' tokens (left padded)
@@ -427,8 +434,7 @@ def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
 
 
 def _runs_packed(model, groups, pack: bool) -> bool:
-    """Whether token_logprobs runs packed: asked for, on a model that packs (the start-up check's verdict,
-    model.pack_refusal, else pack_refusal's)."""
+    """Whether token_logprobs runs packed: asked, on a model that packs (model.pack_refusal, pack_refusal)."""
     return pack and not getattr(model, "pack_refusal", pack_refusal(model))
 
 
@@ -453,7 +459,7 @@ def _packed_whole_outputs(model, input_ids, attention_mask, T: int):
     cache: _shares_prompts): each row's tokens but its last, all rows in one row, one forward."""
     B, width = input_ids.shape
     P = width - T
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = positions(attention_mask)
     keep = attention_mask.bool().clone()  # (a bool mask's .bool() is the mask itself)
     keep[:, P:] = torch.arange(T, device=keep.device) < attention_mask[:, P:].sum(-1, keepdim=True) - 1
     rows = torch.arange(B, device=keep.device)[:, None].expand(B, width)[keep]
