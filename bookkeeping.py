@@ -33,10 +33,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 # ------------------------------------------------------------------------------------------------------------
 # Flags from a script's Config (each field's comment is its --help line), and checks of their combinations.
-# --demo reasoning: the second shipped demo (demo/reasoning/README.md), as the flags it stands for. It applies
-# before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags override both.
+# --demo: a shipped demo as the flags it stands for. On the command line the default is `reasoning`
+# (demo/reasoning/README.md); `arith` is the dataclass defaults, which is also what Config() in code runs.
+# A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
+# override both.
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
 _REASONING = os.path.join(DEMO_DIR, "reasoning")
+COMMAND_LINE_DEMO = "reasoning"  # what `python da3po.py` with no flags runs
 DEMOS = {"arith": {},
          "reasoning": {"model": os.path.join(_REASONING, "model"),
                        "train_data": os.path.join(_REASONING, "train.jsonl"),
@@ -62,13 +65,20 @@ def _field_comments(cls) -> dict[str, str]:
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Precedence: dataclass defaults < --demo < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`,
-    `--x`/`--no-x`). An unknown or abbreviated flag exits 2 naming it; overriding a preset prints a note."""
+    """Precedence: dataclass defaults < --demo (reasoning unless given) < preset of --algo < explicit flags
+    (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated flag exits 2 naming it; overriding a
+    preset prints a note."""
     comments = _field_comments(cls)
+    repo = os.path.dirname(DEMO_DIR)
+    demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
+                  for k, v in DEMOS[COMMAND_LINE_DEMO].items()]
     parser = argparse.ArgumentParser(
-        prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False)
+        prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False,
+        epilog=f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
+               "are --demo arith's.")
     for f in fields(cls):
-        help_text = f"{comments.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")
+        default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
+        help_text = f"{comments.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
         if isinstance(f.default, bool):
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
@@ -77,7 +87,7 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
                                 metavar=type(f.default).__name__.upper(), **kw)
     given = vars(parser.parse_args(argv))
     cfg = cls()
-    demo = given.get("demo", cfg.demo)
+    demo = given.setdefault("demo", COMMAND_LINE_DEMO)
     if demo not in DEMOS:
         parser.error(f"argument --demo: invalid choice {demo!r} (choose from {', '.join(DEMOS)})")
     if presets is not None:

@@ -33,9 +33,9 @@ from verifier import extract_answer, majority_vote, verify_batch
 class TrainConfig:
     # run
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
-    demo: str = "arith"  # the shipped demo the defaults run: arith (sums, answer only) | reasoning (a trace
-    #   before the answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more
-    #   flags: bookkeeping.DEMOS)
+    demo: str = "arith"  # the shipped demo: reasoning (the command line's default: a trace before the
+    #   answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags:
+    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs)
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
     #   see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file

@@ -72,8 +72,8 @@ HARD_EVAL, DEMO_EVAL = "bench/data/hard_eval.jsonl", "demo/arith_eval.jsonl"
 # start-up 7 s and one evaluation of both sets at 16 samples 3.2 s (da3po.py --eval_only); 60-step runs on `hard`:
 # dapo 42.7, da3po_lam2 44.0, grpo 41.6, daro 46.5 s; dapo on mix_easy75 54.7 s (more all-correct groups to refill);
 # the other mixes interpolated.
-HARD_TASK = {"model": "demo", "eval": [HARD_EVAL, DEMO_EVAL], "flags": [], "hard_set": "hard_eval",
-             "forget_set": "arith_eval", "cpu_s": {"start": 7.0, "step": 0.25, "eval": 3.2}}
+HARD_TASK = {"model": "demo", "eval": [HARD_EVAL, DEMO_EVAL], "flags": ["--demo", "arith"],
+             "hard_set": "hard_eval", "forget_set": "arith_eval", "cpu_s": {"start": 7.0, "step": 0.25, "eval": 3.2}}
 TASKS = {
     "hard": {**HARD_TASK, "train": "bench/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0,
              "study_arms": DARO_STUDY_ARMS},  # run only when --arms names them (the default benchmark stays as it was)

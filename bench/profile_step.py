@@ -1,8 +1,8 @@
 """Where the seconds of an RL step go: generate, verify, old log-probs, forward, backward, optimizer, weight sync,
 logging and the rest, as seconds per step and shares, plus cProfile's top functions, for two workloads:
-  demo   the default demo (`python da3po.py`: 32 prompts x 8, dynamic sampling, completions of ~6 tokens)
+  demo   the sums demo (`python da3po.py --demo arith`: 32 prompts x 8, dynamic sampling, completions of ~6 tokens)
   vs_trl bench/vs_trl.py's work on our side (the demo model, 16 prompts x 8, no dynamic sampling, 4 updates)
-  reasoning  the reasoning demo (`python da3po.py --demo reasoning`: a trace before the answer, ~45-60 tokens)
+  reasoning  the default demo (`python da3po.py`: a trace before the answer, ~45-60 tokens)
   25M    a 25M-parameter Qwen3-shaped model built in code (hidden 512, 8 layers, the demo's tokenizer, untrained, so
          its completions run to the 128-token cap), 16 prompts x 8, no dynamic sampling, 4 updates per step
 Usage: python bench/profile_step.py [--workloads demo,vs_trl,25M] [--steps 8] [--threads 2] [--out FILE]
@@ -67,8 +67,7 @@ def run(workload: str, steps: int, tmp: str, extra: list[str] = ()):
     if workload == "vs_trl":  # bench/vs_trl.py's work: 16 prompts x 8, 4 updates of one forward/backward each
         flags += ["--algo", "dapo", "--prompts_per_step", "16", "--updates_per_step", "4", "--micro_batch_size", "32",
                   "--no-dynamic_sampling"]
-    if workload == "reasoning":
-        flags += ["--demo", "reasoning"]
+    flags += ["--demo", "reasoning" if workload == "reasoning" else "arith"]
     if workload == "25M":
         flags += ["--model", build_25m(os.path.join(tmp, "model25m")), "--prompt_template", "none",
                   "--prompts_per_step", "16", "--updates_per_step", "4", "--max_new_tokens", "128",

@@ -18,13 +18,14 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--steps", "12", "--seed", "3"]
+SMALL = ["--demo", "arith", "--steps", "12", "--seed", "3"]
 RUNS = {
     "da3po": ["da3po.py", *SMALL],
     "daro": ["daro.py", *SMALL],
-    "torchrun2": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "da3po.py", "--steps", "4",
-                  "--seed", "3", "--prompts_per_step", "8", "--eval_size", "20", "--eval_every", "2"],
-    "vllm": ["da3po.py", "--steps", "4", "--seed", "3", "--rollout", "vllm", "--eval_size", "20", "--eval_every", "2"],
+    "torchrun2": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "da3po.py", "--demo", "arith",
+                  "--steps", "4", "--seed", "3", "--prompts_per_step", "8", "--eval_size", "20", "--eval_every", "2"],
+    "vllm": ["da3po.py", "--demo", "arith", "--steps", "4", "--seed", "3", "--rollout", "vllm", "--eval_size", "20",
+             "--eval_every", "2"],
 }
 
 

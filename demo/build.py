@@ -1,5 +1,5 @@
 """
-Builds what `python da3po.py` (and daro.py) trains and evaluates by default, both shipped in this folder:
+Builds the two shipped demos. The sums demo (`python da3po.py --demo arith`, daro.py the same), in this folder:
   demo/model/            a tiny Qwen3-style model (0.5M parameters, character-level tokenizer built with the
                          `tokenizers` library, a chat template), warm-started by a supervised pass on sums
   demo/arith_eval.jsonl  200 held-out sums in 5 difficulty levels, calibrated on that model: level = the band of its
@@ -7,7 +7,8 @@ Builds what `python da3po.py` (and daro.py) trains and evaluates by default, bot
 
 Run: python demo/build.py [--out demo] [--sft_steps 1200]      (about 2 minutes on one CPU thread)
 
-And, with --task reasoning, the reasoning demo, one flag away (demo/reasoning/README.md has its measurements):
+And, with --task reasoning, the reasoning demo, what `python da3po.py` runs with no flags (its measurements:
+demo/reasoning/README.md):
   demo/reasoning/model/       the same tiny Qwen3 and tokenizer, warm-started for 1,000 steps to write a short
                               column-by-column trace with a check before the answer (demo/reasoning_task.py):
                               347+86 -> 7+6=13,4+8+1=13,3+0+1=4 so 347+86=\\boxed{433}; some warm-start traces slip,
@@ -18,9 +19,10 @@ And, with --task reasoning, the reasoning demo, one flag away (demo/reasoning/RE
                               of 8,000 sums of the same distribution
 Run: python demo/build.py --task reasoning [--calibrate_only]   (about 21 minutes of CPU on one thread, of which
      16 in the warm start; --calibrate_only keeps model/ and rewrites the two data files)
-Train on it: python da3po.py --model demo/reasoning/model --train_data demo/reasoning/train.jsonl \\
-     --eval_data demo/reasoning/eval.jsonl --max_new_tokens 72 --overlong_buffer 16 --prompts_per_step 16 --steps 20
-(daro.py the same). Its weights are shipped for the reason below (sha256 79cb14fc... for its model.safetensors).
+Train on it: python da3po.py, which stands for python da3po.py --model demo/reasoning/model --train_data
+     demo/reasoning/train.jsonl --eval_data demo/reasoning/eval.jsonl --max_new_tokens 72 --overlong_buffer 16
+     --prompts_per_step 16 --steps 20 (daro.py the same). Its weights are shipped for the reason below (sha256
+     79cb14fc... for its model.safetensors).
 
 Why the weights are shipped rather than built on each machine. The warm start is chaotic: a small model learns
 multi-digit addition on a plateau followed by a sudden jump, and float rounding decides where in that jump the warm

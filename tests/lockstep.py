@@ -133,5 +133,6 @@ if skew != "real":
     script.make_rollout = make_rollout
 script.micro_batches, script.token_losses = micro_batches, token_losses
 script.UpdateGuard, script.cleanup_dist = CountingGuard, cleanup_dist
-cfg = bookkeeping.parse_config(script.Config, ["--out_dir", out_dir, *sys.argv[4:]], script.PRESETS)
+cfg = bookkeeping.parse_config(script.Config, ["--demo", "arith", "--out_dir", out_dir, *sys.argv[4:]],
+                               script.PRESETS)  # the sums demo's short completions, unless the flags say otherwise
 script.main(cfg)

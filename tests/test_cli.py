@@ -1,4 +1,6 @@
 """Config -> CLI. Run: python -m pytest -q tests/test_cli.py"""
+import dataclasses
+
 import pytest
 
 import common
@@ -16,7 +18,11 @@ def test_flag_forms_and_presets(capsys):
     cfg = bookkeeping.parse_config(Config, ["--algo=gspo", "--clip_high", "0.001"], PRESETS)
     assert cfg.seq_ratio is True and cfg.clip_low == 3e-4 and cfg.clip_high == 0.001
     assert capsys.readouterr().out.strip() == "note: --clip_high 0.001 overrides the gspo preset's clip_high = 0.0004"
-    assert bookkeeping.parse_config(Config, [], PRESETS) == Config()
+    assert bookkeeping.parse_config(Config, ["--demo", "arith"], PRESETS) == Config(demo="arith")
+    # no flags: the reasoning demo, whose flags replace seven defaults (the sums demo's) and nothing else
+    no_flags = bookkeeping.parse_config(Config, [], PRESETS)
+    changed = {f.name for f in dataclasses.fields(Config) if getattr(no_flags, f.name) != getattr(Config(), f.name)}
+    assert no_flags.demo == "reasoning" and changed == {"demo", *bookkeeping.DEMOS["reasoning"]}
     assert capsys.readouterr().out == ""  # no note without an override
 
 

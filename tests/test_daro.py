@@ -278,9 +278,9 @@ def coin(demo_dir, tmp_path_factory):
 
 def daro_args(coin, out, *extra):
     model, data = coin
-    return ["daro.py", "--model", model, "--train_data", data, "--eval_data", data, "--prompt_template", "none",
-            "--out_dir", str(out), "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
-            "--eval_samples", "2", *extra]
+    return ["daro.py", "--demo", "arith", "--model", model, "--train_data", data, "--eval_data", data,
+            "--prompt_template", "none", "--out_dir", str(out), "--prompts_per_step", "8", "--updates_per_step", "2",
+            "--eval_size", "16", "--eval_samples", "2", *extra]
 
 
 def start(args):

@@ -102,8 +102,8 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 
 def test_eval_only_prints_avg_and_pass_at_k(demo_dir, tmp_path):
-    r = run_script(["da3po.py", "--eval_only", "--model", demo_dir, "--eval_data", "arith", "--eval_samples", "8",
-                    "--eval_size", "24", "--out_dir", str(tmp_path)])
+    r = run_script(["da3po.py", "--demo", "arith", "--eval_only", "--model", demo_dir, "--eval_data", "arith",
+                    "--eval_samples", "8", "--eval_size", "24", "--out_dir", str(tmp_path)])
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("eval step 0"))
     for k in (1, 2, 4, 8):

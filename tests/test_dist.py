@@ -38,9 +38,8 @@ def test_two_ranks_match_one_process(demo_dir, tmp_path, chunk):
 def test_torchrun_da3po_checkpoint_loads_and_resumes(demo_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     out = tmp_path / "run"
-    args = [*TORCHRUN, "da3po.py", "--out_dir", str(out), "--prompts_per_step", "8", "--updates_per_step", "2",
-            "--eval_size", "8", "--eval_samples", "2",
-            "--save_every", "1"]
+    args = [*TORCHRUN, "da3po.py", "--demo", "arith", "--out_dir", str(out), "--prompts_per_step", "8",
+            "--updates_per_step", "2", "--eval_size", "8", "--eval_samples", "2", "--save_every", "1"]
     r = run_script([*args, "--steps", "1"])
     assert r.returncode == 0, r.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out / "step_000001")

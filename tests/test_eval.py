@@ -123,8 +123,8 @@ def check_per_set_keys(record: dict):
 
 def test_eval_only_with_a_k_per_set(demo_dir, tmp_path):
     sums = eval_file(tmp_path)
-    r = run_script(["da3po.py", "--eval_only", "--model", demo_dir, "--eval_data", f"arith@2,{sums}@8",
-                    "--eval_size", "12", "--out_dir", str(tmp_path / "out")])
+    r = run_script(["da3po.py", "--demo", "arith", "--eval_only", "--model", demo_dir, "--eval_data",
+                    f"arith@2,{sums}@8", "--eval_size", "12", "--out_dir", str(tmp_path / "out")])
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith("eval step 0")]
     assert "[arith]" in lines[0] and "pass@2 " in lines[0] and "maj@2 " in lines[0] and "pass@4" not in lines[0]
@@ -135,8 +135,8 @@ def test_eval_only_with_a_k_per_set(demo_dir, tmp_path):
 def test_training_logs_a_k_per_set(demo_dir, tmp_path):
     """A real (short) run: its evaluations at step 0 and at the end carry each set's own k."""
     sums = eval_file(tmp_path)
-    r = run_script(["da3po.py", "--steps", "1", "--prompts_per_step", "8", "--eval_data", f"arith@2,{sums}@8",
-                    "--eval_size", "12", "--out_dir", str(tmp_path / "out")])
+    r = run_script(["da3po.py", "--demo", "arith", "--steps", "1", "--prompts_per_step", "8", "--eval_data",
+                    f"arith@2,{sums}@8", "--eval_size", "12", "--out_dir", str(tmp_path / "out")])
     assert r.returncode == 0, r.stderr[-2000:]
     records = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     evals = [rec for rec in records if "eval/acc" in rec]

@@ -17,8 +17,8 @@ import modeling
 import da3po
 from conftest import ROOT, run_script
 
-SMALL = ["--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16", "--eval_samples", "2",
-         "--eval_every", "0"]
+SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
+         "--eval_samples", "2", "--eval_every", "0"]
 
 
 def records(path):

@@ -48,9 +48,8 @@ def test_dynamic_sampling_cap_warns_instead_of_hanging(demo_dir, capsys):
 
 def test_da3po_two_steps_writes_metrics(demo_dir, tmp_path):
     out = tmp_path / "run"
-    r = run_script(["da3po.py", "--steps", "2", "--out_dir", str(out), "--prompts_per_step", "8", "--updates_per_step",
-                    "2",
-                    "--eval_size", "16", "--eval_samples", "2", "--save_every", "1",
+    r = run_script(["da3po.py", "--demo", "arith", "--steps", "2", "--out_dir", str(out), "--prompts_per_step", "8",
+                    "--updates_per_step", "2", "--eval_size", "16", "--eval_samples", "2", "--save_every", "1",
                     "--sample_every", "1"])
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -80,9 +79,9 @@ def test_steps_that_keep_no_group_are_logged_and_skipped(script, tmp_path):
     data = tmp_path / "never.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": "never"}) + "\n" for i in range(40)))
     out = tmp_path / "run"
-    r = run_script([script, "--steps", "2", "--out_dir", str(out), "--train_data", str(data), "--eval_data", str(data),
-                    "--prompts_per_step", "4", "--max_gen_batches", "2", "--eval_size", "8", "--eval_samples", "1",
-                    "--sample_every", "1", "--prompt_template", "none"])
+    r = run_script([script, "--demo", "arith", "--steps", "2", "--out_dir", str(out), "--train_data", str(data),
+                    "--eval_data", str(data), "--prompts_per_step", "4", "--max_gen_batches", "2", "--eval_size", "8",
+                    "--eval_samples", "1", "--sample_every", "1", "--prompt_template", "none"])
     assert r.returncode == 0, r.stderr[-3000:]
     train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/keep_rate" in x]
     assert [x["step"] for x in train] == [1, 2]
@@ -110,8 +109,8 @@ def test_arith_splits_are_disjoint_and_graded():
     assert all(int(p["answer"]) == sum(map(int, p["prompt"].split("+"))) for p in train[:100] + evals)
 
 
-SMALL = ["--prompts_per_step", "8", "--eval_size", "16", "--eval_samples", "2", "--eval_every", "0",
-         "--sample_every", "0"]
+SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--eval_size", "16", "--eval_samples", "2",
+         "--eval_every", "0", "--sample_every", "0"]
 
 
 def run_main(demo_dir, tmp_path, *flags):

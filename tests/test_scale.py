@@ -174,9 +174,9 @@ class MismatchedRollout(eng.HFRollout):
 def test_rollout_is_with_a_mismatched_engine(tmp_path, monkeypatch, level):
     monkeypatch.setattr(da3po, "make_rollout", lambda cfg, model, tok, dist_info, path: MismatchedRollout(
         model, tok, dist_info))
-    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
-                                             "--eval_size", "10", "--eval_samples", "2", "--rollout_is", level,
-                                             "--rollout_is_cap", "1.05"], da3po.PRESETS)
+    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
+                                                  "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
+                                                  "--rollout_is", level, "--rollout_is_cap", "1.05"], da3po.PRESETS)
     da3po.main(cfg)
     train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
     for r in train:
@@ -209,8 +209,8 @@ def test_bf16_sampler_log_probs_are_measured_not_assumed(tmp_path):
     """In bf16 our sampler runs under the trainer's autocast, so it samples from the bf16 policy the trainer trains,
     but its log-probs come from other kernels (a KV cache, row by row): they are not taken as pi_old. The trainer
     recomputes pi_old and logs the gap; no note says that there is no mismatch."""
-    r = subprocess.run([sys.executable, "da3po.py", "--steps", "2", "--out_dir", str(tmp_path), "--dtype", "bfloat16",
-                        "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2", "--rollout_is", "token"],
+    r = subprocess.run([sys.executable, "da3po.py", "--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
+                        "--dtype", "bfloat16", "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2", "--rollout_is", "token"],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "changes nothing here" not in r.stdout
@@ -301,9 +301,9 @@ def test_plan_updates_balances_tokens_over_ranks():
 
 
 def test_token_budget_run_logs_padding(tmp_path):
-    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "1", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
-                                             "--eval_size", "10", "--eval_samples", "2", "--micro_batch_tokens", "120"],
-                              da3po.PRESETS)
+    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "1", "--out_dir", str(tmp_path),
+                                                  "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
+                                                  "--micro_batch_tokens", "120"], da3po.PRESETS)
     da3po.main(cfg)
     train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
     assert 0 <= train[0]["perf/pad_frac"] < 0.5 and math.isfinite(train[0]["train/loss"])
@@ -316,9 +316,9 @@ def test_token_budget_run_logs_padding(tmp_path):
 def test_tensorboard_gets_the_metrics(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
-                                             "--eval_size", "10", "--eval_samples", "2", "--report_to",
-                                             "tensorboard"], da3po.PRESETS)
+    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
+                                                  "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
+                                                  "--report_to", "tensorboard"], da3po.PRESETS)
     da3po.main(cfg)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -361,9 +361,9 @@ def test_wandb_offline_gets_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
-                                             "--eval_size", "10", "--eval_samples", "2", "--report_to", "wandb"],
-                              da3po.PRESETS)
+    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
+                                                  "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
+                                                  "--report_to", "wandb"], da3po.PRESETS)
     da3po.main(cfg)
     import wandb
     wandb.finish()  # what the exit hook does at the end of a real run

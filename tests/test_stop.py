@@ -22,8 +22,8 @@ import da3po
 import daro
 from conftest import ROOT
 
-SMALL = ["--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16", "--eval_samples", "2",
-         "--sample_every", "1"]
+SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
+         "--eval_samples", "2", "--sample_every", "1"]
 
 
 def records(path):

@@ -195,10 +195,9 @@ def test_da3po_runs_with_vllm(setup, demo_dir, tmp_path):
     model.save_pretrained(tmp_path / "knobbed")
     tok.save_pretrained(tmp_path / "knobbed")
     out = tmp_path / "run"
-    r = run_script(["da3po.py", "--rollout", "vllm", "--model", str(tmp_path / "knobbed"), "--steps", "2", "--out_dir",
-                    str(out), "--rollout_is", "sequence", "--prompts_per_step", "8",
-                    "--updates_per_step", "2",
-                    "--eval_size", "16", "--eval_samples", "2"])
+    r = run_script(["da3po.py", "--demo", "arith", "--rollout", "vllm", "--model", str(tmp_path / "knobbed"),
+                    "--steps", "2", "--out_dir", str(out), "--rollout_is", "sequence", "--prompts_per_step", "8",
+                    "--updates_per_step", "2", "--eval_size", "16", "--eval_samples", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
     train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
     assert [x["step"] for x in train] == [1, 2]
