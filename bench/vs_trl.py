@@ -1,9 +1,9 @@
 """
 Our DAPO step (`da3po.py --algo dapo`) side by side with TRL's GRPOTrainer (loss_type="dapo"), on the same work, on CPU.
 
-The same on both sides: the demo model and its weights, the prompts (the built-in arith task in the demo's prompt
-format), G, max_new_tokens, temperature 1 (top_p 1, no top_k), the reward (+1/-1 from verifier.verify_batch plus
-DAPO's overlong shaping, via common.shaped_reward), AdamW with the same lr / weight decay / grad clip and a constant
+The same on both sides: a shipped demo's model and weights, its training prompts (in the demo's prompt format), G,
+max_new_tokens, temperature 1 (top_p 1, no top_k), the reward (+1/-1 from verifier.verify_batch plus DAPO's
+overlong shaping, via common.shaped_reward), AdamW with the same lr / weight decay / grad clip and a constant
 schedule, clip epsilons 0.2/0.28, no KL, and the same number of optimizer updates per RL step (ours:
 --updates_per_step; TRL: steps_per_generation with num_iterations=1), each update one forward/backward over its
 mini-batch, and pi_old for the later updates (TRL: one extra no-grad pass; ours: the rollout's own log-probs, which in
@@ -21,9 +21,15 @@ after gc and malloc_trim) minus the resident set at the block's start. It covers
 trainer set-up, the steps; for ours also the start/end eval and final checkpoint), not only the steps.
 Then both compute the loss on one identical batch (same weights, token ids, advantages, old log-probs).
 
+Two workloads (--workload): arith, the sums demo's model and prompts (completions of ~6 tokens, all about as long,
+12 at most), and reasoning, the default demo's (a trace before the answer: 30-72 tokens, wrong answers longer, a
+fifth truncated at 72; both sides pad each batch to its longest row). --pack adds a third side, ours with --pack (no
+padding in the update), run right after ours in each round: the ratio before and after, on the same blocks.
+
 Run:
   pip install -r bench/requirements.txt          # trl (pinned) and matplotlib; the installed torch is used as is
   python bench/vs_trl.py                          # about 2 min on a quiet 2-core CPU
+  python bench/vs_trl.py --workload reasoning --pack --repeats 3  # about 10 min
   python bench/vs_trl.py --repeats 1 --steps 3    # smoke test
   python bench/vs_trl.py --profile ours           # cProfile one block of ours (or trl): the top functions
 """
@@ -45,10 +51,12 @@ import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported; --threads sets the count used
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is built locally
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import bookkeeping  # noqa: E402
 import da3po  # noqa: E402
 from common import (group_advantages, loss_weights, make_batch, policy_loss, roll_groups,  # noqa: E402
                     shaped_reward)
@@ -61,13 +69,25 @@ from verifier import verify_batch  # noqa: E402
 # -----------------------------------------------------------------------------------------------------------------
 # Settings shared by both sides
 
+# The work: a shipped demo's model, training prompts, completion cap and overlong buffer (bookkeeping.DEMOS).
+#   arith      sums answered directly: completions of ~6 tokens, all about as long (the first workload)
+#   reasoning  the default demo: a trace before the answer, 30-72 tokens, wrong ones longer, a fifth truncated
+WORKLOADS = ("arith", "reasoning")
+
+
+def workload(name: str) -> dict:
+    """The Config values of a shipped demo (model, train_data, max_new_tokens, overlong_buffer, ...)."""
+    return vars(da3po.Config()) | bookkeeping.DEMOS[name]
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workload", default="arith", choices=list(WORKLOADS), help="whose model, prompts and lengths")
+    p.add_argument("--pack", action="store_true", help="a third side: ours with --pack (no padding in the update)")
     p.add_argument("--prompts_per_step", type=int, default=16, help="groups per RL step")
     p.add_argument("--group_size", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--updates", type=int, default=4, help="optimizer updates per RL step")
-    p.add_argument("--max_new_tokens", type=int, default=12, help="completion length cap")
+    p.add_argument("--max_new_tokens", type=int, default=0, help="completion length cap; 0 = the workload's")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--steps", type=int, default=10, help="RL steps per timed block")
     p.add_argument("--repeats", type=int, default=5, help="blocks per side, alternating")
@@ -79,19 +99,23 @@ def parse_args():
     p.add_argument("--profile", default="", choices=["", "ours", "trl"], help="cProfile one block of this side")
     args = p.parse_args()
     assert args.prompts_per_step % args.updates == 0, "--prompts_per_step must divide by --updates"
+    args.work = workload(args.workload)
+    args.max_new_tokens = args.max_new_tokens or args.work["max_new_tokens"]
     return args
 
 
-def our_config(args, out_dir: str, seed: int) -> da3po.Config:
+def our_config(args, out_dir: str, seed: int, pack: bool = False) -> da3po.Config:
     """da3po's Config for `--algo dapo`, sized like the TRL run; dynamic sampling off (TRL has none)."""
     per_update = args.prompts_per_step // args.updates
-    return da3po.Config(**{**da3po.PRESETS["dapo"], "algo": "dapo", "dynamic_sampling": False}, model="demo",
+    w = args.work
+    return da3po.Config(**{**da3po.PRESETS["dapo"], "algo": "dapo", "dynamic_sampling": False}, model=w["model"],
+                        train_data=w["train_data"], eval_data=w["eval_data"], overlong_buffer=w["overlong_buffer"],
                         out_dir=out_dir, seed=seed, steps=args.steps, prompts_per_step=args.prompts_per_step,
                         group_size=args.group_size, updates_per_step=args.updates,
                         micro_batch_size=per_update * args.group_size,  # one forward/backward per update
                         max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, lr=args.lr,
                         grad_checkpointing=args.grad_checkpointing, eval_every=0, eval_size=4, eval_samples=2,
-                        sample_every=0)
+                        sample_every=0, pack=pack)
 
 
 def trl_config(args, out_dir: str, seed: int, updates: int):
@@ -120,12 +144,12 @@ def make_reward_fn(cfg):
 
 
 def trl_trainer(args, path: str, out_dir: str, seed: int, updates: int, callbacks=()):
-    """A GRPOTrainer on a fresh copy of the demo weights and the arith prompts, formatted exactly as ours are."""
+    """A GRPOTrainer on a fresh copy of the workload's weights and prompts, formatted exactly as ours are."""
     from datasets import Dataset
     from trl import GRPOTrainer
     model, tok = load_model(path, torch.device("cpu"))
     template = resolve_template("auto", tok)
-    problems = load_data("arith", "train")[:4096]
+    problems = load_data(args.work["train_data"], "train")[:4096]
     ds = Dataset.from_dict({"prompt": [format_prompt(tok, p["prompt"], template) for p in problems],
                             "answer": [p["answer"] for p in problems]})
     cfg = our_config(args, out_dir, seed)
@@ -159,10 +183,10 @@ def measured(fn):
     return out, (rss_kib("VmHWM") - base) / 1024
 
 
-def run_ours(args, seed: int) -> list[float]:
+def run_ours(args, seed: int, pack: bool = False) -> list[float]:
     """da3po.main with --algo dapo, in this process; returns the seconds of each RL step (its own time/step_s)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        da3po.main(our_config(args, out_dir, seed))
+        da3po.main(our_config(args, out_dir, seed, pack))
         records = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     return [r["time/step_s"] for r in records if "time/step_s" in r]
 
@@ -223,8 +247,8 @@ def compare_loss(args, path: str):
         model, tok = load_model(path, torch.device("cpu"))
         cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
         engine = HFRollout(model, tok, DistInfo())
-        problems = tokenize_problems(load_data("arith", "train")[:args.prompts_per_step], tok, cfg.prompt_template,
-                                     cfg.max_prompt_length, "arith")
+        problems = tokenize_problems(load_data(cfg.train_data, "train")[:args.prompts_per_step], tok,
+                                     cfg.prompt_template, cfg.max_prompt_length, cfg.train_data)
         groups, _ = roll_groups(engine, tok, problems, cfg, G, 1.0, 1.0)
         batch = make_batch(groups, tok.pad_token_id)
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["mask"]  # (B, P+T), (B, P+T), (B, T)
@@ -293,10 +317,11 @@ def main():
     import transformers
     import trl
     transformers.logging.set_verbosity_error()
-    path = model_path("demo")
+    path = model_path(args.work["model"])
     B = args.prompts_per_step * args.group_size
     print(f"trl {trl.__version__} | transformers {transformers.__version__} | torch {torch.__version__} | "
           f"threads {args.threads} | cpus {os.cpu_count()}")
+    print(f"workload {args.workload}: model {os.path.relpath(path, ROOT)}, prompts {args.work['train_data']}")
     print(f"work per RL step: {args.prompts_per_step} prompts x G={args.group_size} = {B} completions of <= "
           f"{args.max_new_tokens} tokens, temperature 1, {args.updates} optimizer updates of {B // args.updates} "
           f"completions (one forward/backward each), pi_old for the later updates, lr {args.lr}, clip 0.2/0.28, no KL, "
@@ -317,32 +342,37 @@ def main():
 
     # warm-up, not timed: one short block each, so one-time costs (lazy imports, first-call kernels) hit neither side
     warm = argparse.Namespace(**{**vars(args), "steps": 2})
-    quietly(lambda: run_ours(warm, 0))()
-    quietly(lambda: run_trl(warm, path, 0))()
-    times, peaks = {"ours": [], "TRL": []}, {"ours": [], "TRL": []}
-    print(f"{'block':>8} | {'side':>4} | {'load 1/5/15 min':>15} | {'s/step median':>13} | {'peak MiB':>8}")
+    sides = {"ours": lambda a, r: run_ours(a, r), "TRL": lambda a, r: run_trl(a, path, r)}
+    if args.pack:  # ours packed, right after ours padded: before and after in the same blocks
+        sides = {"ours": sides["ours"], "ours+pack": lambda a, r: run_ours(a, r, pack=True), "TRL": sides["TRL"]}
+    for run in sides.values():
+        quietly(lambda: run(warm, 0))()
+    times, peaks = {side: [] for side in sides}, {side: [] for side in sides}
+    print(f"{'block':>8} | {'side':>9} | {'load 1/5/15 min':>15} | {'s/step median':>13} | {'peak MiB':>8}")
     for r in range(args.repeats):
-        for side in ("ours", "TRL"):
+        for side, run in sides.items():
             load = wait_for_quiet(args.max_load, args.max_wait)
             torch.set_num_threads(args.threads)
-            fn = (lambda: run_ours(args, r)) if side == "ours" else (lambda: run_trl(args, path, r))
-            step_s, peak = measured(quietly(fn))
+            step_s, peak = measured(quietly(lambda: run(args, r)))
             times[side] += step_s
             peaks[side].append(peak)
-            print(f"{r + 1:>3}/{args.repeats:<4} | {side:>4} | {load[0]:4.1f} {load[1]:4.1f} {load[2]:4.1f}  | "
+            print(f"{r + 1:>3}/{args.repeats:<4} | {side:>9} | {load[0]:4.1f} {load[1]:4.1f} {load[2]:4.1f}  | "
                   f"{statistics.median(step_s):13.3f} | {peak:8.0f}", flush=True)
 
     compare_loss(args, path)
-    print(f"\n{'side':>4} | {'s/RL step (median of ' + str(len(times['ours'])) + ')':>26} | {'min':>6} | "
+    print(f"\n{'side':>9} | {'s/RL step (median of ' + str(len(times['ours'])) + ')':>26} | {'min':>6} | "
           f"{'max':>6} | {'peak extra RSS MiB (median of blocks)':>37}")
-    for side in ("ours", "TRL"):
-        print(f"{side:>4} | {statistics.median(times[side]):26.3f} | {min(times[side]):6.3f} | "
+    for side in sides:
+        print(f"{side:>9} | {statistics.median(times[side]):26.3f} | {min(times[side]):6.3f} | "
               f"{max(times[side]):6.3f} | {statistics.median(peaks[side]):37.0f}")
     print(f"load average now: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (1/5/15 min, {os.cpu_count()} cpus)")
-    blocks = [statistics.median(times["ours"][i:i + args.steps]) / statistics.median(times["TRL"][i:i + args.steps])
-              for i in range(0, len(times["ours"]), args.steps)]  # each block against the TRL block right after it
-    print(f"ratio ours/TRL per block: {' '.join(f'{b:.3f}' for b in blocks)}")
-    print(f"ratio ours/TRL: {statistics.median(times['ours']) / statistics.median(times['TRL']):.3f}")
+    for side in sides:
+        if side == "TRL":
+            continue
+        blocks = [statistics.median(times[side][i:i + args.steps]) / statistics.median(times["TRL"][i:i + args.steps])
+                  for i in range(0, len(times[side]), args.steps)]  # each block against the same round's TRL block
+        print(f"ratio {side}/TRL per block: {' '.join(f'{b:.3f}' for b in blocks)}")
+        print(f"ratio {side}/TRL: {statistics.median(times[side]) / statistics.median(times['TRL']):.3f}")
 
 
 if __name__ == "__main__":
