@@ -23,13 +23,14 @@ Then both compute the loss on one identical batch (same weights, token ids, adva
 
 Two workloads (--workload): arith, the sums demo's model and prompts (completions of ~6 tokens, all about as long,
 12 at most), and reasoning, the default demo's (a trace before the answer: 30-72 tokens, wrong answers longer, a
-fifth truncated at 72; both sides pad each batch to its longest row). --pack adds a third side, ours with --pack (no
-padding in the update), run right after ours in each round: the ratio before and after, on the same blocks.
+fifth truncated at 72; TRL pads each batch to its longest row, ours packs: --pack, the default). --padded adds a
+third side, ours with --no-pack, run right before ours in each round: the ratio before and after, on the same
+blocks.
 
 Run:
   pip install -r bench/requirements.txt          # trl (pinned) and matplotlib; the installed torch is used as is
   python bench/vs_trl.py                          # about 2 min on a quiet 2-core CPU
-  python bench/vs_trl.py --workload reasoning --pack --repeats 3  # about 10 min
+  python bench/vs_trl.py --workload reasoning --padded --repeats 3  # about 10 min
   python bench/vs_trl.py --repeats 1 --steps 3    # smoke test
   python bench/vs_trl.py --profile ours           # cProfile one block of ours (or trl): the top functions
 """
@@ -83,7 +84,7 @@ def workload(name: str) -> dict:
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", default="arith", choices=list(WORKLOADS), help="whose model, prompts and lengths")
-    p.add_argument("--pack", action="store_true", help="a third side: ours with --pack (no padding in the update)")
+    p.add_argument("--padded", action="store_true", help="a third side: ours with --no-pack (rows padded)")
     p.add_argument("--prompts_per_step", type=int, default=16, help="groups per RL step")
     p.add_argument("--group_size", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--updates", type=int, default=4, help="optimizer updates per RL step")
@@ -104,7 +105,7 @@ def parse_args():
     return args
 
 
-def our_config(args, out_dir: str, seed: int, pack: bool = False) -> da3po.Config:
+def our_config(args, out_dir: str, seed: int, pack: bool = True) -> da3po.Config:
     """da3po's Config for `--algo dapo`, sized like the TRL run; dynamic sampling off (TRL has none)."""
     per_update = args.prompts_per_step // args.updates
     w = args.work
@@ -183,7 +184,7 @@ def measured(fn):
     return out, (rss_kib("VmHWM") - base) / 1024
 
 
-def run_ours(args, seed: int, pack: bool = False) -> list[float]:
+def run_ours(args, seed: int, pack: bool = True) -> list[float]:
     """da3po.main with --algo dapo, in this process; returns the seconds of each RL step (its own time/step_s)."""
     with tempfile.TemporaryDirectory() as out_dir:
         da3po.main(our_config(args, out_dir, seed, pack))
@@ -343,12 +344,12 @@ def main():
     # warm-up, not timed: one short block each, so one-time costs (lazy imports, first-call kernels) hit neither side
     warm = argparse.Namespace(**{**vars(args), "steps": 2})
     sides = {"ours": lambda a, r: run_ours(a, r), "TRL": lambda a, r: run_trl(a, path, r)}
-    if args.pack:  # ours packed, right after ours padded: before and after in the same blocks
-        sides = {"ours": sides["ours"], "ours+pack": lambda a, r: run_ours(a, r, pack=True), "TRL": sides["TRL"]}
+    if args.padded:  # ours padded, right before ours packed (the default): before and after in the same blocks
+        sides = {"ours padded": lambda a, r: run_ours(a, r, pack=False), **sides}
     for run in sides.values():
         quietly(lambda: run(warm, 0))()
     times, peaks = {side: [] for side in sides}, {side: [] for side in sides}
-    print(f"{'block':>8} | {'side':>9} | {'load 1/5/15 min':>15} | {'s/step median':>13} | {'peak MiB':>8}")
+    print(f"{'block':>8} | {'side':>11} | {'load 1/5/15 min':>15} | {'s/step median':>13} | {'peak MiB':>8}")
     for r in range(args.repeats):
         for side, run in sides.items():
             load = wait_for_quiet(args.max_load, args.max_wait)
@@ -356,14 +357,14 @@ def main():
             step_s, peak = measured(quietly(lambda: run(args, r)))
             times[side] += step_s
             peaks[side].append(peak)
-            print(f"{r + 1:>3}/{args.repeats:<4} | {side:>9} | {load[0]:4.1f} {load[1]:4.1f} {load[2]:4.1f}  | "
+            print(f"{r + 1:>3}/{args.repeats:<4} | {side:>11} | {load[0]:4.1f} {load[1]:4.1f} {load[2]:4.1f}  | "
                   f"{statistics.median(step_s):13.3f} | {peak:8.0f}", flush=True)
 
     compare_loss(args, path)
-    print(f"\n{'side':>9} | {'s/RL step (median of ' + str(len(times['ours'])) + ')':>26} | {'min':>6} | "
+    print(f"\n{'side':>11} | {'s/RL step (median of ' + str(len(times['ours'])) + ')':>26} | {'min':>6} | "
           f"{'max':>6} | {'peak extra RSS MiB (median of blocks)':>37}")
     for side in sides:
-        print(f"{side:>9} | {statistics.median(times[side]):26.3f} | {min(times[side]):6.3f} | "
+        print(f"{side:>11} | {statistics.median(times[side]):26.3f} | {min(times[side]):6.3f} | "
               f"{max(times[side]):6.3f} | {statistics.median(peaks[side]):37.0f}")
     print(f"load average now: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (1/5/15 min, {os.cpu_count()} cpus)")
     for side in sides:
