@@ -1,12 +1,13 @@
 """Where the seconds of an RL step go: generate, verify, old log-probs, forward, backward, optimizer, weight sync,
-logging and the rest, as seconds per step and shares, plus cProfile's top functions, for two workloads:
-  demo   the sums demo (`python da3po.py --demo arith`: 32 prompts x 8, dynamic sampling, completions of ~6 tokens)
-  vs_trl bench/vs_trl.py's work on our side (the demo model, 16 prompts x 8, no dynamic sampling, 4 updates)
+logging and the rest, as seconds per step and shares, plus cProfile's top functions, for these workloads:
   reasoning  the default demo (`python da3po.py`: a trace before the answer, ~45-60 tokens)
+  demo   the sums demo (`python da3po.py --demo arith`: 32 prompts x 8, dynamic sampling, completions of ~6 tokens)
+  vs_trl bench/vs_trl.py's first workload on our side (the sums demo's model, 16 prompts x 8, no dynamic
+         sampling, 4 updates)
   25M    a 25M-parameter Qwen3-shaped model built in code (hidden 512, 8 layers, the demo's tokenizer, untrained, so
          its completions run to the 128-token cap), 16 prompts x 8, no dynamic sampling, 4 updates per step
-Usage: python bench/profile_step.py [--workloads demo,vs_trl,25M] [--steps 8] [--threads 2] [--out FILE]
-       [--flags=--pack]  (extra flags for every workload)
+Usage: python bench/profile_step.py [--workloads reasoning,demo,vs_trl,25M] [--steps 8] [--threads 2] [--out FILE]
+       [--flags=--no-pack]  (extra flags for every workload)
 
 da3po.main runs in this process with the phases' functions wrapped by timers (nothing in the training code is
 changed for this); the first step of each workload is a warm-up and is not counted, nor are set-up and evaluation.
@@ -121,11 +122,11 @@ def run(workload: str, steps: int, tmp: str, extra: list[str] = ()):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--workloads", default="demo,vs_trl,25M")
+    p.add_argument("--workloads", default="reasoning,demo,vs_trl,25M")
     p.add_argument("--steps", type=int, default=8, help="counted steps per workload (after one warm-up step)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--flags", default="", help="extra flags for every workload, space-separated (e.g. --pack)")
+    p.add_argument("--flags", default="", help="extra flags for every workload, space-separated (e.g. --no-pack)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "profile.md"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -60,6 +60,21 @@ def test_shipped_model_starts_where_the_readme_says():
     assert levels == sorted(levels, reverse=True) and levels[0] > 0.85 and levels[-1] < 0.1, levels
 
 
+def test_no_flags_run_the_reasoning_demo_which_starts_where_the_readme_says():
+    """`python da3po.py` with no flags: the reasoning demo's model and sets; eval/acc at step 0 (the whole eval set,
+    4 samples, seed 0) is 0.444 in the README; another machine's kernels change a few samples, not the levels."""
+    cfg = bookkeeping.parse_config(__import__("da3po").Config, [])
+    assert cfg.demo == "reasoning" and cfg.max_new_tokens == 72 and cfg.eval_data.endswith("reasoning/eval.jsonl")
+    model, tok = modeling.load_model(modeling.model_path(cfg.model), torch.device("cpu"))
+    cfg.prompt_template = dataset.resolve_template(cfg.prompt_template, tok)
+    problems = dataset.tokenize_problems(dataset.load_data(cfg.eval_data, "eval"), tok, "none", 64, cfg.eval_data)
+    torch.manual_seed(cfg.seed)
+    metrics = common.evaluate(eng.HFRollout(model, tok, ranks.DistInfo()), tok, problems, cfg)
+    assert 0.41 <= metrics["eval/acc"] <= 0.48, metrics
+    levels = [metrics[f"eval/acc_level{level}"] for level in LEVEL_BANDS]
+    assert levels[0] > 0.85 and levels[0] > levels[1] > levels[2] > levels[3] and levels[-1] < 0.15, levels
+
+
 def test_build_path_in_code(tmp_path):
     """What demo/build.py does, in small: a model and tokenizer built in code, a few supervised steps, saved with
     save_pretrained, loaded back through load_model (the path a hub model takes), then calibrated."""
