@@ -119,7 +119,8 @@ def test_bad_input_stops_with_one_line_and_exit_2(flags, message, tmp_path, caps
     flags = [f.format(tmp=tmp_path) for f in flags]
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
-        da3po.main(bookkeeping.parse_config(da3po.Config, ["--out_dir", str(tmp_path / "out"), *flags], da3po.PRESETS))
+        argv = ["--out_dir", str(tmp_path / "out"), "--demo", "arith", *flags]
+        da3po.main(bookkeeping.parse_config(da3po.Config, argv, da3po.PRESETS))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message.format(tmp=tmp_path) in err[0], err

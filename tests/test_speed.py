@@ -115,10 +115,10 @@ def test_shared_prompt_logprobs_equal_the_rows_run_whole(model_tok):
 def test_first_update_rows_take_their_current_logprobs(model_tok, tmp_path):
     """Rows whose old log-probs are not known in advance (bf16, where the rollout's are not the trainer's) take the
     current ones: with one update per step every ratio is exactly 1, so nothing is clipped."""
-    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
-                                             "--eval_size", "10", "--eval_samples", "2", "--updates_per_step", "1",
-                                             "--dtype", "bfloat16", "--clip_low", "0.0", "--clip_high", "0.0"],
-                              da3po.PRESETS)
+    flags = ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
+             "--eval_size", "10", "--eval_samples", "2", "--updates_per_step", "1",
+             "--dtype", "bfloat16", "--clip_low", "0.0", "--clip_high", "0.0"]
+    cfg = bookkeeping.parse_config(da3po.Config, flags, da3po.PRESETS)
     da3po.main(cfg)
     train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
     assert train and all(r["train/clipfrac_low"] == 0 and r["train/clipfrac_high"] == 0 for r in train)

@@ -140,8 +140,9 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, first, then):
 # -----------------------------------------------------------------------------------------------------------------
 # Stops everywhere (issue 28): every point where the loop can stop is a call of stop_requested(); a run is stopped at
 # each call in turn and resumed, so a stop point added later is covered without a new test.
-EVERYWHERE = ["--steps", "2", "--eval_every", "1", "--max_gen_batches", "3", "--updates_per_step", "3",
-              "--prompts_per_step", "6", "--eval_size", "8", "--eval_samples", "2", "--sample_every", "1"]
+EVERYWHERE = ["--demo", "arith", "--steps", "2", "--eval_every", "1", "--max_gen_batches", "3",
+              "--updates_per_step", "3", "--prompts_per_step", "6", "--eval_size", "8", "--eval_samples", "2",
+              "--sample_every", "1"]
 
 
 def stop_at_call(monkeypatch, script, k):
