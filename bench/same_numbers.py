@@ -3,7 +3,7 @@
 
   python bench/same_numbers.py --save /tmp/before      # on the old code
   python bench/same_numbers.py --compare /tmp/before   # on the new code: prints each run's first difference, exit 1
-  python bench/same_numbers.py --compare /tmp/before --flags=--pack   # with extra flags
+  python bench/same_numbers.py --compare /tmp/before --flags=--no-pack   # with extra flags
 Keys the new code adds (a new metric) are listed but are not a difference; every old key must keep its value.
 
 The reference runs: da3po.py and daro.py, 12 steps, seed 3; a 2-rank torchrun of da3po.py (FSDP2 on gloo); a
@@ -55,7 +55,7 @@ def main():
     mode.add_argument("--save", metavar="DIR", help="write each run's records to DIR/<run>.json")
     mode.add_argument("--compare", metavar="DIR", help="compare each run's records with DIR/<run>.json")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
-    p.add_argument("--flags", default="", help="extra flags for every run, space-separated (e.g. --pack)")
+    p.add_argument("--flags", default="", help="extra flags for every run, space-separated (e.g. --no-pack)")
     a = p.parse_args()
     names = a.runs.split(",")
     bad = [n for n in names if n not in RUNS]
