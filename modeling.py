@@ -361,14 +361,31 @@ def _attention_rows(q: tuple, k: tuple) -> tuple:
 
 
 def _rows_sdpa(module, query, key, value, attention_mask, packed_rows=None, **kwargs):
-    """transformers' sdpa, unless a packed forward passes its rows (_attention_rows): then the packed queries,
-    keys and values (1, heads, L, d) are laid out as padded rows, attend, and go back to packed order."""
+    """transformers' sdpa (_gqa_sdpa), unless a packed forward passes its rows (_attention_rows): then the
+    packed queries, keys and values (1, heads, L, d) are laid out as padded rows, attend, and go back to
+    packed order."""
     if packed_rows is None:
-        return _SDPA(module, query, key, value, attention_mask, **kwargs)
+        return _gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
     q_at, q_valid, k_at, mask, order = packed_rows
     q, k, v = (x[0][:, at].transpose(0, 1) for x, at in ((query, q_at), (key, k_at), (value, k_at)))
-    out = _SDPA(module, q, k, v, mask, **kwargs)[0]  # (R, Tq, heads, d)
+    out = _gqa_sdpa(module, q, k, v, mask, **kwargs)[0]  # (R, Tq, heads, d)
     return out[q_valid][order][None], None
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa, except on a CPU without gradients (our sampler's decode steps) for grouped-query
+    attention under a mask: there transformers copies each key/value head for its query heads (repeat_kv),
+    the whole KV cache at every new token, where sdpa's enable_gqa reads them in place. The output is the
+    same bit for bit (tests/test_speed.py); with gradients the key/value gradients would be summed in another
+    order, so training keeps transformers' path. On GPUs a mask with enable_gqa falls back to the slow math
+    kernel, so they keep it too."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups == 1 or attention_mask is None or torch.is_grad_enabled() or query.device.type != "cpu"
+            or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None or "cache" in kwargs):
+        return _SDPA(module, query, key, value, attention_mask, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           scale=kwargs.get("scaling"), enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None  # (B, L, heads, d), as transformers returns it
 
 
 # sdpa's entry in transformers' registry, wrapped: a call without packed_rows runs as before (generation too)

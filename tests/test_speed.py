@@ -69,6 +69,34 @@ def test_sampled_frequencies_follow_softmax():
     assert torch.allclose(logp, (logits / 0.7).log_softmax(-1).gather(1, tokens[:, None])[:, 0])
 
 
+def test_decode_attention_reads_grouped_heads_in_place_with_the_same_samples(model_tok, monkeypatch):
+    """modeling._gqa_sdpa: on a CPU without gradients, grouped-query attention under a mask (the demo model: 4
+    query heads on 2 key/value heads) runs sdpa's enable_gqa instead of copying the heads (transformers'
+    repeat_kv). Sampled completions and their log-probs equal transformers' path bit for bit, on prompts of
+    different lengths (left padding: a mask at every step); with gradients, transformers' path runs."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+    model, tok = model_tok
+    prompts = arith_prompts(tok)
+    assert len(set(map(len, prompts))) > 1 and model.config.num_key_value_heads < model.config.num_attention_heads
+    copies, real_repeat_kv = [], hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or real_repeat_kv(x, n))
+
+    def sample():
+        torch.manual_seed(0)
+        return eng.hf_generate(model, tok, prompts, 12, n=4)
+    in_place = sample()
+    assert copies == []
+    with monkeypatch.context() as m:  # transformers' sdpa as it is
+        m.setattr(modeling, "_gqa_sdpa", lambda module, q, k, v, mask, **kw: modeling._SDPA(module, q, k, v, mask,
+                                                                                              **kw))
+        copied = sample()
+    assert copies and copied == in_place  # completions, truncation flags and log-probs, exactly
+    copies.clear()
+    ids, attn, _ = common.pad_prompt_completion(prompts, [[]] * len(prompts), tok.pad_token_id)
+    model(input_ids=ids, attention_mask=attn)  # with gradients (training): the heads are copied as before
+    assert copies
+
+
 def test_rollout_logprobs_are_the_trainers(model_tok):
     """HF rollouts in float32 return log-probs that the trainer then uses as pi_old without a pass of its own: they
     must equal what token_logprobs computes on the same completions."""
