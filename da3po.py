@@ -16,7 +16,7 @@ Deviations [dev N]: 1) the paper gives no tau; we use 0.5, where gamma crosses 1
 in DAPO. 4) Ours, off by default: --adaptive_lam (lam = 1/gamma, the paper's future work), --p_estimate
 running (p from every sample of the prompt so far), --daa_scope all (a control).
 
-Run:  python da3po.py                                          # the reasoning demo, about a minute on a CPU
+Run:  python da3po.py                                          # the reasoning demo, under a minute on a CPU
       python da3po.py --algo dapo --steps 3 --out_dir /tmp/x   # a baseline, a smoke test
       torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...   # docs/gpu.md
       python da3po.py --theory                                 # the amplification factors, exact and MC

@@ -18,7 +18,7 @@ minimum in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the m
 GRPO preset, as in DAPO. 4) The presets keep DAPO's dynamic sampling on (as the CPU demos were measured); the
 paper sets reweighting against resampling, so docs/gpu.md's paper runs pass --no-dynamic_sampling.
 
-Run:  python daro.py                                          # the reasoning demo, about a minute on a CPU
+Run:  python daro.py                                          # the reasoning demo, under a minute on a CPU
       python daro.py --algo var --steps 3 --out_dir /tmp/x    # a static weighting, a smoke test
       torchrun --standalone --nproc_per_node=8 daro.py --model Qwen/Qwen2.5-Math-7B ...   # docs/gpu.md
 """
