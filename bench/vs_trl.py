@@ -61,6 +61,7 @@ import bookkeeping  # noqa: E402
 import da3po  # noqa: E402
 from common import (group_advantages, loss_weights, make_batch, policy_loss, roll_groups,  # noqa: E402
                     shaped_reward)
+import modeling  # noqa: E402
 from modeling import load_model, model_path, token_logprobs  # noqa: E402
 from dataset import format_prompt, load_data, resolve_template, tokenize_problems  # noqa: E402
 from ranks import DistInfo  # noqa: E402
@@ -192,6 +193,19 @@ def run_ours(args, seed: int, pack: bool = True) -> list[float]:
     return [r["time/step_s"] for r in records if "time/step_s" in r]
 
 
+@contextlib.contextmanager
+def stock_attention():
+    """transformers' own sdpa for TRL's side: importing modeling.py registers ours in its place
+    (modeling._rows_sdpa: packed rows, and decode steps that read grouped key/value heads in place), which
+    would speed up TRL's generate too, where a TRL user has transformers' copy of the heads."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("sdpa", modeling._SDPA)
+    try:
+        yield
+    finally:
+        AttentionInterface.register("sdpa", modeling._rows_sdpa)
+
+
 def run_trl(args, path: str, seed: int) -> list[float]:
     """GRPOTrainer.train() for args.steps RL steps; returns the seconds of each RL step."""
     from transformers import PrinterCallback, TrainerCallback
@@ -204,7 +218,7 @@ def run_trl(args, path: str, seed: int) -> list[float]:
             self.t.append(time.perf_counter())
 
     clock = StepClock()
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, stock_attention():
         trainer = trl_trainer(args, path, out_dir, seed, args.updates, [clock])
         trainer.remove_callback(PrinterCallback)  # its per-step dict goes to the log, not the console
         torch.set_num_threads(args.threads)
