@@ -388,7 +388,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, **kwargs):
     return out.transpose(1, 2).contiguous(), None  # (B, L, heads, d), as transformers returns it
 
 
-# sdpa's entry in transformers' registry, wrapped: a call without packed_rows runs as before (generation too)
+# sdpa's entry in transformers' registry, wrapped: packed rows (_rows_sdpa), grouped heads in place (_gqa_sdpa)
 _SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
 AttentionInterface.register("sdpa", _rows_sdpa)
 
