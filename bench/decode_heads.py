@@ -40,8 +40,7 @@ def main():
     prompts = [x["prompt_ids"] for x in tokenized]
     rollout = engine.HFRollout(model, tok, DistInfo())
     in_place = modeling._gqa_sdpa
-    sides = {"in place": in_place,
-             "copied": lambda module, q, k, v, mask, **kw: modeling._SDPA(module, q, k, v, mask, **kw)}
+    sides = {"in place": in_place, "copied": modeling._SDPA}  # _SDPA: transformers' sdpa as it is
 
     def run(side, seed):
         modeling._gqa_sdpa = sides[side]
