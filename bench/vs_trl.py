@@ -82,7 +82,7 @@ def workload(name: str) -> dict:
     return vars(da3po.Config()) | bookkeeping.DEMOS[name]
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", default="arith", choices=list(WORKLOADS), help="whose model, prompts and lengths")
     p.add_argument("--padded", action="store_true", help="a third side: ours with --no-pack (rows padded)")
@@ -99,7 +99,7 @@ def parse_args():
     p.add_argument("--max_load", type=float, default=2.0, help="wait for a 1-min load average below this ...")
     p.add_argument("--max_wait", type=float, default=60.0, help="... for at most this many seconds per block")
     p.add_argument("--profile", default="", choices=["", "ours", "trl"], help="cProfile one block of this side")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     assert args.prompts_per_step % args.updates == 0, "--prompts_per_step must divide by --updates"
     args.work = workload(args.workload)
     args.max_new_tokens = args.max_new_tokens or args.work["max_new_tokens"]

@@ -3,15 +3,18 @@ How low ours/TRL can go on bench/vs_trl.py's work: each side's step split into i
 the work needs, run by the BLAS kernels), its attention kernels, and the rest (every other op, autograd and
 Python), then the ratio each target would need and the ratio left if the rest cost nothing.
 
-  python bench/vs_trl_floor.py --workload arith                # about 3 min
-  python bench/vs_trl_floor.py --workload reasoning --compile  # about 8 min, with torch.compile's figures
+  python bench/vs_trl_floor.py --workload arith                # about 4 min
+  python bench/vs_trl_floor.py --workload reasoning --compile  # about 10 min, with torch.compile's figures
 
 Each side runs vs_trl.py's blocks (the same configs): a warm-up block, --repeats timed blocks alternating with
-the other side's (the median s/step of all their steps, no profiler), then one block under torch.profiler,
-whose self times of the GEMM ops (aten::mm, addmm, bmm, baddbmm) and of sdpa's kernels, and the GEMMs' FLOPs,
-are divided by the block's steps. The profiler slows the small ops, not the kernels it times, so those kernel
-seconds are close to an unprofiled run's; the rest is the timed step minus them. On a shared machine figures
-drift by ~10-20% between runs; vs_trl.py's ratio is the one of record. The GEMM rate printed next to each side
+the other side's (the median s/step of all their steps, no profiler), then one block under torch.profiler for
+the self times of the GEMM ops (aten::mm, addmm, bmm, baddbmm) and of sdpa's kernels, and one more with
+with_flops for the GEMMs' FLOPs (recording shapes slows the ops it times, so its times are not used), each
+divided by the block's steps. The profiler's own cost lands mostly outside the kernels it times (a few percent
+on a GEMM of the decode's size), so those seconds are close to, and if anything above, an unprofiled run's;
+ours' blocks also hold their start and end evaluation (8 completions each, under 1% of a 6-step block's work),
+also counted against ours. The rest is the timed step minus the kernels. On a shared machine figures drift by
+~10-20% between runs; vs_trl.py's ratio is the one of record. The GEMM rate printed next to each side
 (GFLOP/s) is what the BLAS kernels reach on that side's shapes; a 1024^3 product on the same thread count
 shows this CPU's best.
 
@@ -37,6 +40,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import vs_trl  # noqa: E402
+from modeling import load_model, model_path  # noqa: E402
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 ATTENTION = "scaled_dot_product"  # sdpa's kernels, forward and backward (their names hold it)
@@ -51,16 +55,13 @@ def parse_args():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="also time torch.compile on one micro-batch")
     a = p.parse_args()
-    args = argparse.Namespace(workload=a.workload, padded=False, prompts_per_step=16, group_size=8, updates=4,
-                              max_new_tokens=0, lr=1e-4, steps=a.steps, threads=a.threads,
-                              grad_checkpointing=False)
-    args.work = vs_trl.workload(args.workload)
-    args.max_new_tokens = args.work["max_new_tokens"]
+    args = vs_trl.parse_args(["--workload", a.workload, "--steps", str(a.steps), "--threads", str(a.threads)])
     return args, a.repeats, a.compile
 
 
 def kernel_seconds(prof, steps: int) -> dict:
-    """Per-step self seconds of the GEMMs and of attention, and the GEMMs' GFLOP, from a profiled block."""
+    """Per-step self seconds of the GEMMs and of attention, and the GEMMs' GFLOP (0 unless the block was
+    profiled with_flops), from a profiled block."""
     out = {"gemm_s": 0.0, "attention_s": 0.0, "gflop": 0.0}
     for e in prof.key_averages():
         if e.key in GEMMS:
@@ -73,7 +74,8 @@ def kernel_seconds(prof, steps: int) -> dict:
 
 def measure(args, sides: dict, repeats: int) -> dict:
     """Per side: a warm-up block; then `repeats` timed blocks, alternating sides (median s/step of them all);
-    then one profiled block each."""
+    then one profiled block each for the kernels' seconds, then one each with_flops for their FLOPs (counting
+    FLOPs records every op's shapes, which slowed a GEMM 1.6x and more in a check: its times are not used)."""
     out = {side: {"steps": []} for side in sides}
     with contextlib.redirect_stdout(io.StringIO()):
         for run in sides.values():
@@ -81,16 +83,19 @@ def measure(args, sides: dict, repeats: int) -> dict:
         for r in range(repeats):
             for side, run in sides.items():
                 out[side]["steps"] += run(args, 1 + r)
-        for side, run in sides.items():
-            with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-                run(args, 1)
-            out[side].update(step_s=statistics.median(out[side]["steps"]), **kernel_seconds(prof, args.steps))
+        for with_flops in (False, True):
+            for side, run in sides.items():
+                with profile(activities=[ProfilerActivity.CPU], with_flops=with_flops) as prof:
+                    run(args, 1)
+                kernels = kernel_seconds(prof, args.steps)
+                out[side].update({"gflop": kernels["gflop"]} if with_flops else kernels)
+        for side in sides:
+            out[side]["step_s"] = statistics.median(out[side]["steps"])
     return out
 
 
-def best_gemm_rate(threads: int) -> float:
+def best_gemm_rate() -> float:
     """GFLOP/s of a 1024 x 1024 x 1024 float32 product: what this CPU's BLAS reaches on a large shape."""
-    torch.set_num_threads(threads)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     for _ in range(3):
         a @ b
@@ -102,7 +107,7 @@ def best_gemm_rate(threads: int) -> float:
 
 def compile_check(args):
     """Eager against torch.compile(dynamic=True) on one micro-batch's forward and backward."""
-    model, _ = vs_trl.load_model(vs_trl.model_path(args.work["model"]), torch.device("cpu"))
+    model, _ = load_model(model_path(args.work["model"]), torch.device("cpu"))
     model.train()
     ids = torch.randint(3, model.config.vocab_size, (32, args.max_new_tokens))
 
@@ -131,7 +136,7 @@ def main():
     warnings.filterwarnings("ignore", category=FutureWarning)
     import transformers
     transformers.logging.set_verbosity_error()
-    path = vs_trl.model_path(args.work["model"])
+    path = model_path(args.work["model"])
     sides = measure(args, {"ours": vs_trl.run_ours, "TRL": lambda a, r: vs_trl.run_trl(a, path, r)}, repeats)
     print(f"workload {args.workload}, {args.threads} thread(s), {repeats} timed blocks of {args.steps} steps "
           f"per side, alternating; seconds per RL step")
@@ -141,7 +146,7 @@ def main():
         m["rest_s"] = m["step_s"] - m["gemm_s"] - m["attention_s"]
         print(f"{side:>5} | {m['step_s']:6.3f} | {m['gemm_s']:6.3f} | {m['gflop']:6.2f} | "
               f"{m['gflop'] / m['gemm_s']:7.1f} | {m['attention_s']:9.3f} | {m['rest_s']:8.3f}")
-    print(f"this CPU's GEMM rate on a 1024^3 product: {best_gemm_rate(args.threads):.1f} GFLOP/s")
+    print(f"this CPU's GEMM rate on a 1024^3 product: {best_gemm_rate():.1f} GFLOP/s")
     ours, trl = sides["ours"], sides["TRL"]
     target = TARGETS[args.workload]
     budget = target * trl["step_s"] - ours["gemm_s"] - ours["attention_s"]
