@@ -12,10 +12,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+# The script puts bench/ first on sys.path to find vs_trl.py; put it back, or `demo` would then name bench/demo.py
+# for the test modules collected after this one, not the demo/ package.
+path = list(sys.path)
 spec = importlib.util.spec_from_file_location("vs_trl_floor", os.path.join(ROOT, "bench", "vs_trl_floor.py"))
 floor = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(floor)
+sys.path[:] = path
 
 
 def test_kernel_seconds_counts_gemm_flops_per_step_and_keeps_attention_apart():
