@@ -226,6 +226,9 @@ def test_da3po_each_update_is_a_token_mean_over_its_own_tokens(demo_dir, tmp_pat
         for s in slices[u:u + 2]:  # TRL's normaliser, from its formula
             assert s["num_items_in_batch"].item() * args.gradient_accumulation_steps / 4 == n
     assert tokens[0] != tokens[1]  # the two updates differ in length: TRL's average would be off for both
+    average = sum(tokens) / 2
+    print(f"figure: DA3PO update token counts {tokens}; TRL's default normaliser (their mean) scales them by "
+          f"{[round(n / average, 3) for n in tokens]}")
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -310,6 +313,9 @@ def test_daro_two_updates_equal_daro_py(float64_model, tmp_path, float64_default
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12) and ref_loss.abs() > 1e-3
         worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item() for a, b in zip(grads, ref_grads))
         assert worst < 1e-10
+        print(f"figure: DARO update {u}: loss {loss.item():.6f} vs daro.py {ref_loss.item():.6f} (rel "
+              f"{abs(loss.item() / ref_loss.item() - 1):.1e}), gradient worst rel {worst:.1e}, clipped tokens "
+              f"{int(clipped['clip_low'] + clipped['clip_high'])}")
         if u == 1:
             assert clipped["clip_low"] + clipped["clip_high"] > 0  # the second update is off-policy
         t.step_weights()  # the callback's call after the optimizer step
@@ -319,6 +325,8 @@ def test_daro_two_updates_equal_daro_py(float64_model, tmp_path, float64_default
         with torch.no_grad():  # the same model step for both (a plain SGD step, lr 0.2)
             for p, g in zip(params, grads):
                 p -= 0.2 * g
+    print("figure: DARO weights after both updates equal daro.py's exactly:", [round(w, 6) for w in
+                                                                           torch.stack(t.neg_log_w).tolist()])
     assert torch.stack(t.neg_log_w).sub(torch.tensor([0.3 * (-1) ** i * (i + 1) / G for i in range(G - 1)],
                                                      dtype=F64)).abs().max() > 0.01  # the weights moved
 
@@ -455,6 +463,7 @@ def test_readme_snippet_runs_as_written():
     high = logged(text, "clip_ratio/high_mean")
     assert len(high) == 8 and high[0] == high[4] == 0  # 2 trainers x 4 updates; each batch's first is on-policy
     assert max(high[1:4]) > 0 and max(high[5:]) > 0  # clip-higher binds after the first update
+    print(f"figure: README snippet clip_ratio/high_mean per update, DA3PO {high[:4]}, DARO {high[4:]}")
 
 
 def test_two_processes_group_split_across_them(tmp_path):
@@ -468,3 +477,4 @@ def test_two_processes_group_split_across_them(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["split_groups"] > 0 and report["da3po_updates"] == 2 and report["daro_updates"] == 2
     assert report["ok"], report
+    print(f"figure: 2 processes, {report['split_groups']} group(s) split across them, every check passed")

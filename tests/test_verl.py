@@ -266,6 +266,10 @@ def test_daro_in_verls_actor_update(tmp_path):
     assert np.allclose(two["weights_after"][0], one["weights_after"][0], rtol=0, atol=1e-12)
     # after the first update the two models differ by float32 noise amplified by Adam's sign-like first step
     assert two["grad_norm"][1] == pytest.approx(one["grad_norm"][1], rel=1e-3)
+    worst_loss = max(r["worst_loss_rel"] for r in reports[2])
+    worst_weights = max(r["worst_weight_abs"] for r in reports[2])
+    print(f"figure: verl actor update with DARO: loss vs daro.py worst {worst_loss:.1e} of the terms' absolute sum, "
+          f"weights worst {worst_weights:.1e}; gradient norms 2 ranks {two['grad_norm']} vs 1 rank {one['grad_norm']}")
 
 
 def test_clear_errors():

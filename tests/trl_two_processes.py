@@ -96,9 +96,11 @@ for u in range(2):
     for s in slices:
         mask, bins = torch.tensor(s[u]["completion_mask"], dtype=torch.float64), torch.tensor(s[u]["daro_bin"])
         inside = ((bins > 0) & (bins < G)).double().unsqueeze(-1)
-        check(torch.allclose(torch.tensor(s[u]["daro_weight"], dtype=torch.float64), mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1),
-                             rtol=1e-15, atol=0), f"daro: update {u}'s weights over both processes")
-        check(torch.equal(torch.tensor(s[u]["daro_tokens"], dtype=torch.float64), tokens), f"daro: update {u}'s tokens per bin")
+        expected = mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1)
+        check(torch.allclose(torch.tensor(s[u]["daro_weight"], dtype=torch.float64), expected, rtol=1e-15, atol=0),
+              f"daro: update {u}'s weights over both processes")
+        check(torch.equal(torch.tensor(s[u]["daro_tokens"], dtype=torch.float64), tokens),
+              f"daro: update {u}'s tokens per bin")
 shares, reduced = gather(t.shares), gather(t.reduced)
 for u in range(2):
     total = sum(torch.tensor(s[u]) for s in shares)

@@ -131,7 +131,8 @@ with initialize_config_dir(config_dir=os.path.join(os.path.dirname(main_ppo.__fi
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows_per_rank // mini_batches // 2}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={rows_per_rank}",
         "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.use_torch_compile=false",
-        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32", "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",  # no bf16 autocast
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",  # float32 compute: no bf16 autocast
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.policy_loss.loss_mode=daro", "actor_rollout_ref.actor.clip_ratio_low=0.2",
         "actor_rollout_ref.actor.clip_ratio_high=0.28", f"actor_rollout_ref.actor.clip_ratio_c={clip_c}",
@@ -187,7 +188,8 @@ def recording_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
                               rollout_is_weights)
     info = config.global_batch_info
     calls.append({"old": old_log_prob.detach().tolist(), "logp": log_prob.detach().tolist(),
-                  "adv": advantages.tolist(), "mask": response_mask.float().tolist(), "bins": info["daro"]["bins"].tolist(),
+                  "adv": advantages.tolist(), "mask": response_mask.float().tolist(),
+                  "bins": info["daro"]["bins"].tolist(),
                   "loss": loss.item(), "dp_size": int(info["dp_size"])})
     return loss, metrics
 
