@@ -28,12 +28,14 @@ import json
 def load_rows(path, first, last):
     return [json.loads(line) for line in open(path)][first:last]
 '''
-# Every module the run imported from a file: none may come from this repository (the user's project is elsewhere)
+# Every module the run imported from a file: none may come from this repository (the user's project is elsewhere;
+# the interpreter's own packages may lie under it, as CI's venvs do)
 REPORT = '''
-import json, sys
+import json, os, sys
 files = {name: getattr(m, "__file__", None) or "" for name, m in list(sys.modules.items())}
-print("REPORT " + json.dumps({"common": files["common"], "dataset": files["dataset"],
-                              "from_repository": sorted(n for n, f in files.items() if f.startswith(REPOSITORY))}))
+installed = tuple(os.path.join(p, "") for p in {sys.prefix, sys.base_prefix})
+print("REPORT " + json.dumps({"common": files["common"], "dataset": files["dataset"], "from_repository": sorted(
+    n for n, f in files.items() if f.startswith(REPOSITORY) and not f.startswith(installed))}))
 '''
 
 
