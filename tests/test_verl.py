@@ -17,8 +17,8 @@ import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos",
                                  reason="verl is optional: pip install -r requirements-verl.txt")
-pytest.importorskip("verl.workers.engine_workers", reason="the drop-in needs verl's own install: "
-                                                          "pip install -r requirements-verl.txt")
+for _module in ("verl.workers.engine_workers", "hydra"):  # verl's trainer stack: in verl's own install only
+    pytest.importorskip(_module, reason="the drop-in needs verl's own install: pip install -r requirements-verl.txt")
 
 import common  # noqa: E402
 import da3po  # noqa: E402
