@@ -1383,8 +1383,9 @@ def _symbolic_equal(pred: str, gold: str) -> bool:
 _CTX = multiprocessing.get_context("fork")
 
 
-def _worker_main(conn, inherited, parent_pid: int):
-    """Worker loop: receive (pred, gold), reply with a bool. Exits on None, EOF, or when the parent dies."""
+def _worker_main(conn, inherited, parent_pid: int, task=None):
+    """Worker loop: receive (pred, gold), reply with task(pred, gold) as a bool (task None: _symbolic_equal, looked up
+    here so that a test's patch before the fork applies). Exits on None, EOF, or when the parent dies."""
     # A fork copies every open fd: this worker holds the parent's ends of all earlier workers' pipes. Closing
     # them means an earlier worker sees EOF once the parent really closes its end (or dies).
     for c in inherited:  # close the parent's ends of sibling pipes, so EOF detection works everywhere
@@ -1408,7 +1409,7 @@ def _worker_main(conn, inherited, parent_pid: int):
         if msg is None:
             return
         try:
-            result = bool(_symbolic_equal(*msg))
+            result = bool((task or _symbolic_equal)(*msg))
         except BaseException:  # RecursionError, MemoryError, anything: "not equal", and the worker lives on
             result = False
         try:
@@ -1430,9 +1431,10 @@ class _Worker:
 class _Pool:
     """A minimal process pool where every task has its own deadline. Not thread-safe: use _POOL_LOCK."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, task=None):
         self.pid = os.getpid()
         self.size = size
+        self.task = task  # what the workers run on each pair: _symbolic_equal, or crosscheck.py's second verifier
         self.workers: list[_Worker] = []
         self.idle: list[_Worker] = []
 
@@ -1440,7 +1442,7 @@ class _Pool:
         """Fork one worker; it must not keep copies of the parent's ends of other workers' pipes."""
         parent_end, child_end = _CTX.Pipe()
         inherited = [w.conn for w in self.workers]
-        proc = _CTX.Process(target=_worker_main, args=(child_end, inherited, os.getpid()), daemon=True)
+        proc = _CTX.Process(target=_worker_main, args=(child_end, inherited, os.getpid(), self.task), daemon=True)
         proc.start()
         child_end.close()
         worker = _Worker(proc, parent_end)
@@ -1666,9 +1668,11 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
         try:
             with _POOL_LOCK:
                 out = _get_pool(num_workers).run(keys, timeout, min(num_workers, len(keys)), info)
-        except Exception:
-            out = [None] * len(keys)  # e.g. fork unavailable: fail closed (False, uncached) rather than raise
+        except Exception as e:  # e.g. no fork (or a daemonic caller: multiprocessing.Pool's workers cannot fork)
+            out = [None] * len(keys)  # fail closed (False, uncached) rather than raise, and say so
             info["crashed"] += len(keys)
+            _LOG.warning("verifier: no worker process for the symbolic step (%s: %s); %d pairs counted not equal",
+                         type(e).__name__, e, len(keys))
         for key, value in zip(keys, out):
             if value is not None:  # None (deadline or crash) is not cached: a loaded machine may be the cause
                 _cache_put(key, value)
