@@ -107,9 +107,10 @@ def _closing_brace(text: str, open_pos: int, max_steps: int = -1) -> int | None:
         max_steps -= 1
         if max_steps == -1:
             return None
-        if m.group() == "{":
+        brace = m.group()
+        if brace == "{":
             depth += 1
-        elif m.group() == "}":
+        elif brace == "}":
             depth -= 1
             if depth == 0:
                 return m.start()
@@ -122,11 +123,12 @@ def _closing_braces(text: str, opens: list[int]) -> dict:
     closes, pending, depth = {}, [], 0  # pending: (position, depth before it) of the open boxes
     wanted = set(opens)
     for m in _BRACE_RE.finditer(text, opens[0]):
-        if m.group() == "{":
+        brace = m.group()
+        if brace == "{":
             if m.start() in wanted:
                 pending.append((m.start(), depth))
             depth += 1
-        elif m.group() == "}" and depth:  # an unmatched '}' closes nothing
+        elif brace == "}" and depth:  # an unmatched '}' closes nothing
             depth -= 1
             if pending and pending[-1][1] == depth:
                 closes[pending.pop()[0]] = m.start()
