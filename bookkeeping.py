@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import crosscheck
 from common import evaluate_sets
 from dataset import PromptStream, parse_eval_data
 from modeling import full_state_dict
@@ -128,7 +129,7 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
     for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer",
-                 "micro_batch_tokens", "logprob_chunk"):
+                 "micro_batch_tokens", "logprob_chunk", "crosscheck_train"):
         if getattr(cfg, name) < 0:
             die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens",
@@ -160,6 +161,10 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         die(f"--oversample must be >= 1, got {cfg.oversample}")
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
         die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
+    if cfg.crosscheck_train and not cfg.verifier_crosscheck:
+        die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
+    if cfg.verifier_crosscheck and crosscheck.missing():
+        die(f"--verifier_crosscheck: {crosscheck.missing()}")
     parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
     if check_algorithm is not None:
         check_algorithm(cfg)
@@ -177,7 +182,7 @@ class Logger:
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
             if cfg.resume:
-                for name in ("metrics.jsonl", "samples.jsonl"):
+                for name in ("metrics.jsonl", "samples.jsonl", "crosscheck.jsonl"):
                     _truncate_jsonl(os.path.join(cfg.out_dir, name), resumed_step)
             config = config_dict(cfg, dist_info.world_size)
             print0("config: " + " ".join(f"{k}={v}" for k, v in config.items()))
@@ -187,6 +192,11 @@ class Logger:
                 self.tracker = Tracker(cfg.report_to, cfg.out_dir, config, cfg.wandb_project)
 
     def log(self, record: dict, name: str = "metrics.jsonl"):
+        rows = record.get("crosscheck_samples")  # --verifier_crosscheck's disagreements: a file of their own
+        if rows is not None:
+            record = {k: v for k, v in record.items() if k != "crosscheck_samples"}
+            for row in rows:
+                self.log({"step": record["step"], **row}, "crosscheck.jsonl")
         if self.enabled:
             with open(os.path.join(self.out_dir, name), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")

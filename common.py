@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import crosscheck
 from dataset import PromptStream, parse_eval_data
 from modeling import OUTSIDE_NUCLEUS, autocast, forward_tokens, full_tensor, reshard, token_logprobs
 from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0, stop_requested
@@ -71,6 +72,10 @@ class TrainConfig:
     rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C] instead
     prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, else chat if any)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
+    verifier_crosscheck: bool = False  # Math-Verify also judges the eval completions; log where it disagrees
+    #   with our verifier (crosscheck/*, out_dir/crosscheck.jsonl; requirements-crosscheck.txt)
+    crosscheck_train: int = 0  # with --verifier_crosscheck: completions of each training step it also judges
+    #   (all ranks together); 0 = evaluation only
     prompt_key: str = ""  # data field holding the problem
     #   ('' = try problem, question, prompt; dots for nested)
     answer_key: str = ""  # data field holding the answer
@@ -274,7 +279,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
-    local, kept, generated, n_batches, timeouts, verify_s = [], [], [], 0, 0, 0.0
+    local, kept, generated, n_batches, verify_s = [], [], [], 0, 0.0
+    troubles = torch.zeros(2)  # the verifier's timeouts and refused answers on this rank
     while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
         if n_batches and stop_requested():
             return None
@@ -282,7 +288,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
                                  cfg.temperature, cfg.top_p)
         summaries = all_gather_list([_summary(g, rank, len(local) + i) for i, g in enumerate(mine)])
         local += mine
-        timeouts, verify_s = timeouts + info["timeouts"], verify_s + info["seconds"]
+        troubles += torch.tensor([info["timeouts"], info["refused"]])
+        verify_s += info["seconds"]
         n_batches += 1
         generated += summaries
         kept += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
@@ -299,13 +306,19 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
     lengths = [n for g in generated for n in g["lengths"]]
+    timeouts, refused = all_reduce_sum(troubles).tolist()
     stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
              "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
              "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
              "train/num_completions": len(lengths), "train/response_len": sum(lengths) / len(lengths),
              "train/truncated_frac": sum(truncated) / len(truncated),
-             "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item(),
+             "verify/timeouts": timeouts, "verify/refused": refused,
              "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
+    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of this step's completions, all ranks
+        t0 = time.perf_counter()
+        per_rank = math.ceil(cfg.crosscheck_train / world)
+        stats.update(crosscheck.check_groups(local, cfg, "train", per_rank, rank))
+        stats["time/crosscheck_s"] = time.perf_counter() - t0
     return kept, generated, stats
 
 
@@ -645,6 +658,9 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
     for level in sorted({lv for _, _, lv, _ in results}):
         sel = [(m, c) for m, c, lv, _ in results if lv == level]
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
+    if cfg.verifier_crosscheck:  # every completion, on every rank
+        checks = crosscheck.check_groups(groups, cfg, "eval", rank=rank)
+        out.update({k if k == "crosscheck_samples" else "eval/" + k: v for k, v in checks.items()})
     return out
 
 
@@ -653,12 +669,15 @@ def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int 
     """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as eval/<set>/...;
     the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over the sets with the key."""
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
-    out, per_set = {}, []
+    out, per_set, samples = {}, [], []
     for (name, problems), k in zip(eval_sets.items(), ks):
         scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
+        samples += [{**row, "where": f"eval/{name}"} for row in scores.pop("crosscheck_samples", [])]
         per_set.append(scores)
         out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
     for key in dict.fromkeys(key for scores in per_set for key in scores):  # every key, in first-seen order
         values = [s[key] for s in per_set if key in s]
         out[key] = sum(values) / len(values)
+    if cfg.verifier_crosscheck:
+        out["crosscheck_samples"] = samples  # written by Logger.log, never a metric
     return out

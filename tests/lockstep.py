@@ -129,6 +129,15 @@ def cleanup_dist(engine=None):
     ranks.cleanup_dist(engine)
 
 
+def rank0_is_right(completion: str, gold: str) -> bool:
+    """--verifier_crosscheck's judge here: a stub that calls every completion right on rank 0 and wrong on rank 1
+    (its workers fork from their rank), so that each rank disagrees with ours in its own direction and amount."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+if "--verifier_crosscheck" in sys.argv:
+    import crosscheck  # noqa: E402
+    crosscheck.use_checker(crosscheck.CrossCheck(rank0_is_right, num_workers=1))
 if skew != "real":
     script.make_rollout = make_rollout
 script.micro_batches, script.token_losses = micro_batches, token_losses
