@@ -347,9 +347,11 @@ class PendingStep:
 
 
 def _load_plain(path: str):
-    """torch.load with the safe loader; a file with more than tensors and plain types dies with one line."""
+    """torch.load with the safe loader, onto the CPU whatever device a tensor was saved from (a GPU run's
+    checkpoint resumes anywhere; under torchrun no rank loads onto GPU 0); a file with more than tensors and
+    plain types dies with one line."""
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded: unpickling it "
             f"could run code (a checkpoint written before this format, by an older version of this code, "

@@ -167,8 +167,12 @@ class DARO:
         self.bin_loss = torch.zeros(self.G + 1, device=device)
 
     def state_dict(self) -> dict:
+        """On the CPU, so that a checkpoint resumes on any device (Adam's load_state_dict moves its moments to
+        the weights' device)."""
+        weight_opt = self.weight_opt.state_dict()
+        moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in weight_opt["state"].items()}
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
-                "weight_optimizer": self.weight_opt.state_dict()}
+                "weight_optimizer": {**weight_opt, "state": moments}}
 
     def step_state(self) -> dict:  # sums over the step that a stop between two updates must keep (on the CPU)
         return {"bins": self.bins}

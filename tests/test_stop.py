@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -202,13 +203,35 @@ def test_resume_without_a_checkpoint_starts_the_records_over(tmp_path, monkeypat
     assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
 
 
-def test_daro_pending_work_restores_on_the_training_device_and_the_rest_on_the_cpu(tmp_path, monkeypatch, demo_dir):
-    """Issue 28, defect 3: a DARO checkpoint taken between two updates, loaded for another device than the CPU (the
-    meta device stands in for a GPU): the batch goes to that device, DARO's per-bin sums stay on the CPU, where
-    `self.bins[0] += (...).cpu()` adds to them (moved to the device with the rest, that add failed on a GPU)."""
-    stop_when(monkeypatch, common.UpdateGuard, "step", lambda n: n == 1)  # after step 1's first update
-    run(daro, tmp_path, "--steps", "2")
-    ckpt = bookkeeping.latest_checkpoint(str(tmp_path))
+def tagged_cuda(path):
+    """Rewrite a checkpoint's .pt file as a run on a GPU writes it: every tensor's storage tagged cuda:0."""
+    saved = torch.load(path, weights_only=True)
+    tagged = []
+    with mock.patch.object(torch.serialization, "location_tag", lambda storage: tagged.append(1) or "cuda:0"):
+        torch.save(saved, path)
+    if tagged:  # (a file with no tensor has nothing to tag)
+        with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
+            torch.load(path, weights_only=True)  # loaded where it was saved, it needs that GPU
+    return len(tagged)
+
+
+@pytest.mark.parametrize("script", [da3po, daro], ids=["da3po", "daro"])
+def test_a_checkpoint_from_a_gpu_resumes_here_and_loads_onto_the_training_device(tmp_path, monkeypatch, script):
+    """A checkpoint taken between two updates of step 1 (the step's batch in it; DARO's weights and their Adam state,
+    DA3PO's running pass counts), every tensor in its .pt files tagged cuda:0 as a GPU run writes them: resumed on
+    this CPU, the run ends as an uninterrupted one. Loaded for another training device (the meta device stands in for
+    a GPU): the batch and DARO's weights and moments go to that device; the data rows, the per-bin sums (added to on
+    the CPU) and Adam's step counts stay on the CPU."""
+    flags = ["--steps", "2", *(["--p_estimate", "running"] if script is da3po else [])]
+    run(script, tmp_path / "straight", *flags)
+    out = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        stop_when(m, common.UpdateGuard, "step", lambda n: n == 1)  # after step 1's first update
+        run(script, out, *flags)
+    ckpt = bookkeeping.latest_checkpoint(str(out))
+    tagged = {name: tagged_cuda(os.path.join(ckpt, name)) for name in ("trainer.pt", "rank0.pt")}
+    assert tagged["rank0.pt"] and bool(tagged["trainer.pt"]) == (script is daro)  # DARO's weights, moments
+
     model, _ = modeling.load_model(ckpt)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
@@ -217,11 +240,24 @@ def test_daro_pending_work_restores_on_the_training_device_and_the_rest_on_the_c
     pending = state["pending"]
     assert pending is not None and pending.step == 1 and pending.next_update == 1
     assert {v.device.type for v in pending.batch.values()} == {"meta"}
-    assert all(r.device.type == "cpu" for r in pending.update_rows) and pending.algo["bins"].device.type == "cpu"
-    cfg = bookkeeping.parse_config(daro.Config, ["--device", "meta"], daro.PRESETS)
-    algo = daro.DARO(cfg, torch.device("cpu"), state)
-    algo.load_step_state(pending.algo)
-    algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what step_weights does
+    assert all(r.device.type == "cpu" for r in pending.update_rows)
+    cfg = bookkeeping.parse_config(script.Config, ["--device", "meta", *flags], script.PRESETS)
+    if script is daro:
+        algo = daro.DARO(cfg, torch.device("meta"), state)
+        algo.load_step_state(pending.algo)
+        assert all(s.device.type == "meta" for s in [*algo.neg_log_w, algo.w, algo.bin_loss, algo.bin_tokens])
+        moments = [v for s in algo.weight_opt.state.values() for k, v in s.items() if k != "step"]
+        steps = [s["step"] for s in algo.weight_opt.state.values()]
+        assert moments and all(v.device.type == "meta" for v in moments)
+        assert steps and all(v.device.type == "cpu" for v in steps)  # where Adam keeps them (not capturable)
+        assert algo.bins.device.type == "cpu"
+        algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what step_weights does
+    else:
+        counts = da3po.DAA(cfg, state).pass_counts
+        assert counts and all(type(n) is int for c in counts.values() for n in c)  # plain numbers, no device
+
+    run(script, out, *flags, "--resume")  # on this CPU, for real
+    assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
 
 
 class RunsCode:
