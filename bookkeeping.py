@@ -36,7 +36,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # --demo: a shipped demo as the flags it stands for. On the command line the default is `reasoning`
 # (demo/reasoning/README.md); `arith` is the dataclass defaults, which is also what Config() in code runs.
 # A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
-# override both.
+# override both. A --model of the user's own is no demo's: no demo applies unless --demo is given (and then a
+# note says which of its values the model runs on), and the knobs the defaults size for a demo (DEMO_SIZED)
+# must be set, by flags or the --algo preset, or the run stops naming them.
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
 _REASONING = os.path.join(DEMO_DIR, "reasoning")
 COMMAND_LINE_DEMO = "reasoning"  # what `python da3po.py` with no flags runs
@@ -45,6 +47,34 @@ DEMOS = {"arith": {},
                        "train_data": os.path.join(_REASONING, "train.jsonl"),
                        "eval_data": os.path.join(_REASONING, "eval.jsonl"),
                        "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
+DEMO_MODELS = ("demo", os.path.join(DEMO_DIR, "model"), os.path.join(_REASONING, "model"))
+# The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch, the tiny
+# model's learning rate): a real run sets each (docs/gpu.md's recipes do); an --eval_only run the first two.
+DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step", "lr")
+EVAL_ONLY_SIZED = ("eval_data", "max_new_tokens")
+
+
+def is_demo_model(name: str) -> bool:
+    """--model names a shipped demo's model ('demo', or one of the demo folders)."""
+    return any(name == m or os.path.realpath(name) == os.path.realpath(m) for m in DEMO_MODELS)
+
+
+def _demo_sized(given: dict, demo: str, cfg, argv_model: str) -> dict:
+    """The demo-sized knobs a --model of the user's own would get from no flag: with --demo, the demo's (said
+    in one note); without, none (the run stops, naming the flags to set)."""
+    needed = EVAL_ONLY_SIZED if given.get("eval_only") else DEMO_SIZED
+    missing = [k for k in needed if k not in given]
+    if not missing:
+        return {}
+    if not demo:
+        die(f"--model {argv_model} is not a demo's model: set {', '.join('--' + k for k in missing)} (their "
+            f"defaults are sized for the CPU demos; docs/gpu.md has the papers' recipes), or --demo "
+            f"{'|'.join(DEMOS)} for a demo's values")
+    values = {k: DEMOS[demo].get(k, getattr(cfg, k)) for k in missing}
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: --model {argv_model} runs on --demo {demo}'s "
+              + ", ".join(f"{k} {v}" for k, v in values.items()), flush=True)
+    return values
 
 
 def _field_comments(cls) -> dict[str, str]:
@@ -65,9 +95,10 @@ def _field_comments(cls) -> dict[str, str]:
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Precedence: dataclass defaults < --demo (reasoning unless given) < preset of --algo < explicit flags
-    (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated flag exits 2 naming it; overriding a
-    preset prints a note."""
+    """Precedence: dataclass defaults < --demo (reasoning unless given; none for a --model of the user's own)
+    < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated
+    flag exits 2 naming it; overriding a preset prints a note; a model of the user's own missing a DEMO_SIZED
+    knob exits 2 naming them all (with --demo: a note naming the demo's values it gets)."""
     comments = _field_comments(cls)
     repo = os.path.dirname(DEMO_DIR)
     demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
@@ -75,7 +106,8 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     parser = argparse.ArgumentParser(
         prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False,
         epilog=f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
-               "are --demo arith's.")
+               f"are --demo arith's. A --model of your own runs on no demo's values: it needs "
+               f"{', '.join('--' + k for k in DEMO_SIZED)} (docs/gpu.md's recipes set them).")
     for f in fields(cls):
         default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
         help_text = f"{comments.get(f.name, '')} (default: {default!r})".replace("%", "%%")
@@ -87,8 +119,9 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
                                 metavar=type(f.default).__name__.upper(), **kw)
     given = vars(parser.parse_args(argv))
     cfg = cls()
-    demo = given.setdefault("demo", COMMAND_LINE_DEMO)
-    if demo not in DEMOS:
+    own_model = "model" in given and not is_demo_model(given["model"])  # a model of the user's own
+    demo = given.setdefault("demo", "" if own_model else COMMAND_LINE_DEMO)  # "": no demo applies
+    if demo not in DEMOS and not (own_model and demo == ""):
         parser.error(f"argument --demo: invalid choice {demo!r} (choose from {', '.join(DEMOS)})")
     if presets is not None:
         algo = given.get("algo", cfg.algo)
@@ -98,7 +131,9 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
             if k in given and given[k] != v and os.environ.get("RANK", "0") == "0":
                 print(f"note: --{k} {given[k]} overrides the {algo} preset's {k} = {v}", flush=True)
         given = {**presets[algo], **given}
-    given = {**DEMOS[demo], **given}
+    if own_model:
+        given = {**_demo_sized(given, demo, cfg, given["model"]), **given}
+    given = {**DEMOS.get(demo, {}), **given}
     for k, v in given.items():
         setattr(cfg, k, v)
     return cfg

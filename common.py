@@ -35,7 +35,9 @@ class TrainConfig:
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
     demo: str = "arith"  # the shipped demo: reasoning (the command line's default: a trace before the
     #   answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags:
-    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs)
+    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs);
+    #   a --model of your own gets none unless given, and must set the flags the demos size
+    #   (bookkeeping.DEMO_SIZED: the run stops naming them)
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
     #   see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
