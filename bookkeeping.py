@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import evaluate_sets
@@ -301,8 +302,8 @@ def format_step(step: int, steps: int, record: dict) -> str:
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,
                      before: dict | None = None) -> dict:
-    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); with
-    `before`, the step-0 evaluation's record, the run's gain too."""
+    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); at the
+    last step, with `before`, the step-0 evaluation's record, the run's gain too."""
     scores = evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)
     record = {"step": step, **scores}
     logger.log(record)
@@ -315,13 +316,18 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
         label = f" [{name}]" if len(eval_sets) > 1 else ""
         logger.line(f"eval step {step}{label}: acc {scores['acc']:.3f} | {passes}"
                     + (f" | {levels}" if levels else ""))
-    if before is not None and before["step"] == 0:
+    if before is not None and before["step"] == 0 and step == cfg.steps:
         print0(f"eval/acc before {before['eval/acc']:.3f} -> after {record['eval/acc']:.3f}")
     return record
 
 
-def step_bar(steps: range, dist_info: DistInfo):
-    """The loop's steps, with a progress bar on rank 0 in a terminal (none in a log file)."""
+def step_bar(start_step: int, cfg, dist_info: DistInfo):
+    """The loop's steps, those after start_step up to --steps (none with --eval_only), with a progress bar on
+    rank 0 in a terminal (none in a log file). A --resume with none left says that the run is done."""
+    steps = range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1)
+    if cfg.resume and not steps and not cfg.eval_only:
+        print0(f"--resume: the run is done (step {start_step} of {cfg.steps}, its evaluation too): "
+               f"nothing to add (a larger --steps trains on)")
     return tqdm(steps, desc="steps", leave=False, disable=not dist_info.is_main or not sys.stderr.isatty())
 
 
@@ -362,13 +368,14 @@ def _to(obj, device):
 class PendingStep:
     """What a stop mid-step leaves on this rank; only `batch` is on the training device, the rest on CPU."""
     step: int  # the unfinished step
-    record: dict  # its metrics record so far (rollout, advantages, pi_old)
+    record: dict  # its metrics record so far (rollout, advantages, pi_old): the same on every rank
     groups: list  # its first group on this rank (samples.jsonl)
     update_rows: list  # the rows of each of its updates (tensors)
     batch: dict  # the batch's tensors (common, section 4)
     next_update: int  # the first update not yet applied
-    sums: dict  # Sums.sums of its updates so far
-    algo: dict  # the algorithm's own sums over the step (algo.step_state(): DARO's per-bin sums)
+    sums: dict  # Sums.sums of its updates so far on this rank (summed over ranks when logged)
+    algo: dict  # the algorithm's own sums over the step, the same on every rank (algo.step_state(): DARO's
+    #             per-bin sums)
 
     def plain(self) -> dict:
         """Tensors and plain types on the CPU, for torch's safe loader."""
@@ -379,6 +386,60 @@ class PendingStep:
         sums.sums = self.sums
         algo.load_step_state(self.algo)
         return self.record, self.groups, self.update_rows, self.batch, self.next_update
+
+
+def _group_rows(pending: PendingStep, rows: torch.Tensor) -> list[torch.Tensor]:
+    """An update's rows on one rank, cut into its groups (make_batch lays a group's rows out together)."""
+    counts = torch.unique_consecutive(pending.batch["group"][rows], return_counts=True)[1]
+    return list(rows.split(counts.tolist()))
+
+
+def _repadded(pending: PendingStep, key: str, rows: torch.Tensor, width: tuple, pad_id: int) -> torch.Tensor:
+    """pending.batch[key][rows] in a batch of `width` (P, T): prompts left-padded to P, completions
+    right-padded to T (common.make_batch's layout), with pad_id (input_ids) or 0."""
+    x = pending.batch[key][rows]
+    if x.dim() == 1:
+        return x
+    T = pending.batch["mask"].shape[1]
+    if key not in ("input_ids", "attention_mask"):  # (B, T): completion columns only
+        return F.pad(x, (0, width[1] - T))
+    value = pad_id if key == "input_ids" else 0
+    P = x.shape[1] - T
+    return F.pad(F.pad(x, (width[0] - P, 0), value=value), (0, width[1] - T), value=value)
+
+
+def reshard_pending(pendings: list[PendingStep], rank: int, world: int, pad_id: int) -> PendingStep:
+    """This rank's share of a step a stop interrupted on len(pendings) ranks, for a run on `world` ranks (each
+    rank computes it from all the saved ones). Each remaining update's groups, in old-rank order, are cut into
+    `world` contiguous shares of one size, so that every rank trains as many rows and issues the same
+    collectives; a share a group short gets a copy of one with its mask zeroed (it adds to no loss, count or
+    sum). The loss denominators are global: the update is the one the old ranks would have made. The step's
+    sums so far go to rank 0 (they are summed over ranks when logged); record and algo are every rank's."""
+    head = pendings[0]
+    width = (max(p.batch["input_ids"].shape[1] - p.batch["mask"].shape[1] for p in pendings),
+             max(p.batch["mask"].shape[1] for p in pendings))
+    pieces, update_rows, size = [], [], 0  # pieces: (pending, a group's rows, trained) of this rank
+    for u in range(len(head.update_rows)):
+        if u < head.next_update:  # applied before the stop
+            update_rows.append(torch.arange(0))
+            continue
+        groups = [(p, rows, True) for p in pendings for rows in _group_rows(p, p.update_rows[u])]
+        share = -(-len(groups) // world)
+        mine = groups[rank * share:(rank + 1) * share]
+        mine += [(groups[0][0], groups[0][1], False)] * (share - len(mine))  # the padding copies
+        pieces += mine
+        rows = sum(len(r) for _, r, _ in mine)
+        update_rows.append(torch.arange(size, size + rows))
+        size += rows
+    batch = {k: torch.cat([_repadded(p, k, r, width, pad_id) for p, r, _ in pieces]) for k in head.batch}
+    batch["group"] = torch.cat([torch.full((len(r),), i) for i, (_, r, _) in enumerate(pieces)])
+    trained = torch.cat([torch.full((len(r),), t) for _, r, t in pieces]).unsqueeze(-1)  # (B, 1)
+    for key in ("mask", "rejected"):  # what the losses and sums count (common.token_losses)
+        if key in batch:
+            batch[key] = batch[key] * trained
+    sums = {k: sum(p.sums[k] for p in pendings) if rank == 0 else 0.0 for k in head.sums}
+    return PendingStep(head.step, head.record, head.groups if rank == 0 else [], update_rows, batch,
+                       head.next_update, sums, head.algo)
 
 
 def _load_plain(path: str):
@@ -432,7 +493,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         skeleton.save_pretrained(tmp, state_dict=state_dict)
         tok.save_pretrained(tmp)
         torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
-                    "optimizer_fresh": fresh, "data_position": stream.position, **extra},
+                    "optimizer_fresh": fresh, "data_position": stream.position,
+                    "pad_token_id": tok.pad_token_id, **extra},  # (a stopped step's batch, split anew)
                    os.path.join(tmp, "trainer.pt"))
     dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
              checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not is_dist())
@@ -498,16 +560,15 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
         mine = _load_plain(os.path.join(ckpt, f"rank{dist_info.rank}.pt"))
         set_rng_state(mine["rng"])
         state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
-        if state["pending"]:  # its batch to the training device (see PendingStep)
-            state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     else:
-        if any(_load_plain(f)["pending"] is not None
-               for f in glob.glob(os.path.join(ckpt, "rank*.pt"))):
-            die(f"--resume: {ckpt} was saved in the middle of a step on {state['world_size']} ranks; "
-                f"resume it on {state['world_size']} ranks (the step's work is split by rank), then change")
+        saved = [_load_plain(os.path.join(ckpt, f"rank{r}.pt"))["pending"] for r in range(state["world_size"])]
         print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has {dist_info.world_size}: "
-               f"the optimizer state is resharded, the sampling RNGs are seeded afresh")
+               f"the optimizer state is resharded, the sampling RNGs are seeded afresh"
+               + (", the stopped step's remaining work is split anew" if saved[0] else ""))
         seed_everything(seed + dist_info.rank + 1_000_003 * state["step"])
-        state["pending"] = None
+        state["pending"] = saved[0] and reshard_pending([PendingStep(**p) for p in saved], dist_info.rank,
+                                                        dist_info.world_size, state.get("pad_token_id", 0))
+    if state["pending"]:  # its batch to the training device (see PendingStep)
+        state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     print0(f"resumed from {ckpt} (step {state['step']})")
     return state["step"], state
