@@ -51,7 +51,8 @@ DEMOS = {"arith": {},
 DEMO_MODELS = ("demo", os.path.join(DEMO_DIR, "model"), os.path.join(_REASONING, "model"))
 # The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch, the tiny
 # model's learning rate): a real run sets each (docs/gpu.md's recipes do); an --eval_only run the first two.
-DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step", "lr")
+DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step",
+              "lr")
 EVAL_ONLY_SIZED = ("eval_data", "max_new_tokens")
 
 
@@ -302,8 +303,8 @@ def format_step(step: int, steps: int, record: dict) -> str:
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,
                      before: dict | None = None) -> dict:
-    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); at the
-    last step, with `before`, the step-0 evaluation's record, the run's gain too."""
+    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); at
+    the last step, with `before`, the step-0 evaluation's record, the run's gain too."""
     scores = evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)
     record = {"step": step, **scores}
     logger.log(record)
@@ -410,36 +411,39 @@ def _repadded(pending: PendingStep, key: str, rows: torch.Tensor, width: tuple, 
 
 def reshard_pending(pendings: list[PendingStep], rank: int, world: int, pad_id: int) -> PendingStep:
     """This rank's share of a step a stop interrupted on len(pendings) ranks, for a run on `world` ranks (each
-    rank computes it from all the saved ones). Each remaining update's groups, in old-rank order, are cut into
-    `world` contiguous shares of one size, so that every rank trains as many rows and issues the same
-    collectives; a share a group short gets a copy of one with its mask zeroed (it adds to no loss, count or
-    sum). The loss denominators are global: the update is the one the old ranks would have made. The step's
-    sums so far go to rank 0 (they are summed over ranks when logged); record and algo are every rank's."""
+    rank computes it from all the saved ones, no collective). Each remaining update's groups, in old-rank
+    order, are cut into `world` contiguous shares of one size, so that every rank trains as many rows and
+    issues the same collectives; a share a group short gets a copy of one with its mask zeroed (it adds to no
+    loss, count or sum). The loss denominators are global: the update is the one the old ranks would have
+    made. The step's sums so far go to rank 0 (they are summed over ranks when logged); the record and the
+    algorithm's step state are the same on every rank. Example: 3 groups left on 1 rank, for 2 ranks -> rank
+    0 takes groups 0 and 1, rank 1 group 2 and a zeroed copy of group 0."""
     head = pendings[0]
-    width = (max(p.batch["input_ids"].shape[1] - p.batch["mask"].shape[1] for p in pendings),
-             max(p.batch["mask"].shape[1] for p in pendings))
-    pieces, update_rows, size = [], [], 0  # pieces: (pending, a group's rows, trained) of this rank
+    prompt_width = max(p.batch["input_ids"].shape[1] - p.batch["mask"].shape[1] for p in pendings)
+    width = (prompt_width, max(p.batch["mask"].shape[1] for p in pendings))  # (P, T) of the new batch
+    pieces = []  # this rank's groups: (the pending step holding it, its rows there, trained or a copy)
+    update_rows = []
     for u in range(len(head.update_rows)):
         if u < head.next_update:  # applied before the stop
             update_rows.append(torch.arange(0))
             continue
         groups = [(p, rows, True) for p in pendings for rows in _group_rows(p, p.update_rows[u])]
-        share = -(-len(groups) // world)
+        share = -(-len(groups) // world)  # groups per rank, rounded up
         mine = groups[rank * share:(rank + 1) * share]
-        mine += [(groups[0][0], groups[0][1], False)] * (share - len(mine))  # the padding copies
+        mine += [(groups[0][0], groups[0][1], False)] * (share - len(mine))  # copies to train nothing
+        start = sum(len(rows) for _, rows, _ in pieces)
         pieces += mine
-        rows = sum(len(r) for _, r, _ in mine)
-        update_rows.append(torch.arange(size, size + rows))
-        size += rows
-    batch = {k: torch.cat([_repadded(p, k, r, width, pad_id) for p, r, _ in pieces]) for k in head.batch}
-    batch["group"] = torch.cat([torch.full((len(r),), i) for i, (_, r, _) in enumerate(pieces)])
-    trained = torch.cat([torch.full((len(r),), t) for _, r, t in pieces]).unsqueeze(-1)  # (B, 1)
+        update_rows.append(torch.arange(start, start + sum(len(rows) for _, rows, _ in mine)))
+    batch = {k: torch.cat([_repadded(p, k, rows, width, pad_id) for p, rows, _ in pieces])
+             for k in head.batch}
+    batch["group"] = torch.cat([torch.full((len(rows),), i) for i, (_, rows, _) in enumerate(pieces)])
+    trained = torch.cat([torch.full((len(rows),), t) for _, rows, t in pieces]).unsqueeze(-1)  # (B, 1)
     for key in ("mask", "rejected"):  # what the losses and sums count (common.token_losses)
         if key in batch:
             batch[key] = batch[key] * trained
     sums = {k: sum(p.sums[k] for p in pendings) if rank == 0 else 0.0 for k in head.sums}
-    return PendingStep(head.step, head.record, head.groups if rank == 0 else [], update_rows, batch,
-                       head.next_update, sums, head.algo)
+    groups = head.groups if rank == 0 else []  # (samples.jsonl, written by rank 0)
+    return PendingStep(head.step, head.record, groups, update_rows, batch, head.next_update, sums, head.algo)
 
 
 def _load_plain(path: str):
@@ -542,7 +546,8 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
                     dist_info: DistInfo):
     """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
     scheduler, data position, this rank's RNGs (a fresh run seeds them instead; so does a run on another
-    number of ranks: the saved streams belong to the old ranks). Returns (the step to continue after, the
+    number of ranks: the saved streams belong to the old ranks; a stopped step's work is then split anew,
+    reshard_pending). Returns (the step to continue after, the
     saved state: the algorithm's entries, "eval_due", and "pending": this rank's PendingStep or None)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -561,7 +566,8 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
         set_rng_state(mine["rng"])
         state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
     else:
-        saved = [_load_plain(os.path.join(ckpt, f"rank{r}.pt"))["pending"] for r in range(state["world_size"])]
+        files = [os.path.join(ckpt, f"rank{r}.pt") for r in range(state["world_size"])]
+        saved = [_load_plain(f)["pending"] for f in files]  # every old rank's: the step's rows, split anew
         print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has {dist_info.world_size}: "
                f"the optimizer state is resharded, the sampling RNGs are seeded afresh"
                + (", the stopped step's remaining work is split anew" if saved[0] else ""))

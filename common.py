@@ -535,9 +535,9 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens, those --rollout_is_mask rejected included (the
-    same tokens with or without it), log r = log pi_old - log pi_rollout: sums of |log r| and the k1 and k3
-    estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and the count of
+    """The engine/trainer gap on a micro-batch's trained tokens, those --rollout_is_mask rejected included
+    (the same tokens with or without it), log r = log pi_old - log pi_rollout: sums of |log r| and the k1 and
+    k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and the count of
     `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no mass there: log r is
     OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a ~1e4 term in the mean:
     0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""

@@ -156,6 +156,63 @@ def saved_at(run_dir) -> tuple[int, int]:
     return torch.load(os.path.join(ckpt, "trainer.pt"))["step"], pending["step"] if pending else 0
 
 
+def saved_step(rank, world, groups, next_update=1):
+    """What rank `rank` of `world` saves when stopped before update `next_update` of a step whose kept groups are
+    `groups` (plan_updates' split into 2 updates, make_batch's batch with the entries the loop adds)."""
+    mine, update_rows = common.plan_updates(groups, 2, ranks.DistInfo(rank=rank, world_size=world))
+    batch = common.make_batch(mine, 0)
+    batch["old_logp"] = -batch["input_ids"][:, -batch["mask"].shape[1]:].float() * batch["mask"]  # row-specific
+    batch["rejected"] = torch.zeros_like(batch["mask"], dtype=torch.bool)
+    batch["rejected"][:, 0] = True  # (as --rollout_is_mask leaves it)
+    batch["mask"][:, 0] = 0
+    sums = {"loss": 1.0 + rank, "tokens": 10.0}
+    return bookkeeping.PendingStep(3, {"train/acc": 0.5}, mine[:1], update_rows, batch, next_update, sums,
+                                   {"bins": torch.ones(3, 5)})
+
+
+def rows_of(pending, u):
+    """The rows of update u that train something, each as (prompt, completion, old_logp, mask) in plain numbers."""
+    b, T = pending.batch, pending.batch["mask"].shape[1]
+    out = []
+    for i in pending.update_rows[u].tolist():
+        if b["mask"][i].any() or b["rejected"][i].any():
+            ids, attn = b["input_ids"][i].tolist(), b["attention_mask"][i].tolist()
+            prompt = [t for t, a in zip(ids[:-T], attn[:-T]) if a]
+            n = sum(attn[-T:])
+            out.append((tuple(prompt), tuple(ids[-T:][:n]), tuple(b["old_logp"][i][:n].tolist()),
+                        tuple(b["mask"][i][:n].tolist()), tuple(b["rejected"][i][:n].tolist())))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("first,then", [(1, 2), (2, 1), (2, 3), (3, 2)])
+def test_a_stopped_step_splits_anew_for_any_number_of_ranks(first, then):
+    """reshard_pending on hand-made groups of different prompt and completion lengths (each rank's batch of its own
+    width): every row of every update left is trained exactly once on the new ranks, with its prompt, completion,
+    log-probs, mask and rejected tokens; each rank gets as many rows per update (copies with nothing to train fill
+    a share one group short), a group keeps its prompt, the step's sums keep their total."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(10, 40, (n,), generator=g).tolist()  # noqa: E731
+    groups = [{"prompt_ids": rand(2 + i % 5), "completions": [rand(1 + (i * 3 + j) % 9) for j in range(2)],
+               "reward": [1.0, -1.0], "correct": [True, False], "prompt_len": 2 + i % 5, "lengths": [1, 1]}
+              for i in range(6 * first)]  # 6 groups per old rank: 2 updates of 3 (or 4 + 2 on 3 ranks, ...)
+    old = [saved_step(r, first, groups) for r in range(first)]
+    new = [bookkeeping.reshard_pending(old, r, then, 0) for r in range(then)]
+    for u in range(len(old[0].update_rows)):
+        if u < old[0].next_update:
+            assert all(len(p.update_rows[u]) == 0 for p in new)
+            continue
+        assert len({len(p.update_rows[u]) for p in new}) == 1  # as many rows on every rank
+        assert sorted(r for p in new for r in rows_of(p, u)) == sorted(r for p in old for r in rows_of(p, u))
+    for p in new:
+        b = p.batch
+        for i in set(b["group"].tolist()):  # one prompt per group (a group's prompt is run once)
+            rows = (b["group"] == i).nonzero().flatten()
+            assert len({tuple(b["input_ids"][r, :-b["mask"].shape[1]].tolist()) for r in rows}) == 1
+        assert p.algo is old[0].algo and p.record is old[0].record and p.next_update == 1
+    assert sum(p.sums["loss"] for p in new) == sum(p.sums["loss"] for p in old)
+    assert new[0].groups == old[0].groups and all(p.groups == [] for p in new[1:])
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """On 2 ranks: each script uninterrupted and stopped at each check in turn (OUT/two/<script>/straight, stop<k>),
