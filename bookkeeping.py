@@ -369,7 +369,7 @@ def _to(obj, device):
 class PendingStep:
     """What a stop mid-step leaves on this rank; only `batch` is on the training device, the rest on CPU."""
     step: int  # the unfinished step
-    record: dict  # its metrics record so far (rollout, advantages, pi_old): the same on every rank
+    record: dict  # its metrics record so far (rollout, advantages, pi_old); rank 0's is the one logged
     groups: list  # its first group on this rank (samples.jsonl)
     update_rows: list  # the rows of each of its updates (tensors)
     batch: dict  # the batch's tensors (common, section 4)
@@ -415,9 +415,10 @@ def reshard_pending(pendings: list[PendingStep], rank: int, world: int, pad_id: 
     order, are cut into `world` contiguous shares of one size, so that every rank trains as many rows and
     issues the same collectives; a share a group short gets a copy of one with its mask zeroed (it adds to no
     loss, count or sum). The loss denominators are global: the update is the one the old ranks would have
-    made. The step's sums so far go to rank 0 (they are summed over ranks when logged); the record and the
-    algorithm's step state are the same on every rank. Example: 3 groups left on 1 rank, for 2 ranks -> rank
-    0 takes groups 0 and 1, rank 1 group 2 and a zeroed copy of group 0."""
+    made. The step's sums so far go to rank 0 (they are summed over ranks when logged); every rank takes old
+    rank 0's record (the one logged) and the algorithm's step state (the same on every rank).
+    Example: 3 groups left on 1 rank, for 2 ranks -> rank 0 takes groups 0 and 1, rank 1 group 2 and a zeroed
+    copy of group 0."""
     head = pendings[0]
     prompt_width = max(p.batch["input_ids"].shape[1] - p.batch["mask"].shape[1] for p in pendings)
     width = (prompt_width, max(p.batch["mask"].shape[1] for p in pendings))  # (P, T) of the new batch
