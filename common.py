@@ -36,7 +36,9 @@ class TrainConfig:
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
     demo: str = "arith"  # the shipped demo: reasoning (the command line's default: a trace before the
     #   answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags:
-    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs)
+    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs);
+    #   a --model of your own gets none unless given, and must set the flags the demos size
+    #   (bookkeeping.DEMO_SIZED: the run stops naming them)
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
     #   see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
@@ -199,10 +201,11 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
               "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}
     if mismatch:  # engine vs trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
         compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
+        measured = max(totals["compared"] + totals["boundary"], 1.0)  # (rejected ones too: mismatch_sums)
         record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
                        "rollout/kl_k1": totals["kl_k1"] / compared,
                        "rollout/kl_k3": totals["kl_k3"] / compared,
-                       "rollout/nucleus_boundary_frac": totals["boundary"] / tokens})
+                       "rollout/nucleus_boundary_frac": totals["boundary"] / measured})
     return record
 
 
@@ -334,6 +337,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 #    advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
 #    old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
 #    is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
+#    rejected                   (B, T)    rollout_correction  --rollout_is_mask: tokens it took out of mask
 #    weight                     (B, T)    the script          each token's share of its update's loss
 #    bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
 def group_tokens(group: dict) -> int:
@@ -544,13 +548,16 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of
-    |log r| and the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw
-    (`compared`), and the count of `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no
-    mass there: log r is OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a
-    ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    """The engine/trainer gap on a micro-batch's trained tokens, those --rollout_is_mask rejected included
+    (the same tokens with or without it), log r = log pi_old - log pi_rollout: sums of |log r| and the k1 and
+    k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and the count of
+    `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no mass there: log r is
+    OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a ~1e4 term in the mean:
+    0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
     old = mb.get("old_logp_nucleus", mb["old_logp"])
     mask = mb["mask"].to(old.dtype)
+    if "rejected" in mb:  # (disjoint from the mask: rollout_correction moved them out of it)
+        mask = mask + mb["rejected"].to(old.dtype)
     boundary = mask * (old <= OUTSIDE_NUCLEUS)
     compared = mask - boundary
     log_r = (old - mb["rollout_logp"]) * compared
