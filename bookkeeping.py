@@ -20,8 +20,10 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from tqdm import tqdm
 
+import crosscheck
 from common import evaluate_sets
 from dataset import PromptStream, parse_eval_data
 from modeling import full_state_dict
@@ -36,7 +38,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # --demo: a shipped demo as the flags it stands for. On the command line the default is `reasoning`
 # (demo/reasoning/README.md); `arith` is the dataclass defaults, which is also what Config() in code runs.
 # A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
-# override both.
+# override both. A --model of the user's own is no demo's: no demo applies unless --demo is given (and then a
+# note says which of its values the model runs on), and the knobs the defaults size for a demo (DEMO_SIZED)
+# must be set, by flags or the --algo preset, or the run stops naming them.
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
 _REASONING = os.path.join(DEMO_DIR, "reasoning")
 COMMAND_LINE_DEMO = "reasoning"  # what `python da3po.py` with no flags runs
@@ -45,6 +49,35 @@ DEMOS = {"arith": {},
                        "train_data": os.path.join(_REASONING, "train.jsonl"),
                        "eval_data": os.path.join(_REASONING, "eval.jsonl"),
                        "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
+DEMO_MODELS = ("demo", os.path.join(DEMO_DIR, "model"), os.path.join(_REASONING, "model"))
+# The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch, the tiny
+# model's learning rate): a real run sets each (docs/gpu.md's recipes do); an --eval_only run the first two.
+DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step",
+              "lr")
+EVAL_ONLY_SIZED = ("eval_data", "max_new_tokens")
+
+
+def is_demo_model(name: str) -> bool:
+    """--model names a shipped demo's model ('demo', or one of the demo folders)."""
+    return any(name == m or os.path.realpath(name) == os.path.realpath(m) for m in DEMO_MODELS)
+
+
+def _demo_sized(given: dict, demo: str, cfg, argv_model: str) -> dict:
+    """The demo-sized knobs a --model of the user's own would get from no flag: with --demo, the demo's (said
+    in one note); without, none (the run stops, naming the flags to set)."""
+    needed = EVAL_ONLY_SIZED if given.get("eval_only") else DEMO_SIZED
+    missing = [k for k in needed if k not in given]
+    if not missing:
+        return {}
+    if not demo:
+        die(f"--model {argv_model} is not a demo's model: set {', '.join('--' + k for k in missing)} (their "
+            f"defaults are sized for the CPU demos; docs/gpu.md has the papers' recipes), or --demo "
+            f"{'|'.join(DEMOS)} for a demo's values")
+    values = {k: DEMOS[demo].get(k, getattr(cfg, k)) for k in missing}
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: --model {argv_model} runs on --demo {demo}'s "
+              + ", ".join(f"{k} {v}" for k, v in values.items()), flush=True)
+    return values
 
 
 def _field_comments(cls) -> dict[str, str]:
@@ -65,9 +98,10 @@ def _field_comments(cls) -> dict[str, str]:
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Precedence: dataclass defaults < --demo (reasoning unless given) < preset of --algo < explicit flags
-    (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated flag exits 2 naming it; overriding a
-    preset prints a note."""
+    """Precedence: dataclass defaults < --demo (reasoning unless given; none for a --model of the user's own)
+    < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated
+    flag exits 2 naming it; overriding a preset prints a note; a model of the user's own missing a DEMO_SIZED
+    knob exits 2 naming them all (with --demo: a note naming the demo's values it gets)."""
     comments = _field_comments(cls)
     repo = os.path.dirname(DEMO_DIR)
     demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
@@ -75,7 +109,8 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     parser = argparse.ArgumentParser(
         prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False,
         epilog=f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
-               "are --demo arith's.")
+               f"are --demo arith's. A --model of your own runs on no demo's values: it needs "
+               f"{', '.join('--' + k for k in DEMO_SIZED)} (docs/gpu.md's recipes set them).")
     for f in fields(cls):
         default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
         help_text = f"{comments.get(f.name, '')} (default: {default!r})".replace("%", "%%")
@@ -87,8 +122,9 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
                                 metavar=type(f.default).__name__.upper(), **kw)
     given = vars(parser.parse_args(argv))
     cfg = cls()
-    demo = given.setdefault("demo", COMMAND_LINE_DEMO)
-    if demo not in DEMOS:
+    own_model = "model" in given and not is_demo_model(given["model"])  # a model of the user's own
+    demo = given.setdefault("demo", "" if own_model else COMMAND_LINE_DEMO)  # "": no demo applies
+    if demo not in DEMOS and not (own_model and demo == ""):
         parser.error(f"argument --demo: invalid choice {demo!r} (choose from {', '.join(DEMOS)})")
     if presets is not None:
         algo = given.get("algo", cfg.algo)
@@ -98,7 +134,9 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
             if k in given and given[k] != v and os.environ.get("RANK", "0") == "0":
                 print(f"note: --{k} {given[k]} overrides the {algo} preset's {k} = {v}", flush=True)
         given = {**presets[algo], **given}
-    given = {**DEMOS[demo], **given}
+    if own_model:
+        given = {**_demo_sized(given, demo, cfg, given["model"]), **given}
+    given = {**DEMOS.get(demo, {}), **given}
     for k, v in given.items():
         setattr(cfg, k, v)
     return cfg
@@ -128,7 +166,7 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
     for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer",
-                 "micro_batch_tokens", "logprob_chunk"):
+                 "micro_batch_tokens", "logprob_chunk", "crosscheck_train"):
         if getattr(cfg, name) < 0:
             die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens",
@@ -160,6 +198,10 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         die(f"--oversample must be >= 1, got {cfg.oversample}")
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
         die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
+    if cfg.crosscheck_train and not cfg.verifier_crosscheck:
+        die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
+    if cfg.verifier_crosscheck and crosscheck.missing():
+        die(f"--verifier_crosscheck: {crosscheck.missing()}")
     parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
     if check_algorithm is not None:
         check_algorithm(cfg)
@@ -177,7 +219,7 @@ class Logger:
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
             if cfg.resume:
-                for name in ("metrics.jsonl", "samples.jsonl"):
+                for name in ("metrics.jsonl", "samples.jsonl", "crosscheck.jsonl"):
                     _truncate_jsonl(os.path.join(cfg.out_dir, name), resumed_step)
             config = config_dict(cfg, dist_info.world_size)
             print0("config: " + " ".join(f"{k}={v}" for k, v in config.items()))
@@ -187,6 +229,11 @@ class Logger:
                 self.tracker = Tracker(cfg.report_to, cfg.out_dir, config, cfg.wandb_project)
 
     def log(self, record: dict, name: str = "metrics.jsonl"):
+        rows = record.get("crosscheck_samples")  # --verifier_crosscheck's disagreements: a file of their own
+        if rows is not None:
+            record = {k: v for k, v in record.items() if k != "crosscheck_samples"}
+            for row in rows:
+                self.log({"step": record["step"], **row}, "crosscheck.jsonl")
         if self.enabled:
             with open(os.path.join(self.out_dir, name), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
@@ -266,8 +313,8 @@ def format_step(step: int, steps: int, record: dict) -> str:
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,
                      before: dict | None = None) -> dict:
-    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); with
-    `before`, the step-0 evaluation's record, the run's gain too."""
+    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); at
+    the last step, with `before`, the step-0 evaluation's record, the run's gain too."""
     scores = evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)
     record = {"step": step, **scores}
     logger.log(record)
@@ -280,13 +327,18 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
         label = f" [{name}]" if len(eval_sets) > 1 else ""
         logger.line(f"eval step {step}{label}: acc {scores['acc']:.3f} | {passes}"
                     + (f" | {levels}" if levels else ""))
-    if before is not None and before["step"] == 0:
+    if before is not None and before["step"] == 0 and step == cfg.steps:
         print0(f"eval/acc before {before['eval/acc']:.3f} -> after {record['eval/acc']:.3f}")
     return record
 
 
-def step_bar(steps: range, dist_info: DistInfo):
-    """The loop's steps, with a progress bar on rank 0 in a terminal (none in a log file)."""
+def step_bar(start_step: int, cfg, dist_info: DistInfo):
+    """The loop's steps, those after start_step up to --steps (none with --eval_only), with a progress bar on
+    rank 0 in a terminal (none in a log file). A --resume with none left says that the run is done."""
+    steps = range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1)
+    if cfg.resume and not steps and not cfg.eval_only:
+        print0(f"--resume: the run is done (step {start_step} of {cfg.steps}, its evaluation too): "
+               f"nothing to add (a larger --steps trains on)")
     return tqdm(steps, desc="steps", leave=False, disable=not dist_info.is_main or not sys.stderr.isatty())
 
 
@@ -327,13 +379,14 @@ def _to(obj, device):
 class PendingStep:
     """What a stop mid-step leaves on this rank; only `batch` is on the training device, the rest on CPU."""
     step: int  # the unfinished step
-    record: dict  # its metrics record so far (rollout, advantages, pi_old)
+    record: dict  # its metrics record so far (rollout, advantages, pi_old); rank 0's is the one logged
     groups: list  # its first group on this rank (samples.jsonl)
     update_rows: list  # the rows of each of its updates (tensors)
     batch: dict  # the batch's tensors (common, section 4)
     next_update: int  # the first update not yet applied
-    sums: dict  # Sums.sums of its updates so far
-    algo: dict  # the algorithm's own sums over the step (algo.step_state(): DARO's per-bin sums)
+    sums: dict  # Sums.sums of its updates so far on this rank (summed over ranks when logged)
+    algo: dict  # the algorithm's own sums over the step, the same on every rank (algo.step_state(): DARO's
+    #             per-bin sums)
 
     def plain(self) -> dict:
         """Tensors and plain types on the CPU, for torch's safe loader."""
@@ -346,10 +399,70 @@ class PendingStep:
         return self.record, self.groups, self.update_rows, self.batch, self.next_update
 
 
+def _group_rows(pending: PendingStep, rows: torch.Tensor) -> list[torch.Tensor]:
+    """An update's rows on one rank, cut into its groups (make_batch lays a group's rows out together)."""
+    counts = torch.unique_consecutive(pending.batch["group"][rows], return_counts=True)[1]
+    return list(rows.split(counts.tolist()))
+
+
+def _repadded(pending: PendingStep, key: str, rows: torch.Tensor, width: tuple, pad_id: int) -> torch.Tensor:
+    """pending.batch[key][rows] in a batch of `width` (P, T): prompts left-padded to P, completions
+    right-padded to T (common.make_batch's layout), with pad_id (input_ids) or 0."""
+    x = pending.batch[key][rows]
+    if x.dim() == 1:
+        return x
+    T = pending.batch["mask"].shape[1]
+    if key not in ("input_ids", "attention_mask"):  # (B, T): completion columns only
+        return F.pad(x, (0, width[1] - T))
+    value = pad_id if key == "input_ids" else 0
+    P = x.shape[1] - T
+    return F.pad(F.pad(x, (width[0] - P, 0), value=value), (0, width[1] - T), value=value)
+
+
+def reshard_pending(pendings: list[PendingStep], rank: int, world: int, pad_id: int) -> PendingStep:
+    """This rank's share of a step a stop interrupted on len(pendings) ranks, for a run on `world` ranks (each
+    rank computes it from all the saved ones, no collective). Each remaining update's groups, in old-rank
+    order, are cut into `world` contiguous shares of one size, so that every rank trains as many rows and
+    issues the same collectives; a share a group short gets a copy of one with its mask zeroed (it adds to no
+    loss, count or sum). The loss denominators are global: the update is the one the old ranks would have
+    made. The step's sums so far go to rank 0 (they are summed over ranks when logged); every rank takes old
+    rank 0's record (the one logged) and the algorithm's step state (the same on every rank).
+    Example: 3 groups left on 1 rank, for 2 ranks -> rank 0 takes groups 0 and 1, rank 1 group 2 and a zeroed
+    copy of group 0."""
+    head = pendings[0]
+    prompt_width = max(p.batch["input_ids"].shape[1] - p.batch["mask"].shape[1] for p in pendings)
+    width = (prompt_width, max(p.batch["mask"].shape[1] for p in pendings))  # (P, T) of the new batch
+    pieces = []  # this rank's groups: (the pending step holding it, its rows there, trained or a copy)
+    update_rows = []
+    for u in range(len(head.update_rows)):
+        if u < head.next_update:  # applied before the stop
+            update_rows.append(torch.arange(0))
+            continue
+        groups = [(p, rows, True) for p in pendings for rows in _group_rows(p, p.update_rows[u])]
+        share = -(-len(groups) // world)  # groups per rank, rounded up
+        mine = groups[rank * share:(rank + 1) * share]
+        mine += [(groups[0][0], groups[0][1], False)] * (share - len(mine))  # copies to train nothing
+        start = sum(len(rows) for _, rows, _ in pieces)
+        pieces += mine
+        update_rows.append(torch.arange(start, start + sum(len(rows) for _, rows, _ in mine)))
+    batch = {k: torch.cat([_repadded(p, k, rows, width, pad_id) for p, rows, _ in pieces])
+             for k in head.batch}
+    batch["group"] = torch.cat([torch.full((len(rows),), i) for i, (_, rows, _) in enumerate(pieces)])
+    trained = torch.cat([torch.full((len(rows),), t) for _, rows, t in pieces]).unsqueeze(-1)  # (B, 1)
+    for key in ("mask", "rejected"):  # what the losses and sums count (common.token_losses)
+        if key in batch:
+            batch[key] = batch[key] * trained
+    sums = {k: sum(p.sums[k] for p in pendings) if rank == 0 else 0.0 for k in head.sums}
+    groups = head.groups if rank == 0 else []  # (samples.jsonl, written by rank 0)
+    return PendingStep(head.step, head.record, groups, update_rows, batch, head.next_update, sums, head.algo)
+
+
 def _load_plain(path: str):
-    """torch.load with the safe loader; a file with more than tensors and plain types dies with one line."""
+    """torch.load with the safe loader, onto the CPU whatever device a tensor was saved from (a GPU run's
+    checkpoint resumes anywhere; under torchrun no rank loads onto GPU 0); a file with more than tensors and
+    plain types dies with one line."""
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded: unpickling it "
             f"could run code (a checkpoint written before this format, by an older version of this code, "
@@ -395,7 +508,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         skeleton.save_pretrained(tmp, state_dict=state_dict)
         tok.save_pretrained(tmp)
         torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
-                    "optimizer_fresh": fresh, "data_position": stream.position, **extra},
+                    "optimizer_fresh": fresh, "data_position": stream.position,
+                    "pad_token_id": tok.pad_token_id, **extra},  # (a stopped step's batch, split anew)
                    os.path.join(tmp, "trainer.pt"))
     dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
              checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not is_dist())
@@ -443,7 +557,8 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
                     dist_info: DistInfo):
     """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
     scheduler, data position, this rank's RNGs (a fresh run seeds them instead; so does a run on another
-    number of ranks: the saved streams belong to the old ranks). Returns (the step to continue after, the
+    number of ranks: the saved streams belong to the old ranks; a stopped step's work is then split anew,
+    reshard_pending). Returns (the step to continue after, the
     saved state: the algorithm's entries, "eval_due", and "pending": this rank's PendingStep or None)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -461,16 +576,16 @@ def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, s
         mine = _load_plain(os.path.join(ckpt, f"rank{dist_info.rank}.pt"))
         set_rng_state(mine["rng"])
         state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
-        if state["pending"]:  # its batch to the training device (see PendingStep)
-            state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     else:
-        if any(_load_plain(f)["pending"] is not None
-               for f in glob.glob(os.path.join(ckpt, "rank*.pt"))):
-            die(f"--resume: {ckpt} was saved in the middle of a step on {state['world_size']} ranks; "
-                f"resume it on {state['world_size']} ranks (the step's work is split by rank), then change")
+        files = [os.path.join(ckpt, f"rank{r}.pt") for r in range(state["world_size"])]
+        saved = [_load_plain(f)["pending"] for f in files]  # every old rank's: the step's rows, split anew
         print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has {dist_info.world_size}: "
-               f"the optimizer state is resharded, the sampling RNGs are seeded afresh")
+               f"the optimizer state is resharded, the sampling RNGs are seeded afresh"
+               + (", the stopped step's remaining work is split anew" if saved[0] else ""))
         seed_everything(seed + dist_info.rank + 1_000_003 * state["step"])
-        state["pending"] = None
+        state["pending"] = saved[0] and reshard_pending([PendingStep(**p) for p in saved], dist_info.rank,
+                                                        dist_info.world_size, state.get("pad_token_id", 0))
+    if state["pending"]:  # its batch to the training device (see PendingStep)
+        state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     print0(f"resumed from {ckpt} (step {state['step']})")
     return state["step"], state

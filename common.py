@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import crosscheck
 from dataset import PromptStream, parse_eval_data
 from modeling import OUTSIDE_NUCLEUS, autocast, forward_tokens, full_tensor, reshard, token_logprobs
 from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0, stop_requested
@@ -35,7 +36,9 @@ class TrainConfig:
     algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
     demo: str = "arith"  # the shipped demo: reasoning (the command line's default: a trace before the
     #   answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags:
-    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs)
+    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs);
+    #   a --model of your own gets none unless given, and must set the flags the demos size
+    #   (bookkeeping.DEMO_SIZED: the run stops naming them)
     model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
     #   see demo/build.py)
     train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
@@ -71,6 +74,10 @@ class TrainConfig:
     rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C] instead
     prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, else chat if any)
     answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
+    verifier_crosscheck: bool = False  # Math-Verify also judges the eval completions; log where it disagrees
+    #   with our verifier (crosscheck/*, out_dir/crosscheck.jsonl; requirements-crosscheck.txt)
+    crosscheck_train: int = 0  # with --verifier_crosscheck: completions of each training step it also judges
+    #   (all ranks together); 0 = evaluation only
     prompt_key: str = ""  # data field holding the problem
     #   ('' = try problem, question, prompt; dots for nested)
     answer_key: str = ""  # data field holding the answer
@@ -194,10 +201,11 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
               "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}
     if mismatch:  # engine vs trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
         compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
+        measured = max(totals["compared"] + totals["boundary"], 1.0)  # (rejected ones too: mismatch_sums)
         record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
                        "rollout/kl_k1": totals["kl_k1"] / compared,
                        "rollout/kl_k3": totals["kl_k3"] / compared,
-                       "rollout/nucleus_boundary_frac": totals["boundary"] / tokens})
+                       "rollout/nucleus_boundary_frac": totals["boundary"] / measured})
     return record
 
 
@@ -274,7 +282,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
-    local, kept, generated, n_batches, timeouts, verify_s = [], [], [], 0, 0, 0.0
+    local, kept, generated, n_batches, verify_s = [], [], [], 0, 0.0
+    troubles = torch.zeros(2)  # the verifier's timeouts and refused answers on this rank
     while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
         if n_batches and stop_requested():
             return None
@@ -282,7 +291,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
                                  cfg.temperature, cfg.top_p)
         summaries = all_gather_list([_summary(g, rank, len(local) + i) for i, g in enumerate(mine)])
         local += mine
-        timeouts, verify_s = timeouts + info["timeouts"], verify_s + info["seconds"]
+        troubles += torch.tensor([info["timeouts"], info["refused"]])
+        verify_s += info["seconds"]
         n_batches += 1
         generated += summaries
         kept += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
@@ -299,13 +309,19 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
     lengths = [n for g in generated for n in g["lengths"]]
+    timeouts, refused = all_reduce_sum(troubles).tolist()
     stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
              "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
              "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
              "train/num_completions": len(lengths), "train/response_len": sum(lengths) / len(lengths),
              "train/truncated_frac": sum(truncated) / len(truncated),
-             "verify/timeouts": all_reduce_sum(torch.tensor(float(timeouts))).item(),
+             "verify/timeouts": timeouts, "verify/refused": refused,
              "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
+    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of this step's completions, all ranks
+        t0 = time.perf_counter()
+        per_rank = math.ceil(cfg.crosscheck_train / world)
+        stats.update(crosscheck.check_groups(local, cfg, "train", per_rank, rank))
+        stats["time/crosscheck_s"] = time.perf_counter() - t0
     return kept, generated, stats
 
 
@@ -321,6 +337,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 #    advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
 #    old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
 #    is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
+#    rejected                   (B, T)    rollout_correction  --rollout_is_mask: tokens it took out of mask
 #    weight                     (B, T)    the script          each token's share of its update's loss
 #    bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
 def group_tokens(group: dict) -> int:
@@ -531,13 +548,16 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens, log r = log pi_old - log pi_rollout: sums of
-    |log r| and the k1 and k3 estimates of KL(rollout || old) over the tokens both samplers could draw
-    (`compared`), and the count of `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no
-    mass there: log r is OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a
-    ~1e4 term in the mean: 0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    """The engine/trainer gap on a micro-batch's trained tokens, those --rollout_is_mask rejected included
+    (the same tokens with or without it), log r = log pi_old - log pi_rollout: sums of |log r| and the k1 and
+    k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and the count of
+    `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no mass there: log r is
+    OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a ~1e4 term in the mean:
+    0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
     old = mb.get("old_logp_nucleus", mb["old_logp"])
     mask = mb["mask"].to(old.dtype)
+    if "rejected" in mb:  # (disjoint from the mask: rollout_correction moved them out of it)
+        mask = mask + mb["rejected"].to(old.dtype)
     boundary = mask * (old <= OUTSIDE_NUCLEUS)
     compared = mask - boundary
     log_r = (old - mb["rollout_logp"]) * compared
@@ -645,6 +665,9 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
     for level in sorted({lv for _, _, lv, _ in results}):
         sel = [(m, c) for m, c, lv, _ in results if lv == level]
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
+    if cfg.verifier_crosscheck:  # every completion, on every rank
+        checks = crosscheck.check_groups(groups, cfg, "eval", rank=rank)
+        out.update({k if k == "crosscheck_samples" else "eval/" + k: v for k, v in checks.items()})
     return out
 
 
@@ -653,12 +676,15 @@ def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int 
     """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as eval/<set>/...;
     the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over the sets with the key."""
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
-    out, per_set = {}, []
+    out, per_set, samples = {}, [], []
     for (name, problems), k in zip(eval_sets.items(), ks):
         scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
+        samples += [{**row, "where": f"eval/{name}"} for row in scores.pop("crosscheck_samples", [])]
         per_set.append(scores)
         out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
     for key in dict.fromkeys(key for scores in per_set for key in scores):  # every key, in first-seen order
         values = [s[key] for s in per_set if key in s]
         out[key] = sum(values) / len(values)
+    if cfg.verifier_crosscheck:
+        out["crosscheck_samples"] = samples  # written by Logger.log, never a metric
     return out

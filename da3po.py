@@ -235,13 +235,12 @@ def main(cfg: Config):
     if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
         first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
-    guard, pending = UpdateGuard(cfg.max_bad_updates), state["pending"]  # pending: a step a stop interrupted
-    for step in step_bar(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), dist_info):
-        timer, sums, my_groups, update_rows, first = StepTimer(), Sums(*TRAIN_SUMS), [], [], 0
-        if pending:  # the rest of a step that a stop interrupted between two updates
-            record, my_groups, update_rows, batch, first = pending.resume(sums, algo)
-            pending = None
-        else:
+    guard = UpdateGuard(cfg.max_bad_updates)
+    pending = state["pending"]  # the rest of a step a stop interrupted between two updates, if any
+    for step in step_bar(start_step, cfg, dist_info):
+        timer = StepTimer()
+        sums = Sums(*TRAIN_SUMS)
+        if pending is None:
             # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
             start = (stream.position, rng_state())
             with timer("rollout"):
@@ -253,7 +252,8 @@ def main(cfg: Config):
                 return stop_run(engine, f"in step {step}'s rollout")
             kept, generated, record = rollout
             algo.count_passes(generated)  # --p_estimate running
-            if kept:  # (a step that keeps no group is logged and skipped)
+            my_groups, update_rows, next_update = [], [], 0  # (a step that keeps no group is logged, skipped)
+            if kept:
                 with timer("update"):
                     # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
                     my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
@@ -265,13 +265,16 @@ def main(cfg: Config):
                     #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
                     record.update(rollout_correction(batch, cfg))
+        else:  # resumed mid-step: the updates left, split by rank anew if the number of ranks changed
+            record, my_groups, update_rows, batch, next_update = pending.resume(sums, algo)
+            pending = None
         if update_rows:
             engine.sleep()  # vLLM on a GPU: its weights' and KV cache's memory go to the updates
             with timer("update"):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-                for u in range(first, len(update_rows)):
-                    if u > first and stop_requested():  # between updates: the checkpoint keeps the rest
+                for u in range(next_update, len(update_rows)):
+                    if u > next_update and stop_requested():  # between updates: the checkpoint keeps the rest
                         save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
                                                            sums.sums, algo.step_state()))
                         return stop_run(engine, f"in step {step} before update {u}")
@@ -298,15 +301,13 @@ def main(cfg: Config):
         logger.samples(step, my_groups)  # every --sample_every steps
         # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
-        eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+        eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:
-            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step)
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=first_eval)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping:
             save(step, eval_due=stopping and eval_due)
         if stopping:
             return stop_run(engine, f"at step {step}")
-    if not cfg.eval_only:
-        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps, before=first_eval)
     cleanup_dist(engine)
 
 

@@ -149,7 +149,8 @@ class DARO:
     """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G),
     0 at start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's
     weight decay (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); --weighting
-    closed sets s_mu itself (its Adam unused). `bins` (3, G+1), per bin: L_mu summed, updates, groups."""
+    closed sets s_mu itself (its Adam unused). `bins` (3, G+1), per bin over the step's updates, the same on
+    every rank: L_mu summed, updates, groups."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         self.cfg, self.G, self.device = cfg, cfg.group_size, device
@@ -167,10 +168,14 @@ class DARO:
         self.bin_loss = torch.zeros(self.G + 1, device=device)
 
     def state_dict(self) -> dict:
+        """On the CPU, so that a checkpoint resumes on any device (Adam's load_state_dict moves its moments to
+        the weights' device)."""
+        weight_opt = self.weight_opt.state_dict()
+        moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in weight_opt["state"].items()}
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
-                "weight_optimizer": self.weight_opt.state_dict()}
+                "weight_optimizer": {**weight_opt, "state": moments}}
 
-    def step_state(self) -> dict:  # sums over the step that a stop between two updates must keep (on the CPU)
+    def step_state(self) -> dict:  # the step's sums a stop between two updates keeps: on the CPU, all ranks'
         return {"bins": self.bins}
 
     def load_step_state(self, state: dict):
@@ -183,7 +188,8 @@ class DARO:
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
         if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
-        self.bins[2] = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin
+        groups = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin, this rank
+        self.bins[2] = all_reduce_sum(groups)  # all ranks (like the other step sums: the same on every rank)
         return advantage
 
     def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -216,10 +222,9 @@ class DARO:
         the updates with bin mu, else 0), n_mu (groups trained on, all ranks); resets `bins`."""
         G, bins, self.bins = self.G, self.bins, torch.zeros(3, self.G + 1)
         w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()  # as applied
-        counts = all_reduce_sum(bins[2])  # groups trained on, per bin, over all ranks
         metrics = {}
         for i in range(G + 1):
-            metrics[f"daro/n_{i / G:.3f}"] = counts[i].item()
+            metrics[f"daro/n_{i / G:.3f}"] = bins[2][i].item()  # groups trained on, all ranks
             if 0 < i < G:
                 metrics[f"daro/w_{i / G:.3f}"] = w[i].item()
                 metrics[f"daro/L_{i / G:.3f}"] = (bins[0][i] / bins[1][i].clamp(min=1)).item()
@@ -257,13 +262,12 @@ def main(cfg: Config):
     if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
         first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
-    guard, pending = UpdateGuard(cfg.max_bad_updates), state["pending"]  # pending: a step a stop interrupted
-    for step in step_bar(range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1), dist_info):
-        timer, sums, my_groups, update_rows, first = StepTimer(), Sums(*TRAIN_SUMS), [], [], 0
-        if pending:  # the rest of a step that a stop interrupted between two updates
-            record, my_groups, update_rows, batch, first = pending.resume(sums, algo)
-            pending = None
-        else:
+    guard = UpdateGuard(cfg.max_bad_updates)
+    pending = state["pending"]  # the rest of a step a stop interrupted between two updates, if any
+    for step in step_bar(start_step, cfg, dist_info):
+        timer = StepTimer()
+        sums = Sums(*TRAIN_SUMS)
+        if pending is None:
             # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
             start = (stream.position, rng_state())
             with timer("rollout"):
@@ -274,7 +278,8 @@ def main(cfg: Config):
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
             kept, generated, record = rollout
-            if kept:  # (a step that keeps no group is logged and skipped)
+            my_groups, update_rows, next_update = [], [], 0  # (a step that keeps no group is logged, skipped)
+            if kept:
                 with timer("update"):
                     # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
                     my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
@@ -286,13 +291,16 @@ def main(cfg: Config):
                     #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
                     record.update(rollout_correction(batch, cfg))
+        else:  # resumed mid-step: the updates left, split by rank anew if the number of ranks changed
+            record, my_groups, update_rows, batch, next_update = pending.resume(sums, algo)
+            pending = None
         if update_rows:
             engine.sleep()  # vLLM on a GPU: its weights' and KV cache's memory go to the updates
             with timer("update"):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-                for u in range(first, len(update_rows)):
-                    if u > first and stop_requested():  # between updates: the checkpoint keeps the rest
+                for u in range(next_update, len(update_rows)):
+                    if u > next_update and stop_requested():  # between updates: the checkpoint keeps the rest
                         save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
                                                            sums.sums, algo.step_state()))
                         return stop_run(engine, f"in step {step} before update {u}")
@@ -320,15 +328,13 @@ def main(cfg: Config):
         logger.samples(step, my_groups)  # every --sample_every steps
         # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
-        eval_due = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+        eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:
-            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step)
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=first_eval)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping:
             save(step, eval_due=stopping and eval_due)
         if stopping:
             return stop_run(engine, f"at step {step}")
-    if not cfg.eval_only:
-        evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, cfg.steps, before=first_eval)
     cleanup_dist(engine)
 
 

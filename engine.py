@@ -401,7 +401,8 @@ def rollout_correction(batch: dict, cfg) -> dict:
       sequence   w_i = exp(sum_t (log pi_old_t - log pi_rollout_t)): the completion's product, on its tokens
     Truncation (default): w <- min(w, C), C = --rollout_is_cap (2, as verl). With --rollout_is_mask, tokens
     (sequences) with w outside [1/C, C] are rejected instead: batch["mask"] drops them from the loss and its
-    denominators (zeroing only their weight would still count them: the bug verl fixed in v0.6.1). With
+    denominators (zeroing only their weight would still count them: the bug verl fixed in v0.6.1), and
+    batch["rejected"] keeps them for the engine/trainer gap (mismatch_sums), which they are the worst of. With
     top_p < 1 the engine's log-probs are of its nucleus, so pi_old is renormalised over its own nucleus too
     (old_logp_nucleus): against the full softmax even a perfect engine would get weights below 1. Unlike
     verl and TRL: one cap C for both bounds, no bypass mode, no veto, no geometric-mean level."""
@@ -415,6 +416,7 @@ def rollout_correction(batch: dict, cfg) -> dict:
     cap = cfg.rollout_is_cap
     outside = ((raw > cap) | (raw < 1 / cap)) if cfg.rollout_is_mask else raw > cap
     if cfg.rollout_is_mask:
+        batch["rejected"] = batch["mask"].bool() & outside  # out of the loss, still in the mismatch metrics
         batch["mask"] = batch["mask"] * ~outside
         weight = raw
     else:

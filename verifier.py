@@ -12,7 +12,7 @@ Public API:
   math_equal(pred, gold, timeout=1.0) -> bool                     one extracted answer against one gold answer
   verify_batch(completions, golds, answer_format="auto", timeout=1.0, num_workers=0) -> (list[bool], dict)
       extract and compare every pair; the dict counts what happened in this call: timeouts, symbolic (pairs sent to
-      the workers), cached, inline, crashed, no_answer
+      the workers), cached, inline, crashed, refused (too large to judge; logged with the reason), no_answer
   majority_vote(answers, timeout=1.0, num_workers=0) -> (index | None, votes)
       the most frequent of a problem's extracted answers, equivalent answers counted as one (maj@k); ties: the
       answer seen first
@@ -21,10 +21,13 @@ Public API:
 Safety model. Model output is untrusted input, and nothing here executes it: no eval, exec, sympify or parse_expr;
 the parser builds sympy objects directly, and an answer can only reach a fixed table of functions and constants.
 Sizes are bounded before sympy sees anything (answer length, bracket nesting, exponents, factorials, binomials).
-Every call returns within a time bound: the symbolic step runs in a forked worker process that is SIGKILLed at its
-deadline (`timeout` seconds per pair from its dispatch; a batch takes at most about ceil(undecided pairs / workers)
-* timeout). Nothing raises on odd input: every doubtful case (unparseable, too large, too slow, worker died) is
-"not equal", because a wrong verdict costs one noisy reward and a hang or a crash costs the whole run.
+Every call returns within a time bound: extraction reads a completion of up to _MAX_TEXT characters in linear time
+(each brace at most twice); an answer too long to parse is compared only if it is a plain number (of any length),
+else refused, counted and logged, never mistaken for a missing answer; the symbolic step runs in a forked worker
+process that is SIGKILLed at its deadline (`timeout` seconds per pair from its dispatch; a batch takes at most
+about ceil(undecided pairs / workers) * timeout). Nothing raises on odd input: every doubtful case (unparseable,
+refused, too slow, worker died) is "not equal", because a wrong verdict costs one noisy reward and a hang or a
+crash costs the whole run.
 
 Copying it into another project: this one file is the whole verifier. It imports only the standard library, sympy
 and mpmath (`pip install sympy` brings both), and it needs the 'fork' start method (Linux; why in section 5).
@@ -41,6 +44,7 @@ Sections: 1 extraction, 2 normalisation and plain numbers, 3 parser, 4 compariso
 import argparse
 import atexit
 import json
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -51,6 +55,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
+from decimal import Decimal
 from fractions import Fraction
 
 import mpmath
@@ -63,9 +68,12 @@ __all__ = ["extract_answer", "math_equal", "verify_batch", "close_verifier_pool"
 # Limits and tolerances, shared by all sections.
 
 # Safety bounds, all checked before sympy sees anything: together they cap what one hostile or degenerate
-# completion can cost (a 1 MB completion, 9^9^9^9, ((((...)))) nesting) at about one worker timeout per pair.
-_EXTRACT_WINDOW = 20_000  # only the tail of a completion is scanned: answers come last, and 1 MB stays cheap
-_MAX_LEN = 1000           # answers longer than this (after extraction) are rejected, never parsed
+# completion can cost (megabytes of text, 9^9^9^9, ((((...)))) nesting) at about one worker timeout per pair.
+_MAX_TEXT = 4_000_000     # longer completions are refused (counted, logged), never scanned: ~1M tokens
+_MAX_BOXES = 1000         # only a completion's last 1000 \boxed (and 'Answer:' lines) are candidates
+_MAX_BRACES = 100_000     # a first look at the last box stops after this many braces (the full pass does not)
+_MAX_LEN = 1000           # answers longer than this (after normalising) are never parsed
+_MAX_RAW = 4 * _MAX_LEN   # longer raw answers are compared only as plain numbers (any length), else refused
 _MAX_NEST = 50            # bracket nesting limit; keeps the recursive-descent parser far from RecursionError
 _MAX_EXP = 10_000         # largest exponent magnitude we will ever build (blocks 9^9^9^9, 10^{10^{10}})
 _MAX_BITS = 100_000       # largest integer power we let sympy evaluate (about 30k digits)
@@ -74,60 +82,96 @@ _MAX_BITS = 100_000       # largest integer power we let sympy evaluate (about 3
 _REL_TOL = 1e-4           # relative tolerance, used only when an answer contains a decimal literal
 _CACHE_SIZE = 100_000     # LRU entries keyed by the normalised (pred, gold) pair
 _MAX_TASKS_PER_WORKER = 5000  # recycle workers now and then: sympy caches grow without bound
+_LOG = logging.getLogger("verifier")  # one warning per call that refused an answer, with the reason
 
 
 # ------------------------------------------------------------------------------------------------------------
 # 1. Answer extraction: the last \boxed{...} (or \fbox) of a completion, else its last 'Answer: ...' line.
-#    Python's re cannot match nested braces, so braces are paired by one linear scan (_match_braces) instead;
-#    nothing here backtracks, and a 1 MB completion costs one pass over its last _EXTRACT_WINDOW characters.
+#    Python's re cannot match nested braces, so braces are paired by forward scans that jump from brace to brace
+#    (_BRACE_RE); nothing here backtracks. The whole completion is searched (an answer followed by megabytes of
+#    text is still found), at most twice per character, and memory stays at _MAX_BOXES candidates plus the answer.
 
-# (?![a-zA-Z]) keeps longer macro names out; [\s>*#_]* lets '**Answer:**', '> Answer:' and '## Answer:' match.
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
-_ANSWER_LINE_RE = re.compile(r"[\s>*#_]*answer\s*:\s*(.*)", re.IGNORECASE)
+# (?![a-zA-Z]) keeps longer macro names out; the group holds the spaces of `\boxed 5`.
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])( *)")
+_BRACE_RE = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped character (\{ \} \\: skipped) or a brace
+_BOX_TOKEN_RE = re.compile(r"[^\s$]{1,200}")  # the single token of `\boxed 5`
+# [^\S\n] is whitespace within the line; [>*#_] lets '**Answer:**', '> Answer:' and '## Answer:' match.
+_ANSWER_LINE_RE = re.compile(r"^(?:[^\S\n]|[>*#_])*answer[^\S\n]*:[^\S\n]*(.*)$", re.IGNORECASE | re.MULTILINE)
 
 
-def _match_braces(text: str) -> dict:
-    """Map each '{' index to its matching '}' index in one linear pass (escaped \\{ \\} are skipped)."""
-    pairs, stack, i = {}, [], 0
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # skip the escaped character, so \{ and \\ never count as grouping braces
-            continue
-        if ch == "{":
-            stack.append(i)
-        elif ch == "}" and stack:
-            pairs[stack.pop()] = i
-        i += 1
-    return pairs
+def _closing_brace(text: str, open_pos: int, max_steps: int = -1) -> int | None:
+    """Index of the '}' closing the '{' at open_pos (one forward scan); None if it never closes, or not within
+    max_steps braces and escapes (-1: no limit)."""
+    depth = 0
+    for m in _BRACE_RE.finditer(text, open_pos):
+        max_steps -= 1
+        if max_steps == -1:
+            return None
+        brace = m.group()
+        if brace == "{":
+            depth += 1
+        elif brace == "}":
+            depth -= 1
+            if depth == 0:
+                return m.start()
+    return None
+
+
+def _closing_braces(text: str, opens: list[int]) -> dict:
+    """The closing '}' of each '{' in `opens` (sorted positions), in one forward pass from the first: a
+    separate scan per box would cost len(text) per unbalanced box. Boxes that never close are absent."""
+    closes, pending, depth = {}, [], 0  # pending: (position, depth before it) of the open boxes
+    wanted = set(opens)
+    for m in _BRACE_RE.finditer(text, opens[0]):
+        brace = m.group()
+        if brace == "{":
+            if m.start() in wanted:
+                pending.append((m.start(), depth))
+            depth += 1
+        elif brace == "}" and depth:  # an unmatched '}' closes nothing
+            depth -= 1
+            if pending and pending[-1][1] == depth:
+                closes[pending.pop()[0]] = m.start()
+            if not pending and m.start() > opens[-1]:
+                break  # every box has been seen and none is open
+    return closes
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last balanced \\boxed{...} / \\fbox{...} (or `\\boxed 5`), else None."""
-    matches = list(_BOX_RE.finditer(text))
-    if not matches:
-        return None
+    """Content of the last balanced, non-empty \\boxed{...} / \\fbox{...} (or `\\boxed 5`), else None."""
     # The last box wins: models box intermediate results too, and the final answer comes last (the rule of
     # last_boxed_only_string in the MATH benchmark's code, reused by lm-eval and verl). Empty boxes are passed over.
-    pairs = _match_braces(text)  # one pass for all candidates keeps this linear even with 1000s of \boxed
-    for m in reversed(matches):
-        j = m.end()
-        while j < len(text) and text[j] == " ":
-            j += 1
-        if j < len(text) and text[j] == "{":
-            k = pairs.get(j)
-            if k is not None and text[j + 1:k].strip():
-                return text[j + 1:k].strip()
-        elif j > m.end():  # `\boxed 5`: a space then a single token (lm-eval / verl convention)
-            token = re.match(r"[^\s$]+", text[j:j + 200])
-            if token and token.group(0).rstrip(".,;"):
-                return token.group(0).rstrip(".,;")
+    boxes = deque(((m.end(), bool(m.group(1))) for m in _BOX_RE.finditer(text)), maxlen=_MAX_BOXES)
+
+    def content(j: int, spaced: bool, closes: dict) -> str | None:
+        if text.startswith("{", j):
+            k = closes.get(j)
+            return None if k is None else text[j + 1:k].replace("\x00", "").strip() or None
+        if spaced:  # `\boxed 5`: a space then a single token (lm-eval / verl convention)
+            token = _BOX_TOKEN_RE.match(text, j)
+            return token.group(0).rstrip(".,;") or None if token else None
+        return None
+
+    if not boxes:
+        return None
+    # The last box nearly always holds the answer and closes soon: its own scan usually settles the completion. It
+    # stops after _MAX_BRACES braces (no answer has that many), so no brace is scanned more than twice in all.
+    j, spaced = boxes[-1]
+    answer = content(j, spaced, {j: _closing_brace(text, j, _MAX_BRACES)} if text.startswith("{", j) else {})
+    if answer is not None:
+        return answer
+    opens = [j for j, _ in boxes if text.startswith("{", j)]
+    closes = _closing_braces(text, opens) if opens else {}
+    for j, spaced in reversed(boxes):
+        answer = content(j, spaced, closes)
+        if answer is not None:
+            return answer
     return None  # unbalanced or empty boxes do not count
 
 
 def _clean_answer_value(value: str) -> str:
     """Strip markdown bold, math delimiters, a wrapping \\boxed and a trailing period from an answer line."""
-    value = value.strip().strip("*").strip().rstrip(".").strip()
+    value = value.replace("\x00", "").strip().strip("*").strip().rstrip(".").strip()
     boxed = _last_boxed(value) if "\\boxed" in value or "\\fbox" in value else None
     if boxed is not None:
         return boxed
@@ -139,22 +183,22 @@ def _clean_answer_value(value: str) -> str:
 
 def extract_answer(text: str, answer_format: str = "auto") -> str | None:
     """Return the final answer in `text` (last \\boxed{} and/or last 'Answer:' line), or None."""
-    # Never raises: a reward function that throws on one odd completion would stop a training step.
+    # Never raises: a reward function that throws on one odd completion would stop a training step. A text over
+    # _MAX_TEXT characters gives None here; verify_batch counts it as refused, not as a missing answer.
     try:
         if not isinstance(text, str) or answer_format not in ("boxed", "answer_line", "auto"):
             return None
-        text = text[-_EXTRACT_WINDOW:].replace("\x00", "")
+        if len(text) > _MAX_TEXT:
+            return None
         if answer_format in ("boxed", "auto"):
             boxed = _last_boxed(text)
             if boxed is not None or answer_format == "boxed":
                 return boxed  # a \boxed answer takes priority over any 'Answer:' line
         # Last line first, for the same reason as the last box: earlier 'Answer:' lines may be drafts.
-        for line in reversed(text.splitlines()):
-            m = _ANSWER_LINE_RE.match(line)
-            if m:
-                value = _clean_answer_value(m.group(1))
-                if value:
-                    return value
+        for m in reversed(deque(_ANSWER_LINE_RE.finditer(text), maxlen=_MAX_BOXES)):
+            value = _clean_answer_value(m.group(1))
+            if value:
+                return value
         return None
     except Exception:
         return None
@@ -171,7 +215,30 @@ def extract_answer(text: str, answer_format: str = "auto") -> str | None:
 # indicator, is a common stand-in for the degree sign.
 _UNICODE = {"\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u00b7": "\\cdot ",
             "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt", "\u2264": "\\le ", "\u2265": "\\ge ",
-            "\u2260": "\\ne ", "\u00b1": "\\pm ", "\u222a": "\\cup ", "\u2208": "\\in ", "\u00ba": "\u00b0"}
+            "\u2260": "\\ne ", "\u00b1": "\\pm ", "\u222a": "\\cup ", "\u2208": "\\in ", "\u00ba": "\u00b0",
+            "\u2229": "\\cap ", "\u2216": "\\setminus ", "\u2205": "\\emptyset ", "\u211d": "\\Reals ",
+            "\u2115": "\\Naturals ", "\u2124": "\\Integers ", "\u211a": "\\Rationals ", "\u2102": "\\Complexes "}
+# Superscript digits and signs (10 and a superscript 6, x and a superscript 2) as a LaTeX exponent.
+_SUPERSCRIPTS = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b",
+                              "0123456789+-")
+_SUPERSCRIPT_RE = re.compile("[\u2070\u00b9\u00b2\u00b3\u2074-\u2079\u207a\u207b]+")
+# Display-math delimiters around an answer (\[ ... \], equation environments); `\\[2pt]` is a line break.
+_DISPLAY_RE = re.compile(r"(?<!\\)\\[\[\]]|\\(?:begin|end)\{(?:equation|displaymath|math)\*?\}")
+# Named number sets, however written (\mathbb{R}, \mathbb R, \Bbb{R}, \R), as one command each. This runs before
+# \mathbb's content is unwrapped, which would leave a bare R: a variable.
+_NAMED_SET_RE = re.compile(r"\\(?:mathbb|Bbb)\s*(?:\{\s*([RNZQC])\s*\}|([RNZQC])(?![a-zA-Z]))"
+                           r"|\\([RNZQC])(?![a-zA-Z])")
+_SET_COMMANDS = {"R": "\\Reals ", "N": "\\Naturals ", "Z": "\\Integers ", "Q": "\\Rationals ",
+                 "C": "\\Complexes "}
+# Whole answers that name a set in words, in their canonical LaTeX (matched after normalising, ignoring case).
+_SET_PHRASES = [(re.compile(p, re.IGNORECASE), latex) for p, latex in [
+    (r"(?:the set of |the )?(?:all )?real numbers|all reals|(?:any|every) real number", "\\Reals"),
+    (r"(?:there (?:is|are) )?no (?:real )?solutions?|(?:the )?empty set", "\\emptyset"),
+    (r"(?:the set of |the )?(?:all )?integers", "\\Integers"),
+    (r"(?:the set of |the )?(?:all )?positive integers", "\\Integers^+"),
+    (r"(?:the set of |the )?(?:all )?non-?negative integers", "\\Integers_{\\ge 0}"),
+    (r"(?:the set of |the )?(?:all )?natural numbers", "\\Naturals")]]
+_SCALE_WORDS = {"thousand": 3, "million": 6, "billion": 9, "trillion": 12}  # '2.5 million' = 2.5 \times 10^{6}
 # Wrappers whose content is kept: a unit ('\text{cm}'), a word ('\text{odd}') or a choice ('\textbf{(B)}').
 _TEXT_CMDS = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textup|mathrm|mathbf|mathit|mathsf|mathtt"
                         r"|mbox|operatorname|boldsymbol|mathbb|mathcal)\s*\{")
@@ -189,11 +256,11 @@ def _unwrap_text_commands(s: str) -> str:
         m = _TEXT_CMDS.search(s)
         if not m:
             break
-        close = _match_braces(s[m.end() - 1:]).get(0)  # offset of the '}' matching the wrapper's '{'
+        close = _closing_brace(s, m.end() - 1)  # the '}' matching the wrapper's '{'
         if close is None:
             break
-        inner = s[m.end():m.end() - 1 + close]
-        rest = s[m.end() + close:]
+        inner = s[m.end():close]
+        rest = s[close + 1:]
         # keep the content apart from its neighbours, except a following ^2 / _0 that belongs to it
         s = s[:m.start()] + " " + inner + ("" if rest[:1] in ("^", "_") else " ") + rest
     return s
@@ -217,9 +284,12 @@ def _normalize(s: str) -> str:
     s = "".join(ch for ch in str(s) if ch >= " " or ch in "\t\n").strip()
     if "\\boxed" in s or "\\fbox" in s:
         s = _last_boxed(s) or s  # gold answers sometimes arrive boxed too
+    s = _SUPERSCRIPT_RE.sub(lambda m: "^{" + m.group().translate(_SUPERSCRIPTS) + "}", s)
     for k, v in _UNICODE.items():
         s = s.replace(k, v)
     s = s.replace("\\$", "").replace("$", "").replace("\\(", "").replace("\\)", "")  # currency and math delimiters
+    s = _DISPLAY_RE.sub("", s)
+    s = _NAMED_SET_RE.sub(lambda m: _SET_COMMANDS[m.group(1) or m.group(2) or m.group(3)], s)
     s = re.sub(r"\\(?:left|right)\.", "", s)  # invisible delimiters
     s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle)(?![a-zA-Z])", "", s)
     # Display-style variants mean the same value: one spelling keeps string equality and the cache key effective.
@@ -228,20 +298,30 @@ def _normalize(s: str) -> str:
     s = _unwrap_text_commands(s)
     s = s.replace("\\%", "%").replace("{,}", ",")
     s = re.sub(r"\s*\bpercent\b", "%", s)
+    s = re.sub(r"(\d)\s*(thousand|million|billion|trillion)\b",
+               lambda m: f"{m.group(1)}\\times10^{{{_SCALE_WORDS[m.group(2)]}}}", s)
     # Spacing macros (thin spaces, quad, ~). The alternation consumes a double backslash (matrix row break)
     # first and keeps it, so its second backslash is never mistaken for the start of a spacing macro.
     s = re.sub(r"\s*\\!\s*|\\\\|\\[,;: ]|\\q?quad(?![a-zA-Z])|~",
                lambda m: m.group(0) if m.group(0) == "\\\\" else ("" if "!" in m.group(0) else " "), s)
     # Degrees: '90^\circ' means 90 unless a trig function needs it in radians (sin(90^\circ - x) = cos x).
     s = _DEGREE_RE.sub("\u00b0" if _TRIG_RE.search(s) else "", s)
-    s = re.sub(r"(?:,\s*)?\band\b", ",", s)  # '19, 46, and 82' -> list
+    # Lists joined by words: '19, 46, and 82', 'x = 2 or x = -3', 'x = 2 \lor x = -3'; an ellipsis in a list.
+    s = re.sub(r"(?:,\s*)?(?:\b(?:and|or)\b|\\lor(?![a-zA-Z]))", ",", s)
+    s = re.sub(r",\s*(?:\.\.\.|\u2026)", ",\\\\ldots ", s)
+    s = re.sub(r"(?:\.\.\.|\u2026)\s*,", "\\\\ldots,", s)
     s = re.sub(r"\s+", " ", s).strip()
     s = _strip_units(s)
     s = re.sub(r"(?:\s|\\\\|\\|\.)+$", "", s)  # trailing periods and stray backslashes
     s = s.strip(" ,")
-    # Spaces only matter between two alphanumerics ('2^6 3^5', '\pi r', '1 000'); drop the rest.
-    s = re.sub(r" (?=[^A-Za-z0-9])|(?<=[^A-Za-z0-9]) ", "", s)
+    # Spaces only matter between two alphanumerics ('2^6 3^5', '\pi r', '1 000'), and after a comma that would
+    # otherwise read as a thousands separator: '7, 125' is a list, never 7125 (a \x01 holds it meanwhile).
+    s = re.sub(r"(?<=\d), (?=\d{3}(?!\d))", ",\x01", s)
+    s = re.sub(r" (?=[^A-Za-z0-9])|(?<=[^A-Za-z0-9]) ", "", s).replace("\x01", " ")
     s = re.sub(r"([_^])\{(\w)\}", r"\1\2", s)  # x_{7} -> x_7, x^{2} -> x^2
+    for phrase, latex in _SET_PHRASES:
+        if phrase.fullmatch(s):
+            return latex
     return s
 
 
@@ -261,14 +341,20 @@ _TIME_RE = re.compile(r"(\d{1,2}):(\d{2})(?::(\d{2}))?\s*([AaPp])?\.?(?:[Mm]\.?)
 _SIMPLE_LHS_RE = re.compile(r"[A-Za-z](?:_\w|_\{\w+\})?'?=(?!=)(.+)")
 
 
+# A number whose commas may be thousands separators: every group after the first has three digits. Spaces between
+# such groups ('1 000', LaTeX's thin space) can only be thousands separators.
+_THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_SPACED_RE = re.compile(r"[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
+
+
 def _parse_number(s: str) -> tuple[Fraction, bool, bool] | None:
     """Parse a plain number -> (value, has_decimal_point, is_percent); None if `s` is anything else."""
     pct = s.endswith("%")
     s = s[:-1] if pct else s
     # Only well-formed groups of three digits are separators, so the list '1,2' never reads as 12.
-    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d{1,3}(?: \d{3})+(?:\.\d+)?", s):
+    if _THOUSANDS_RE.fullmatch(s) or _SPACED_RE.fullmatch(s):
         s = s.replace(",", "").replace(" ", "")  # thousands separators: 7,425,000 / 1 000
-    m = _NUM_RE.fullmatch(s) or _SCI_RE.fullmatch(s)
+    m = _NUM_RE.fullmatch(s) or _SCI_RE.fullmatch(s.replace(" ", ""))  # '2.5\times 10^6': a space is kept there
     if m:
         mantissa, exp = (m.group(1) + m.group(2), m.group(3)) if m.re is _NUM_RE else (m.group(1), m.group(2))
         value = Fraction(mantissa) * Fraction(10) ** int(exp or 0)  # exponent <= 4 digits, so this is cheap
@@ -373,6 +459,25 @@ class _Rel:
         self.parts, self.ops = parts, ops
 
 
+class _SetOp:
+    """A set difference or intersection, 'A \\setminus B' (also 'A - B' of sets) or 'A \\cap B'."""
+    def __init__(self, op, left, right):
+        self.op, self.left, self.right = op, left, right
+
+
+class _Ellipsis:
+    """The list item '\\ldots' (or \\dots, \\cdots, '...'): the list goes on (_progression)."""
+    pass
+
+
+_ELLIPSIS = _Ellipsis()
+_ELLIPSES = {"\\ldots", "\\dots", "\\cdots", "\\dotsc", "\\dotsb"}
+# Named sets (_normalize writes every spelling as one of these commands). \\Naturals alone is read both as
+# {1, 2, ...} and as {0, 1, 2, ...}: texts disagree on whether 0 is a natural number (see _parse_answer).
+_NAMED_SETS = {"Reals": sp.Reals, "Integers": sp.Integers, "Rationals": sp.Rationals, "Complexes": sp.Complexes,
+               "Naturals": sp.Naturals}
+
+
 # Tokens: numbers (multi-digit, split later where LaTeX says so: \frac12, x_12), backslash commands, operators and
 # single letters (so 'xy' is x*y). Any other character is a _ParseError: nothing is silently skipped.
 _TOKEN_RE = re.compile(r"\s*(?:(?P<num>\d+\.?\d*|\.\d+)|(?P<cmd>\\[a-zA-Z]+|\\.)"
@@ -393,8 +498,8 @@ _INVERSE = {"sin": sp.asin, "cos": sp.acos, "tan": sp.atan}
 _CONSTS = {"pi": sp.pi, "infty": sp.oo, "infin": sp.oo}
 _MATRIX_ENVS = {"matrix", "pmatrix", "bmatrix", "Bmatrix", "vmatrix", "smallmatrix", "array"}
 # Commands that can never start an operand: used to decide where implicit multiplication stops.
-_NOT_ATOM = {"cdot", "times", "div", "pm", "mp", "cup", "cap", "right", "end", "rfloor", "rceil", "rvert",
-             "\\", "{", "}", "&"} | {k[1:] for k in _RELOPS if k.startswith("\\")}
+_NOT_ATOM = {"cdot", "times", "div", "pm", "mp", "cup", "cap", "setminus", "right", "end", "rfloor", "rceil",
+             "rvert", "\\", "{", "}", "&"} | {k[1:] for k in _RELOPS if k.startswith("\\")}
 
 
 def _tokenize(text: str) -> list[tuple[str, str]]:
@@ -412,6 +517,42 @@ def _tokenize(text: str) -> list[tuple[str, str]]:
             continue
         tokens.append((kind, {"**": "^", "==": "="}.get(tok, tok)))  # plain-text spellings of ^ and =
     return tokens
+
+
+def _is_set(x) -> bool:
+    """Sets: named or built (sympy Set, _SetOp), braces, unions; their '-' is a set difference."""
+    return isinstance(x, (sp.Set, _SetOp)) or (isinstance(x, _Coll) and x.kind in ("set", "union"))
+
+
+def _progression(items: list) -> sp.Set:
+    """A list or set with an ellipsis, of integers in steps of one size, as a sympy set. Examples:
+    '1, 2, 3, \\ldots' -> Range(1, oo) (the positive integers); '\\ldots, -1, 0, 1, \\ldots' -> the integers;
+    '1, 3, \\ldots, 9' -> {1, 3, 5, 7, 9}; '\\ldots, -2, -1' -> Range(-oo, 0). Anything else: _ParseError."""
+    dots = [i for i, x in enumerate(items) if x is _ELLIPSIS]
+    values = [x for x in items if x is not _ELLIPSIS]
+    if not all(isinstance(x, sp.Integer) for x in values) or len(dots) > 2:
+        raise _ParseError("a progression of integers only")
+    known = values if dots in ([0], [len(items) - 1], [0, len(items) - 1]) else items[:dots[0]]
+    steps = {b - a for a, b in zip(known, known[1:])}
+    if len(known) < 2 or len(steps) != 1 or 0 in steps:
+        raise _ParseError("no common step")
+    step = steps.pop()
+    if dots == [0, len(items) - 1]:  # infinite both ways: only all the integers
+        if abs(step) != 1:
+            raise _ParseError("unsupported progression")
+        return sp.Integers
+    # Infinite ones are written with a positive step, so that one set has one form: {-1, -2, ...} is Range(-oo, 0).
+    if dots == [len(items) - 1]:
+        return sp.Range(values[0], sp.oo, step) if step > 0 else sp.Range(-sp.oo, values[0] - step, -step)
+    if dots == [0]:
+        return sp.Range(-sp.oo, values[-1] + step, step) if step > 0 else sp.Range(values[-1], sp.oo, -step)
+    # one ellipsis inside: '1, 2, \\ldots, 10'; every item after it must lie on the same progression
+    tail = items[dots[0] + 1:]
+    if len(dots) != 1 or any((x - values[0]) % step or (x - values[0]) / step < len(known) for x in tail):
+        raise _ParseError("items after the ellipsis are off the progression")
+    if any(b - a != step for a, b in zip(tail, tail[1:])):
+        raise _ParseError("no common step")
+    return sp.Range(values[0], tail[-1] + step, step)
 
 
 def _is_value(x) -> bool:
@@ -460,19 +601,21 @@ def _power(base, exp):
 #   groups   := list {';' list}                                  'p=5,q=2;p=7,q=2': a list of tuples
 #   list     := relation {',' relation} [',']                    an unordered answer list
 #   relation := union {RELOP union}                              =, <, \le, \ne, \approx, \in; chains allowed
-#   union    := additive {'\cup' additive}
+#   union    := additive {('\cup' | '\cap' | '\setminus') additive}   sets; '-' between sets is \setminus too
 #   additive := term {('+' | '-') term}
 #   term     := unary {('*' | \cdot | \times | '/' | \div | ':') unary | power}   a bare power: implicit product
 #   unary    := ('-' | '+') unary | power                        so -x^2 is -(x^2)
 #   power    := postfix ['^' exponent];   exponent := '-' exponent | power       (right-associative)
 #   postfix  := atom {'!' | '%' | '°' | "'"}
-#   atom     := number | letter ['_' group] | ('(' | '[') relation {',' relation} (')' | ']')
-#             | '{' groups '}' | '|' additive '|' | command
-#   command  := \frac arg arg | \sqrt ['[' additive ']'] arg | \binom arg arg | \{ relation {',' relation} \}
+#   atom     := number | letter ['_' group] | ('(' | '[') relation {(',' | ';') relation} (')' | ']')
+#             | '{' groups '}' | '|' additive '|' | command           '(1;5)' is the point (1, 5)
+#   command  := \frac arg arg | \sqrt ['[' additive ']'] arg | \binom arg arg | \{ item {(',' | ';') item} \}
+#             | NAMED [('^' | '_') group]                              \Reals, \Integers^+, \Naturals_0 ...
 #             | FUNC ['_' arg] ['^' arg] (bracket | arg | product)      \sin^2 x, \log_2 8, \max(a, b)
 #             | (\sum | \prod) '_{' letter '=' additive '}^' arg product   kept unevaluated
 #             | \begin{env} cells \end{env} | \lfloor additive \rfloor | \lceil ... | \lvert additive \rvert
 #             | \emptyset | \pi | \infty | any other name (\alpha, \angle): a Symbol
+#   item     := \ldots | relation     in a list or a set: '1, 2, 3, \ldots' is a progression (_progression)
 # Every rule returns a sympy object or one of the containers above; arithmetic on containers is a _ParseError.
 # Implicit products read left to right, like the explicit ones: 1/2x is (1/2)x.
 class _Parser:
@@ -481,11 +624,13 @@ class _Parser:
 
     # ----- token cursor -------------------------------------------------------------------------------------------
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, naturals0: bool = False):
         self.toks = _tokenize(text)
         self.pos = 0
         self.abs_open = 0       # inside |...| a '|' closes instead of opening a new absolute value
         self.inexact = False    # set when a decimal literal is seen -> comparisons use _REL_TOL
+        self.naturals0 = naturals0  # read \Naturals as {0, 1, 2, ...} (else {1, 2, ...})
+        self.saw_naturals = False   # \Naturals was read: _parse_answer tries the other reading too
 
     def peek(self) -> tuple[str, str]:
         """Current token, or ('end', '') past the end."""
@@ -529,12 +674,23 @@ class _Parser:
 
     def list_(self):
         """','-separated top-level list: an unordered answer list such as '1, 2, 3'."""
-        items = [self.relation()]
+        items = [self.item()]
         while self.accept(","):
             if self.peek()[1] in (";", "", "}"):
                 break  # tolerate a trailing comma
-            items.append(self.relation())
+            items.append(self.item())
+        if any(x is _ELLIPSIS for x in items):
+            return _progression(items)
         return items[0] if len(items) == 1 else _Coll("list", items)
+
+    def item(self):
+        """A list or set item: a relation, or an ellipsis that stands alone between commas."""
+        if self.peek()[1] in _ELLIPSES:
+            after = self.toks[self.pos + 1][1] if self.pos + 1 < len(self.toks) else ""
+            if after in (",", ";", "}", "\\}", ""):
+                self.take()
+                return _ELLIPSIS
+        return self.relation()
 
     def relation(self):
         """A chain of relations: 'x = 5', '-2 \\le x \\le 7', 'x \\in [0, 1]'."""
@@ -545,18 +701,26 @@ class _Parser:
         return _Rel(parts, ops) if ops else parts[0]
 
     def union(self):
-        """Interval unions: '(1,2) \\cup [3,4]'. Binds tighter than relations, looser than +."""
-        items = [self.additive()]
-        while self.accept("\\cup"):
+        """Interval unions '(1,2) \\cup [3,4]', and \\cap, \\setminus left to right. Binds tighter than relations,
+        looser than +."""
+        items, ops = [self.additive()], []
+        while self.peek()[1] in ("\\cup", "\\cap", "\\setminus"):
+            ops.append(self.take()[1])
             items.append(self.additive())
-        return items[0] if len(items) == 1 else _Coll("union", items)
+        if not ops or set(ops) == {"\\cup"}:
+            return items[0] if len(items) == 1 else _Coll("union", items)
+        value = items[0]
+        for op, item in zip(ops, items[1:]):
+            value = _SetOp(op, value, item)
+        return value
 
     def additive(self):
-        """Sums and differences, left-associative."""
+        """Sums and differences, left-associative; 'A - B' of two sets is their difference."""
         left = self.term()
         while self.peek()[1] in ("+", "-"):
             op = self.take()[1]
-            left = _arith(left, self.term(), op)
+            right = self.term()
+            left = _SetOp("\\setminus", left, right) if op == "-" and _is_set(left) else _arith(left, right, op)
         return left
 
     def term(self):
@@ -698,9 +862,11 @@ class _Parser:
         raise _ParseError("missing argument")
 
     def bracket(self, open_: str):
-        """'(' or '[' ... : grouping if one item, otherwise a tuple / interval."""
+        """'(' or '[' ... : grouping if one item, otherwise a tuple / interval. Items are separated by ',' or by
+        ';' ('(1;5)', where a comma may be a decimal comma), never by both ('(1,5;2)' is an error)."""
         items = [self.relation()]
-        while self.accept(","):
+        separator = self.peek()[1] if self.peek()[1] in (",", ";") else ","
+        while self.accept(separator):
             items.append(self.relation())
         close = self.take()[1]
         if close not in (")", "]"):
@@ -748,11 +914,14 @@ class _Parser:
         if name in ("sum", "prod"):
             return self.big_operator(name)
         if name == "{":
-            items = [] if self.peek()[1] == "\\}" else [self.relation()]
-            while self.accept(","):
-                items.append(self.relation())
+            items = [] if self.peek()[1] == "\\}" else [self.item()]
+            separator = self.peek()[1] if self.peek()[1] in (",", ";") else ","
+            while self.accept(separator):
+                items.append(self.item())
             self.expect("\\}")
-            return _Coll("set", items)
+            return _progression(items) if any(x is _ELLIPSIS for x in items) else _Coll("set", items)
+        if name in _NAMED_SETS:
+            return self.named_set(name)
         if name == "begin":
             return self.environment()
         if name in ("lfloor", "lceil"):
@@ -768,6 +937,25 @@ class _Parser:
         if name in _NOT_ATOM or not name.isalpha():
             raise _ParseError(f"unexpected \\{name}")
         return self.symbol(name)  # Greek letters and unknown commands (\alpha, \angle) become symbols
+
+    def named_set(self, name: str):
+        """\\Reals, \\Integers, ... with an optional sign part: ^+, _+, ^*, _{>0} (positive), _{\\ge 0} and _0
+        (non-negative), ^-, _{<0} (negative): \\Integers^+ is {1, 2, ...}, \\Reals_{\\ge 0} is [0, oo)."""
+        if name == "Naturals":
+            self.saw_naturals = True
+        base = sp.Naturals0 if name == "Naturals" and self.naturals0 else _NAMED_SETS[name]
+        if self.peek()[1] not in ("^", "_"):
+            return base
+        self.take()
+        part = self.raw_group().replace(" ", "")
+        sign = {"+": "+", "*": "+", ">0": "+", "0": ">=", "\\ge0": ">=", "\\geq0": ">=", ">=0": ">=",
+                "-": "-", "<0": "-"}.get(part)
+        if sign is None or base in (sp.Complexes,) or (base is sp.Naturals0 and sign == "-"):
+            raise _ParseError(f"unsupported set {name}{part}")
+        if name == "Naturals":
+            return sp.Naturals0 if sign == ">=" else sp.Naturals
+        half = {"+": sp.Interval.open(0, sp.oo), ">=": sp.Interval(0, sp.oo), "-": sp.Interval.open(-sp.oo, 0)}
+        return sp.Intersection(base, half[sign])  # Integers and (0, oo) is Range(1, oo); Reals: the interval
 
     def implicit_product(self):
         """Unbracketed function argument: '\\sin 2x' is sin(2x), but '\\sin b \\cos a' stops at \\cos."""
@@ -882,12 +1070,21 @@ def _parse_answer(s: str) -> tuple[list, bool]:
                 first, second = _Parser(body.replace(pm, "+")), _Parser(body.replace(pm, "-"))
                 values = [_Coll("list", [first.parse(), second.parse()])]
                 return values, first.inexact
-        parser = _Parser(body)
-        value = parser.parse()
-        values = [value]
-        if pct and isinstance(value, sp.Expr):  # gold files disagree on whether 50% means 50 or 1/2: accept both
-            values.append(value / 100)
-        return values, parser.inexact
+        sci = _NUM_RE.fullmatch(body)
+        if (sci and sci.group(3)) or _SPACED_RE.fullmatch(body):  # '2.5e6' is 2500000, never 2.5 * e * 6
+            value, inexact, _ = _parse_number(body)
+            values = [sp.Rational(value.numerator, value.denominator)]
+        else:
+            parser = _Parser(body)
+            values, inexact = [parser.parse()], parser.inexact
+            if parser.saw_naturals:  # \Naturals: {1, 2, ...} above, {0, 1, 2, ...} here
+                values.append(_Parser(body, naturals0=True).parse())
+            if _THOUSANDS_RE.fullmatch(body):  # '7,125': the list above, or the number 7125 (docs/data.md)
+                value = Fraction(body.replace(",", ""))
+                values.append(sp.Rational(value.numerator, value.denominator))
+        if pct and isinstance(values[0], sp.Expr):  # gold files disagree on whether 50% is 50 or 1/2: accept both
+            values.append(values[0] / 100)
+        return values, inexact
     except Exception:  # _ParseError, RecursionError, anything sympy throws: unparseable means not equal
         return [], False
 
@@ -1061,14 +1258,21 @@ _SYMPY_REL = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "=": sp.Eq, "!="
 
 
 def _to_set(v):
-    """Interval / union / finite set / univariate relation -> sympy Set, or None."""
+    """Interval / union / named or finite set / set difference / univariate relation -> sympy Set, or None."""
     try:
+        if isinstance(v, sp.Set):
+            return v
+        if isinstance(v, _SetOp):
+            left, right = _to_set(v.left), _to_set(v.right)
+            if left is None or right is None:
+                return None
+            return sp.Complement(left, right) if v.op == "\\setminus" else sp.Intersection(left, right)
         if isinstance(v, _Tup) and len(v.items) == 2 and all(isinstance(x, sp.Expr) for x in v.items):
             return sp.Interval(v.items[0], v.items[1], v.open == "(", v.close == ")")
         if isinstance(v, _Coll) and v.kind == "union":
             parts = [_to_set(x) for x in v.items]
             return None if None in parts else sp.Union(*parts)
-        if isinstance(v, _Coll) and v.kind == "set" and all(isinstance(x, sp.Expr) for x in v.items):
+        if isinstance(v, _Coll) and v.kind in ("set", "list") and all(isinstance(x, sp.Expr) for x in v.items):
             return sp.FiniteSet(*v.items)
         if isinstance(v, _Rel):
             if v.ops == ["in"] and _is_label(v.parts[0]):
@@ -1109,23 +1313,14 @@ def _equal_sets(a, b) -> bool:
 
 
 def _unordered_equal(xs: list, ys: list, loose: bool) -> bool:
-    """Multiset equality under _equal (so [a, a] != [a, b])."""
-    if len(xs) != len(ys):
-        return False
-    # Greedy matching is exact while _equal is transitive, which holds up to the tolerance; lists are short.
-    unused = list(ys)
-    for x in xs:
-        for j, y in enumerate(unused):
-            if _equal(x, y, loose):
-                del unused[j]
-                break
-        else:
-            return False
-    return True
+    """Set equality under _equal: each item of either side equals an item of the other. An answer list is the
+    set of solutions, so an item listed twice counts once ('(1,5), (1,5)' = '(1,5)'), and '1, 1' != '1, 2'."""
+    same = [[_equal(x, y, loose) for y in ys] for x in xs]  # lists are short: every pair once
+    return all(map(any, same)) and all(any(row[j] for row in same) for j in range(len(ys)))
 
 
 def _equal(a, b, loose: bool) -> bool:
-    """Equality of two parsed values of any kind (expression, matrix, tuple, collection, relation)."""
+    """Equality of two parsed values of any kind (expression, matrix, tuple, collection, relation, set)."""
     if isinstance(a, _Rel) or isinstance(b, _Rel):
         # Recurse only if a label was actually dropped, otherwise this would call itself with the same pair.
         ua, ub = _unlabel(a), _unlabel(b)
@@ -1136,6 +1331,8 @@ def _equal(a, b, loose: bool) -> bool:
         if isinstance(a, _Rel) and isinstance(b, _Rel) and a.ops == b.ops == ["="]:
             return False  # two equations: the proportionality test above was the whole story
         return _equal_sets(a, b)  # e.g. '-2 \le x \le 7' vs '[-2, 7]'
+    if isinstance(a, (sp.Set, _SetOp)) or isinstance(b, (sp.Set, _SetOp)):
+        return _equal_sets(a, b)  # '\Reals' vs '(-\infty, \infty)', '\{1, 2, \ldots\}' vs '\Integers^+'
     if isinstance(a, sp.MatrixBase) or isinstance(b, sp.MatrixBase):
         return (isinstance(a, sp.MatrixBase) and isinstance(b, sp.MatrixBase) and a.shape == b.shape
                 and all(_equal_expr(x, y, loose) for x, y in zip(a, b)))
@@ -1144,6 +1341,9 @@ def _equal(a, b, loose: bool) -> bool:
     if isinstance(a, _Tup) and isinstance(b, _Tup):
         return ((a.open, a.close, len(a.items)) == (b.open, b.close, len(b.items))
                 and all(_equal(x, y, loose) for x, y in zip(a.items, b.items)))
+    if isinstance(a, _Coll) != isinstance(b, _Coll):  # one answer listed twice: '(1,5), (1,5)' vs '(1,5)'
+        many, one = (a, b) if isinstance(a, _Coll) else (b, a)
+        return many.kind == "list" and _unordered_equal(many.items, [one], loose)
     if isinstance(a, _Coll) and isinstance(b, _Coll):
         # '1, 2' and '\{1, 2\}' mean the same answer; a union only matches another union here
         if a.kind == b.kind or {a.kind, b.kind} == {"list", "set"}:
@@ -1185,8 +1385,9 @@ def _symbolic_equal(pred: str, gold: str) -> bool:
 _CTX = multiprocessing.get_context("fork")
 
 
-def _worker_main(conn, inherited, parent_pid: int):
-    """Worker loop: receive (pred, gold), reply with a bool. Exits on None, EOF, or when the parent dies."""
+def _worker_main(conn, inherited, parent_pid: int, task=None):
+    """Worker loop: receive (pred, gold), reply with task(pred, gold) as a bool (task None: _symbolic_equal, looked up
+    here so that a test's patch before the fork applies). Exits on None, EOF, or when the parent dies."""
     # A fork copies every open fd: this worker holds the parent's ends of all earlier workers' pipes. Closing
     # them means an earlier worker sees EOF once the parent really closes its end (or dies).
     for c in inherited:  # close the parent's ends of sibling pipes, so EOF detection works everywhere
@@ -1210,7 +1411,7 @@ def _worker_main(conn, inherited, parent_pid: int):
         if msg is None:
             return
         try:
-            result = bool(_symbolic_equal(*msg))
+            result = bool((task or _symbolic_equal)(*msg))
         except BaseException:  # RecursionError, MemoryError, anything: "not equal", and the worker lives on
             result = False
         try:
@@ -1232,9 +1433,10 @@ class _Worker:
 class _Pool:
     """A minimal process pool where every task has its own deadline. Not thread-safe: use _POOL_LOCK."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, task=None):
         self.pid = os.getpid()
         self.size = size
+        self.task = task  # what the workers run on each pair: _symbolic_equal, or crosscheck.py's second verifier
         self.workers: list[_Worker] = []
         self.idle: list[_Worker] = []
 
@@ -1242,7 +1444,7 @@ class _Pool:
         """Fork one worker; it must not keep copies of the parent's ends of other workers' pipes."""
         parent_end, child_end = _CTX.Pipe()
         inherited = [w.conn for w in self.workers]
-        proc = _CTX.Process(target=_worker_main, args=(child_end, inherited, os.getpid()), daemon=True)
+        proc = _CTX.Process(target=_worker_main, args=(child_end, inherited, os.getpid(), self.task), daemon=True)
         proc.start()
         child_end.close()
         worker = _Worker(proc, parent_end)
@@ -1380,19 +1582,47 @@ def _default_workers() -> int:
 
 def _new_info() -> dict:
     """Counters of one call. Every pair is settled by exactly one of: inline (no answer, string, word, time or number
-    checks, or too long), cached, or the pool; `symbolic` counts the unique pairs sent to the pool, `timeouts` and
-    `crashed` those of them that got no answer (deadline passed; worker died or could not start)."""
-    return {"timeouts": 0, "symbolic": 0, "cached": 0, "inline": 0, "crashed": 0}
+    checks, or refused), cached, or the pool; `symbolic` counts the unique pairs sent to the pool, `timeouts` and
+    `crashed` those of them that got no answer (deadline passed; worker died or could not start); `refused` the
+    pairs too large to judge (an answer over _MAX_RAW characters that is not a plain number, or one over _MAX_LEN
+    once normalised; verify_batch adds completions over _MAX_TEXT), each counted "not equal" and logged."""
+    return {"timeouts": 0, "symbolic": 0, "cached": 0, "inline": 0, "crashed": 0, "refused": 0}
 
 
 _INT_RE = re.compile(r"-?\d{1,50}")  # a plain integer, settled by int() before any normalisation
+# Plain numbers of any length (an answer of 300,000 digits), maybe with thousands separators: decimal.Decimal reads
+# and compares them exactly in linear time, where int() refuses more than 4300 digits and Fraction goes through it.
+_LONG_NUM_RE = re.compile(r"[-+]?(?:\d+|\d{1,3}(?:,\d{3})+)(?:\.\d+)?")
+
+
+def _long_number(s: str) -> tuple[Decimal, bool] | None:
+    """A plain number of any length -> (value, has a decimal point); None for anything else."""
+    s = s.strip().strip("$").replace("{,}", ",").replace("\\,", "").replace("\\!", "").strip()
+    return (Decimal(s.replace(",", "")), "." in s) if _LONG_NUM_RE.fullmatch(s) else None
+
+
+def _compare_long(pred: str, gold: str) -> bool | None:
+    """A pair with an answer over _MAX_RAW characters: equal or not when both are plain numbers (exact, or within
+    _REL_TOL when one has a decimal point), else None: refused, since parsing it is what the size bounds stop."""
+    a, b = _long_number(pred), _long_number(gold)
+    if a is None or b is None:
+        return None
+    if a[1] or b[1]:
+        return abs(a[0] - b[0]) <= Decimal(str(_REL_TOL)) * max(abs(a[0]), abs(b[0]))
+    return a[0] == b[0]
+
+
+def _refused(info: dict, reason: str):
+    """Count a refused pair; the first reason of a call is logged (see _verify_pairs)."""
+    info["refused"] += 1
+    info.setdefault("_reason", reason)
 
 
 def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, info: dict) -> list[bool]:
     """Shared core of math_equal / verify_batch: fast paths and cache inline, the rest on the pool."""
     # Cheapest first: identical raw strings, a length gate, normalised and plain-number checks (_quick_check), the
-    # cache, and only then the pool. The raw gate is 4 * _MAX_LEN because normalising removes \text{}, units and
-    # spaces; the parser itself never sees more than _MAX_LEN characters.
+    # cache, and only then the pool. The raw gate is _MAX_RAW = 4 * _MAX_LEN because normalising removes \text{},
+    # units and spaces; past it only plain numbers are compared. The parser never sees over _MAX_LEN characters.
     results = [False] * len(preds)
     todo: dict[tuple[str, str], list[int]] = {}
     for i, (pred, gold) in enumerate(zip(preds, golds)):
@@ -1409,9 +1639,14 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
                 results[i] = int(pred) == int(gold)
                 info["inline"] += 1
                 continue
-            if len(pred) > 4 * _MAX_LEN or len(gold) > 4 * _MAX_LEN:
+            if len(pred) > _MAX_RAW or len(gold) > _MAX_RAW:  # never normalise or parse megabytes
                 info["inline"] += 1
-                continue  # not a plausible final answer; never normalise or parse megabytes
+                verdict = _compare_long(pred, gold)
+                results[i] = bool(verdict)
+                if verdict is None:
+                    _refused(info, f"an answer of {max(len(pred), len(gold)):,} characters that is not a plain "
+                                   f"number (longer than {_MAX_RAW:,}, only plain numbers are compared)")
+                continue
             key, quick = _quick_check(pred, gold)
             if quick is not None:
                 results[i] = quick
@@ -1423,6 +1658,8 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
                 todo.setdefault(key, []).append(i)
             else:
                 info["inline"] += 1
+                _refused(info, f"an answer of {max(map(len, key)):,} characters once normalised (the parser "
+                               f"takes at most {_MAX_LEN:,})")
         except Exception:
             results[i] = False
             info["inline"] += 1
@@ -1433,14 +1670,19 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
         try:
             with _POOL_LOCK:
                 out = _get_pool(num_workers).run(keys, timeout, min(num_workers, len(keys)), info)
-        except Exception:
-            out = [None] * len(keys)  # e.g. fork unavailable: fail closed (False, uncached) rather than raise
+        except Exception as e:  # e.g. no fork (or a daemonic caller: multiprocessing.Pool's workers cannot fork)
+            out = [None] * len(keys)  # fail closed (False, uncached) rather than raise, and say so
             info["crashed"] += len(keys)
+            _LOG.warning("verifier: no worker process for the symbolic step (%s: %s); %d pairs counted not equal",
+                         type(e).__name__, e, len(keys))
         for key, value in zip(keys, out):
             if value is not None:  # None (deadline or crash) is not cached: a loaded machine may be the cause
                 _cache_put(key, value)
             for i in todo[key]:
                 results[i] = bool(value)
+    if "_reason" in info:  # refused pairs are counted "not equal", never silently: one line per call says why
+        _LOG.warning("verifier: refused %d of %d pairs as too large to judge, the first %s",
+                     info["refused"], len(preds), info.pop("_reason"))
     return results
 
 
@@ -1458,7 +1700,8 @@ def verify_batch(completions: list[str], golds: list[str], answer_format: str = 
     plain-number checks and the cache run inline; only the undecided unique pairs go to the worker pool
     (num_workers; 0 means min(4, cpu count), and small batches simply use fewer workers). Worst case wall time
     is about ceil(undecided / workers) * timeout. info counts, for this call only: timeouts, symbolic (unique pairs
-    sent to the workers), cached, inline, crashed (see _new_info) and no_answer (completions without an answer).
+    sent to the workers), cached, inline, crashed, refused (see _new_info) and no_answer (completions without an
+    answer; a completion over _MAX_TEXT characters is not searched: it counts as refused, not as no_answer).
     Example: verify_batch(["... \\\\boxed{4}", "no answer"], ["4", "4"]) -> ([True, False], {"timeouts": 0, ...})"""
     if len(completions) != len(golds):
         raise ValueError("completions and golds must have the same length")
@@ -1466,7 +1709,12 @@ def verify_batch(completions: list[str], golds: list[str], answer_format: str = 
     workers = num_workers if num_workers > 0 else _default_workers()
     info = _new_info()
     verdicts = _verify_pairs(preds, list(golds), timeout, workers, info)
-    info["no_answer"] = sum(p is None for p in preds)
+    too_long = [len(c) for c in completions if isinstance(c, str) and len(c) > _MAX_TEXT]
+    if too_long:
+        info["refused"] += len(too_long)
+        _LOG.warning("verifier: refused %d completions over %s characters (the first has %s) as too large to "
+                     "search", len(too_long), f"{_MAX_TEXT:,}", f"{too_long[0]:,}")
+    info["no_answer"] = sum(p is None for p in preds) - len(too_long)
     return verdicts, info
 
 
@@ -1481,7 +1729,8 @@ def majority_vote(answers: list, timeout: float = 1.0, num_workers: int = 0) -> 
     votes: dict[int, int] = {}
     for i, answer in enumerate(answers):
         try:
-            key = _normalize(answer) if answer is not None else ""
+            # an answer too long to normalise is its own key (_verify_pairs compares such answers as numbers)
+            key = "" if answer is None else answer if len(str(answer)) > _MAX_RAW else _normalize(answer)
         except Exception:
             key = ""
         if key:
@@ -1586,8 +1835,8 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = _verify_pairs(preds, [gold for *_, gold in rows], args.timeout, workers, info)
     for (lineno, *_), equal in zip(rows, verdicts):
         print(f"{lineno}: {'equal' if equal else 'not equal'}")
-    timeouts = f" ({info['timeouts']} timed out)" if info["timeouts"] else ""
-    print(f"{sum(verdicts)} equal of {len(verdicts)}{timeouts}")
+    notes = [f"{info[k]} {k.replace('timeouts', 'timed out')}" for k in ("timeouts", "refused") if info[k]]
+    print(f"{sum(verdicts)} equal of {len(verdicts)}" + (f" ({', '.join(notes)})" if notes else ""))
     return 0 if all(verdicts) else 1
 
 

@@ -246,7 +246,7 @@ class _Common:
         super()._load_optimizer_and_scheduler(checkpoint)  # the Trainer's resume hook (TRL restores its own here)
         path = os.path.join(checkpoint, ALGO_STATE) if checkpoint else None
         if path and os.path.exists(path):
-            self.load_algo_state(torch.load(path, weights_only=True))
+            self.load_algo_state(torch.load(path, weights_only=True, map_location="cpu"))  # saved on a GPU too
 
 # -----------------------------------------------------------------------------------------------------------------
 # 3. DA3PO
@@ -487,9 +487,11 @@ class DAROTrainer(_Common, GRPOTrainer):
             self._metrics["train"][f"daro/L_{i / self.G:.3f}"].append(bin_loss[i].item())
         self.last_bin_loss, self.bin_loss = bin_loss, torch.zeros(self.G + 1, dtype=torch.float64)
 
-    def algo_state_dict(self) -> dict:
+    def algo_state_dict(self) -> dict:  # on the CPU (load_state_dict moves Adam's moments to the weights' device)
+        weight_opt = self.weight_opt.state_dict()
+        moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in weight_opt["state"].items()}
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
-                "weight_optimizer": self.weight_opt.state_dict()}
+                "weight_optimizer": {**weight_opt, "state": moments}}
 
     def load_algo_state(self, state: dict):
         with torch.no_grad():

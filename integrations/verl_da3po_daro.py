@@ -256,8 +256,11 @@ class DAROWeights:
         return {**{f"daro/w_{i / self.G:.3f}": w[i].item() for i in range(1, self.G)},
                 **{f"daro/L_{i / self.G:.3f}": bin_loss[i].item() for i in range(1, self.G)}}
 
-    def state_dict(self) -> dict:
-        return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach(), "weight_optimizer": self.opt.state_dict()}
+    def state_dict(self) -> dict:  # on the CPU, where the weights live
+        opt = self.opt.state_dict()
+        moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in opt["state"].items()}
+        return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
+                "weight_optimizer": {**opt, "state": moments}}
 
     def load_state_dict(self, state: dict):
         with torch.no_grad():
@@ -352,7 +355,9 @@ class DAROTrainingWorker(engine_workers.TrainingWorker):
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
         path = os.path.join(local_path, DARO_STATE) if local_path else ""
-        state = torch.load(path, weights_only=True) if self.daro is not None and os.path.exists(path) else None
+        state = None
+        if self.daro is not None and os.path.exists(path):
+            state = torch.load(path, weights_only=True, map_location="cpu")  # written on any device
         out = super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
         if state is not None:
             self.daro.load_state_dict(state)

@@ -2,6 +2,10 @@
 a record of every collective each rank issues. Used by test_lockstep.py:
   TORCH_FR_BUFFER_SIZE=100000 torchrun --nproc_per_node=2 tests/lockstep.py OUT SCRIPT SKEW [script flags ...]
   python tests/lockstep.py OUT SCRIPT SKEW [script flags ...]            (one process: no collectives to record)
+and by test_stop.py, several runs in one process with the content skew (JOBS.json: a list of {"script", "out",
+"flags", "stop_at": k (a stop request at the run's k-th check for one)} or {"script", "out", "flags",
+"every_point": true} (OUT/straight uninterrupted, then OUT/stop<k> stopped at each of its checks in turn)):
+  torchrun --nproc_per_node=2 tests/lockstep.py --jobs DIR/JOBS.json     (the record of all of them in DIR)
 
 The record is torch's Flight Recorder, which logs every collective of every process group (gloo too) as the process
 group runs it, whoever called it (FSDP2's all-gathers and reduce-scatters, DTensor's, ours). Each rank writes
@@ -19,11 +23,13 @@ checkpoints are the real ones. It answers each sum prompt ("12+34") with G compl
              sampling stops at its cap (one batch) with 3 groups, and 2 are trained (a multiple of the 2 ranks)
   nan        rank 1's loss is NaN in the step's second update: both ranks must skip it together
   content    lengths and correct counts follow each prompt's own sum, wherever it is generated: the same data on
-             any number of ranks (for checkpoints resumed on another number of ranks)
+             any number of ranks (for checkpoints resumed on another number of ranks); a sum divisible by 5 is
+             answered all wrong (a group dynamic sampling drops)
   real       no script: the engine --rollout asks for (e.g. vLLM, to record its own collectives too)
 """
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,8 +40,7 @@ import bookkeeping  # noqa: E402
 import modeling  # noqa: E402
 import ranks  # noqa: E402
 
-out_dir, script_name, skew = sys.argv[1], sys.argv[2], sys.argv[3]
-script = __import__(script_name.removesuffix(".py"))
+out_dir, skew = "", "content"  # set at the bottom from the command line
 local = {"micro_batches": 0, "rows": 0, "tokens": 0, "widths": [], "generate_calls": 0, "root_unsharded_at_sync": 0}
 
 
@@ -66,6 +71,7 @@ class ScriptedRollout:
             a, b = self.tok.decode(ids, skip_special_tokens=True).split("+")
             answer = int(a) + int(b)
             all_wrong = skew == "cap" and training and i >= 2 - self.rank  # 2 + 1 mixed groups in a batch
+            all_wrong = all_wrong or (skew == "content" and answer % 5 == 0)
             key = answer if skew == "content" else i  # the prompt itself, or its place in this rank's batch
             k = 0 if all_wrong else 1 + key % (n - 1)  # 1 .. n-1 correct: every group mixed
             completions += [self.completion(answer, j < k, key % 2 == 0) for j in range(n)]
@@ -116,23 +122,83 @@ class CountingGuard(common.UpdateGuard):
         return super().step(*args, **kwargs)
 
 
-def cleanup_dist(engine=None):
-    """Dump this rank's Flight Recorder record before the process group goes."""
+def dump():
+    """This rank's Flight Recorder record (every collective since the process started) and its data counters."""
     import pickle
-    rank = ranks.dist.get_rank() if ranks.is_dist() else 0
-    entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"] if ranks.is_dist() else []
+    rank = ranks.dist.get_rank() if ranks.is_dist() else int(os.environ.get("RANK", "0"))
+    entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"] if "RANK" in os.environ else []
     # a scatter's inputs exist on its source rank only: compare what every rank receives
     record = [[e["process_group"][1], e["profiling_name"], *((e["output_sizes"], e["output_dtypes"])
                if "scatter" in e["profiling_name"] else (e["input_sizes"], e["input_dtypes"]))] for e in entries]
     json.dump(record, open(os.path.join(out_dir, f"collectives_rank{rank}.json"), "w"))
     json.dump(local, open(os.path.join(out_dir, f"data_rank{rank}.json"), "w"))
+
+
+def cleanup_dist(engine=None):
+    """Dump this rank's record before the process group goes."""
+    dump()
     ranks.cleanup_dist(engine)
 
 
-if skew != "real":
-    script.make_rollout = make_rollout
-script.micro_batches, script.token_losses = micro_batches, token_losses
-script.UpdateGuard, script.cleanup_dist = CountingGuard, cleanup_dist
-cfg = bookkeeping.parse_config(script.Config, ["--demo", "arith", "--out_dir", out_dir, *sys.argv[4:]],
-                               script.PRESETS)  # the sums demo's short completions, unless the flags say otherwise
-script.main(cfg)
+def rank0_is_right(completion: str, gold: str) -> bool:
+    """--verifier_crosscheck's judge here: a stub that calls every completion right on rank 0 and wrong on rank 1
+    (its workers fork from their rank), so that each rank disagrees with ours in its own direction and amount."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+if "--verifier_crosscheck" in sys.argv:
+    import crosscheck  # noqa: E402
+    crosscheck.use_checker(crosscheck.CrossCheck(rank0_is_right, num_workers=1))
+
+
+def run(script_name: str, out: str, flags: list[str], stop_at: int = 0) -> int:
+    """One run of the script with the scripted engine into `out`; with stop_at = k a stop request (as SIGTERM's
+    handler sets it, on rank 0 alone: the ranks agree by an all-reduce) at its k-th check for one. Returns how many
+    checks it made (tests/test_stop.py)."""
+    script = __import__(script_name.removesuffix(".py"))
+    if skew != "real":
+        script.make_rollout = make_rollout
+    script.micro_batches, script.token_losses = micro_batches, token_losses
+    script.UpdateGuard, script.cleanup_dist = CountingGuard, cleanup_dist
+    calls = [0]
+
+    def stop_requested():
+        calls[0] += 1
+        if calls[0] == stop_at and os.environ.get("RANK", "0") == "0":
+            ranks._stop_signal = signal.SIGTERM
+        return ranks.stop_requested()
+    common.stop_requested = script.stop_requested = stop_requested
+    cfg = bookkeeping.parse_config(script.Config, ["--demo", "arith", "--out_dir", out, *flags],
+                                   script.PRESETS)  # the sums demo's short completions, unless the flags say otherwise
+    script.main(cfg)
+    return calls[0]
+
+
+def a_store_of_its_own_per_run():
+    """Under torchrun, each run's process group on keys of its own in torchrun's store: a default group made again
+    after destroy_process_group takes the last one's name, and would meet its keys there."""
+    real, runs = ranks.dist.init_process_group, [0]
+
+    def init_process_group(backend, **kwargs):
+        runs[0] += 1
+        store = ranks.dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        return real(backend, store=ranks.dist.PrefixStore(f"run{runs[0]}/", store), rank=int(os.environ["RANK"]),
+                    world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
+    ranks.dist.init_process_group = init_process_group
+
+
+if sys.argv[1] == "--jobs":  # several runs in one process: JOBS.json lists them (tests/test_stop.py)
+    a_store_of_its_own_per_run()
+    jobs_file = sys.argv[2]
+    out_dir = os.path.dirname(jobs_file)
+    for job in json.load(open(jobs_file)):
+        if job.get("every_point"):  # an uninterrupted run into OUT/straight, then one stopped at each check
+            points = run(job["script"], os.path.join(job["out"], "straight"), job["flags"])
+            for k in range(1, points + 1):
+                run(job["script"], os.path.join(job["out"], f"stop{k}"), job["flags"], stop_at=k)
+        else:
+            run(job["script"], job["out"], job["flags"], job.get("stop_at", 0))
+    dump()
+else:
+    out_dir, skew = sys.argv[1], sys.argv[3]
+    run(sys.argv[2], out_dir, sys.argv[4:])

@@ -94,3 +94,56 @@ def test_help_documents_every_field(capsys):
     assert "lambda(p) = 1/gamma(p, G) in place of lam, capped at lam_max [dev 4]" in out
     assert "AdamW learning rate (the papers: 1e-6)" in out  # a shared knob (common.TrainConfig), documented once
     assert "warm-up over this many RL steps (not optimizer updates)" in out
+
+
+# A model of the user's own (--model, not a demo's) and the knobs the defaults size for the demos
+REAL_RUN = ["--train_data", "x.jsonl", "--eval_data", "y.jsonl", "--max_new_tokens", "4096", "--overlong_buffer",
+            "512", "--steps", "300", "--prompts_per_step", "512", "--lr", "1e-6"]
+
+
+def test_a_model_of_your_own_without_its_knobs_stops_naming_them(capsys):
+    """The real run's mistake: a named model, a training set, nothing else. Before, it trained on the reasoning
+    demo's 72 tokens, 20 steps, 16 prompts, overlong buffer 16 and eval set, and said nothing."""
+    with pytest.raises(SystemExit) as e:
+        bookkeeping.parse_config(Config, ["--model", "Qwen/Qwen3-4B-Base", "--train_data", "x.jsonl"], PRESETS)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--model Qwen/Qwen3-4B-Base" in err[0], err
+    named = "set --eval_data, --max_new_tokens, --overlong_buffer, --steps, --prompts_per_step, --lr ("
+    assert named in err[0] and "--train_data" not in err[0].split("(")[0]
+    with pytest.raises(SystemExit):  # evaluation alone needs its eval set and token budget
+        bookkeeping.parse_config(Config, ["--model", "m", "--eval_only", "--eval_data", "y.jsonl"], PRESETS)
+    assert "set --max_new_tokens (" in capsys.readouterr().err
+
+
+def test_a_model_of_your_own_gets_no_demo_value():
+    """Every knob set: no field holds a demo's value unless a flag or the preset put it there; the demo is none.
+    A preset's knob counts as set (GRPO's recipe has no overlong shaping)."""
+    cfg = bookkeeping.parse_config(Config, ["--model", "Qwen/Qwen3-4B-Base", *REAL_RUN], PRESETS)
+    given = {k.lstrip("-") for k in REAL_RUN[::2]} | {"model"}
+    assert cfg.demo == "" and given >= set(bookkeeping.DEMO_SIZED)
+    for f in dataclasses.fields(Config):
+        if f.name not in given | set(PRESETS[cfg.algo]) | {"demo"}:
+            assert getattr(cfg, f.name) == f.default and f.name not in bookkeeping.DEMO_SIZED, f.name
+    grpo = bookkeeping.parse_config(Config, ["--model", "m", "--algo", "grpo",
+                                             *REAL_RUN[:2 * 3], *REAL_RUN[2 * 4:]], PRESETS)
+    assert grpo.overlong_buffer == 0
+    cfg = bookkeeping.parse_config(Config, ["--model", "m", "--eval_only", "--eval_data", "y", "--max_new_tokens",
+                                            "99"], PRESETS)
+    assert cfg.eval_only and cfg.demo == ""
+
+
+def test_a_demo_given_with_a_model_of_your_own_says_what_it_brings(capsys):
+    """--demo with a named model runs it on the demo's values, each named in one note (its model is not taken)."""
+    cfg = bookkeeping.parse_config(Config, ["--model", "m", "--demo", "arith", "--train_data", "x.jsonl"], PRESETS)
+    note = capsys.readouterr().out.strip().splitlines()
+    assert note == ["note: --model m runs on --demo arith's eval_data arith, max_new_tokens 12, overlong_buffer 4, "
+                    "steps 60, prompts_per_step 32, lr 0.0001"]
+    assert cfg.model == "m" and cfg.max_new_tokens == 12 and cfg.train_data == "x.jsonl"
+    cfg = bookkeeping.parse_config(Config, ["--model", "m", "--demo", "reasoning", *REAL_RUN[:8]], PRESETS)
+    assert capsys.readouterr().out.strip() == "note: --model m runs on --demo reasoning's steps 20, " \
+                                              "prompts_per_step 16, lr 0.0001"
+    assert cfg.model == "m" and cfg.steps == 20 and cfg.max_new_tokens == 4096
+    # the demos' own models are no model of the user's own: --model demo/reasoning/model is the default demo
+    folder = bookkeeping.DEMOS["reasoning"]["model"]
+    assert bookkeeping.parse_config(Config, ["--model", folder], PRESETS) == bookkeeping.parse_config(Config, [], PRESETS)
+    assert capsys.readouterr().out == ""

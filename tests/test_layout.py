@@ -6,7 +6,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lower first: a file may import only the files before it (verifier.py stands alone: anyone may import it).
-ORDER = ["ranks", "modeling", "dataset", "common", "engine", "bookkeeping", "da3po", "daro"]
+ORDER = ["ranks", "modeling", "dataset", "crosscheck", "common", "engine", "bookkeeping", "da3po", "daro"]
 STEP_FILES = ("common.py", "da3po.py", "daro.py")  # what a reader opens to see one step
 # What keeps a run going, defined only in its own file: stop signals, process groups, the output-layer table,
 # the start-up probes, sharding, checkpoints, trackers.

@@ -92,6 +92,30 @@ def test_ranks_issue_the_same_collectives_whatever_their_data(tmp_path, script, 
         assert sum(m["train/skipped_updates"] for m in train) == 1, "both ranks skip the update rank 1 found NaN"
 
 
+def test_crosscheck_ranks_issue_the_same_collectives(tmp_path):
+    """--verifier_crosscheck on 2 ranks whose checks differ: the stub judge (tests/lockstep.py) calls everything
+    right on rank 0 and wrong on rank 1, so rank 0 disagrees only where ours says wrong and rank 1 only where ours
+    says right, with as many disagreeing rows as each rank's data makes. The counts are summed over ranks with the
+    same collectives, and both ranks' disagreements reach the file."""
+    code, _, stderr = launch(tmp_path, "da3po.py", "lengths", [*SMALL, "--verifier_crosscheck",
+                                                                 "--crosscheck_train", "6"])
+    assert code == 0, stderr[-3000:]
+    traces = [json.load(open(tmp_path / f"collectives_rank{r}.json")) for r in (0, 1)]
+    assert len(traces[0]) > 50 and traces[0] == traces[1]
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    train = [m for m in records if "train/loss" in m]
+    evals = [m for m in records if "eval/acc" in m]
+    assert [m["crosscheck/checked"] for m in train] == [6.0, 6.0, 6.0]  # 3 of each rank's completions, 3 steps
+    assert [m["eval/crosscheck/checked"] for m in evals] == [16.0] * 3  # 8 problems x 2 samples, all ranks
+    # both directions occur over the run, and every disagreement is a row of the file
+    rows = [json.loads(x) for x in open(tmp_path / "crosscheck.jsonl")]
+    assert {(r["ours"], r["theirs"]) for r in rows} == {(True, False), (False, True)}
+    assert {r["where"] for r in rows} == {"train", "eval/arith"}
+    expected = sum(round((m["crosscheck/ours_only"] + m["crosscheck/theirs_only"]) * 6) for m in train)
+    expected += sum(round((m["eval/crosscheck/ours_only"] + m["eval/crosscheck/theirs_only"]) * 16) for m in evals)
+    assert len(rows) == expected
+
+
 def test_vllm_ranks_issue_the_same_collectives(tmp_path):
     """The real vLLM engine on both ranks (external launcher), sampled data, uneven evaluation batches (9 problems in
     batches of 4: 3 and 2 generate calls), packed micro-batches: vLLM's own process groups are recorded too."""

@@ -60,6 +60,25 @@ def test_every_command_parses_and_passes_the_checks(recipes):
         ("daro.py", a) for a in ("daro", "uniform", "var", "grpo", "dr_grpo", "dapo")}
     assert len(recipes) == 11 + 3 and all(w in (1, 8) for _, w, _, _ in recipes)  # + the three one-GPU commands
     assert len({c.out_dir for _, _, c, _ in recipes}) == len(recipes)  # no two runs write into one folder
+    assert all(c.demo == "" for _, _, c, _ in recipes)  # a model of the user's own: no demo's value applies
+
+
+def test_a_recipe_without_a_flag_the_demos_size_stops_naming_it(capsys, monkeypatch):
+    """Every command sets each knob whose default is a demo's (bookkeeping.DEMO_SIZED), on its line or through
+    its preset: drop any one of them and the command stops with one line naming it, instead of running on the
+    sums demo's value."""
+    dropped = 0
+    for argv in doc_commands():
+        script, _, cfg, _ = run_config(argv, capsys, monkeypatch)
+        preset = SCRIPTS[script][1][cfg.algo]  # (GRPO's and Dr. GRPO's set overlong_buffer 0 themselves)
+        for flag in {a for a in argv if a.lstrip("-") in bookkeeping.DEMO_SIZED and a.lstrip("-") not in preset}:
+            without = [a for i, a in enumerate(argv) if flag not in argv[max(i - 1, 0):i + 1]]  # (every time)
+            with pytest.raises(SystemExit) as e:
+                run_config(without, capsys, monkeypatch)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert e.value.code == 2 and len(err) == 1 and f"set {flag} (" in err[0], (argv, err)
+            dropped += 1
+    assert dropped >= 14 * 6
 
 
 def test_the_da3po_papers_runs(recipes):

@@ -122,6 +122,38 @@ def test_rollout_is_mask_leaves_the_denominator():
     assert torch.allclose(w[0], torch.full((3,), 1 / 3, dtype=torch.float64)) and w[1].sum() == 0
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mismatch_metrics_do_not_depend_on_rollout_is_mask(demo_dir, level):
+    """The engine/trainer gap is measured on the same tokens with and without --rollout_is_mask: the tokens (or
+    sequences) the mask rejects are the most mismatched ones, and leaving them out would make a worse engine read
+    better. A real model's micro-batches, an engine off by a spread of errors, two tokens in its top_p nucleus but
+    outside pi_old's: every rollout/* metric is the same under both flags."""
+    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
+    batch = random_batch(tok, 8, seed=5)
+    T = batch["mask"].shape[1]
+    with torch.no_grad():
+        batch["old_logp"] = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
+    g = torch.Generator().manual_seed(0)
+    batch["old_logp_nucleus"] = batch["old_logp"].clone()
+    batch["old_logp_nucleus"][[0, 3], [0, 1]] = modeling.OUTSIDE_NUCLEUS  # pi_old's nucleus left them out
+    batch["rollout_logp"] = batch["old_logp"] - torch.randn(batch["old_logp"].shape, generator=g) * batch["mask"]
+    metrics = []
+    for mask in (False, True):
+        b = {k: v.clone() for k, v in batch.items()}
+        cfg = bookkeeping.parse_config(da3po.Config, ["--top_p", "0.9", "--rollout_is", level, "--rollout_is_cap",
+                                                      "3"] + (["--rollout_is_mask"] if mask else []), da3po.PRESETS)
+        correction = eng.rollout_correction(b, cfg)
+        b["weight"] = common.loss_weights(b["mask"], "token-mean", 40)
+        sums = common.Sums(*common.TRAIN_SUMS)
+        for _, mb in common.micro_batches(b, torch.arange(8), 3):
+            common.token_losses(model, None, mb, cfg, torch.device("cpu"), sums)
+        metrics.append({k: v for k, v in common.train_metrics(sums.reduce(), 1, 1e-4, True).items()
+                        if k.startswith("rollout/")})
+    assert correction["rollout_is/masked_frac"] > 0.1  # the mask did reject tokens
+    assert metrics[0]["rollout/nucleus_boundary_frac"] > 0 and metrics[0]["rollout/kl_k3"] > 0.1
+    assert metrics[1] == metrics[0]
+
+
 @pytest.mark.parametrize("max_tokens", [0, 64], ids=["fixed", "token-budget"])
 def test_a_hole_in_the_mask_keeps_the_tokens_after_it(max_tokens):
     """Issue 28, defect 1: rows of 6 and 3 completion tokens, the 3rd token of the first rejected (a hole in the loss

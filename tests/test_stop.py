@@ -4,10 +4,12 @@ resumed on 1 and the other way round.
 Run: python -m pytest -q tests/test_stop.py"""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -106,29 +108,190 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(tmp_path):
     assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
 
 
-def harness(out, ranks, *flags):
-    """tests/lockstep.py's scripted engine (the same data on any number of ranks), 1 or 2 ranks."""
+# -----------------------------------------------------------------------------------------------------------------
+# Resumed on another number of ranks: tests/lockstep.py's scripted engine with its content skew (the same data on any
+# number of ranks), its runs batched into three launches (2 ranks, 1, 2 again) for the tests below.
+def lockstep_jobs(folder, ranks, jobs):
+    """tests/lockstep.py's runs in one process per rank; with 2 ranks, both issued the same collectives in the same
+    order across all of them. Returns the printed output."""
+    os.makedirs(folder, exist_ok=True)
+    json.dump(jobs, open(folder / "jobs.json", "w"))
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TORCH_FR_BUFFER_SIZE": "1000"}
-    r = subprocess.run([sys.executable, *launcher, "tests/lockstep.py", str(out), "da3po.py", "content",
-                        "--prompts_per_step", "8", "--group_size", "4", "--updates_per_step", "1",
-                        "--eval_size", "8", "--eval_samples", "2", "--eval_every", "2", "--save_every", "2",
-                        "--max_new_tokens", "16", "--no-dynamic_sampling", *flags], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TORCH_FR_BUFFER_SIZE": "200000"}
+    r = subprocess.run([sys.executable, *launcher, "tests/lockstep.py", "--jobs", str(folder / "jobs.json")], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    if ranks > 1:
+        traces = [json.load(open(folder / f"collectives_rank{r}.json")) for r in range(ranks)]
+        assert len(traces[0]) > 100 and all(t == traces[0] for t in traces), "the ranks' collectives differ"
     return r.stdout
 
 
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)], ids=["2-ranks-then-1", "1-rank-then-2"])
-def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, first, then):
-    """Saved on `first` ranks after 2 steps, resumed on `then` ranks for 2 more: the metrics of an uninterrupted run
-    on `first` ranks, within float rounding (the optimizer state is resharded; the data, scripted by content, all of
-    it kept, in one update per step, make the math independent of the number of ranks)."""
-    harness(tmp_path / "straight", first, "--steps", "4")
-    harness(tmp_path / "moved", first, "--steps", "2")
-    said = harness(tmp_path / "moved", then, "--steps", "4", "--resume")
-    assert f"saved on {first} ranks, this run has {then}" in said
-    a, b = records(tmp_path / "straight" / "metrics.jsonl"), records(tmp_path / "moved" / "metrics.jsonl")
+# 2 steps of 6 groups in 2 updates (on 2 ranks 2 + 1 groups per rank, on 1 rank 3 + 3: the second update's 3 groups
+# split 2 + 1 on 2 ranks, a padding copy beside the 1), an eval after each step, dynamic sampling refilling the groups
+# the content skew answers all wrong: a stop between generation batches, between updates and after each step.
+ANYWHERE = ["--prompts_per_step", "6", "--group_size", "4", "--updates_per_step", "2", "--steps", "2",
+            "--eval_every", "1", "--eval_size", "8", "--eval_samples", "2", "--max_new_tokens", "16",
+            "--oversample", "1", "--max_gen_batches", "3", "--sample_every", "1"]
+# A checkpoint between steps, the data all kept in one update per step: the math of every later step is the same on
+# any number of ranks.
+BETWEEN_STEPS = ["--prompts_per_step", "8", "--group_size", "4", "--updates_per_step", "1", "--eval_size", "8",
+                 "--eval_samples", "2", "--eval_every", "2", "--save_every", "2", "--max_new_tokens", "16",
+                 "--no-dynamic_sampling"]
+SCRIPTS = ("da3po.py", "daro.py")
+
+
+def stopped_runs(folder) -> list:
+    """The runs of tests/lockstep.py's every_point job, stopped at the 1st, 2nd, ... check; DARO's only where a stop
+    between updates left a step's work (elsewhere it is da3po.py's loop, which the test runs at every check: the
+    resumes cost CI time)."""
+    runs = sorted(folder.glob("stop*"), key=lambda d: int(d.name[4:]))
+    return [d for d in runs if folder.name == "da3po.py" or saved_at(d)[1]]
+
+
+def saved_at(run_dir) -> tuple[int, int]:
+    """(the last step a stopped run's checkpoint finished, the step a stop between two updates interrupted or 0)."""
+    ckpt = bookkeeping.latest_checkpoint(str(run_dir))
+    pending = torch.load(os.path.join(ckpt, "rank0.pt"))["pending"]
+    return torch.load(os.path.join(ckpt, "trainer.pt"))["step"], pending["step"] if pending else 0
+
+
+def saved_step(rank, world, groups, next_update=1):
+    """What rank `rank` of `world` saves when stopped before update `next_update` of a step whose kept groups are
+    `groups` (plan_updates' split into 2 updates, make_batch's batch with the entries the loop adds)."""
+    mine, update_rows = common.plan_updates(groups, 2, ranks.DistInfo(rank=rank, world_size=world))
+    batch = common.make_batch(mine, 0)
+    batch["old_logp"] = -batch["input_ids"][:, -batch["mask"].shape[1]:].float() * batch["mask"]  # row-specific
+    batch["rejected"] = torch.zeros_like(batch["mask"], dtype=torch.bool)
+    batch["rejected"][:, 0] = True  # (as --rollout_is_mask leaves it)
+    batch["mask"][:, 0] = 0
+    sums = {"loss": 1.0 + rank, "tokens": 10.0}
+    return bookkeeping.PendingStep(3, {"train/acc": 0.5}, mine[:1], update_rows, batch, next_update, sums,
+                                   {"bins": torch.ones(3, 5)})
+
+
+def rows_of(pending, u):
+    """The rows of update u that train something, each as (prompt, completion, old_logp, mask) in plain numbers."""
+    b, T = pending.batch, pending.batch["mask"].shape[1]
+    out = []
+    for i in pending.update_rows[u].tolist():
+        if b["mask"][i].any() or b["rejected"][i].any():
+            ids, attn = b["input_ids"][i].tolist(), b["attention_mask"][i].tolist()
+            prompt = [t for t, a in zip(ids[:-T], attn[:-T]) if a]
+            n = sum(attn[-T:])
+            out.append((tuple(prompt), tuple(ids[-T:][:n]), tuple(b["old_logp"][i][:n].tolist()),
+                        tuple(b["mask"][i][:n].tolist()), tuple(b["rejected"][i][:n].tolist())))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("first,then", [(1, 2), (2, 1), (2, 3), (3, 2)])
+def test_a_stopped_step_splits_anew_for_any_number_of_ranks(first, then):
+    """reshard_pending on hand-made groups of different prompt and completion lengths (each rank's batch of its own
+    width): every row of every update left is trained exactly once on the new ranks, with its prompt, completion,
+    log-probs, mask and rejected tokens; each rank gets as many rows per update (copies with nothing to train fill
+    a share one group short), a group keeps its prompt, the step's sums keep their total."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(10, 40, (n,), generator=g).tolist()  # noqa: E731
+    groups = [{"prompt_ids": rand(2 + i % 5), "completions": [rand(1 + (i * 3 + j) % 9) for j in range(2)],
+               "reward": [1.0, -1.0], "correct": [True, False], "prompt_len": 2 + i % 5, "lengths": [1, 1]}
+              for i in range(6 * first)]  # 6 groups per old rank: 2 updates of 3 (or 4 + 2 on 3 ranks, ...)
+    old = [saved_step(r, first, groups) for r in range(first)]
+    new = [bookkeeping.reshard_pending(old, r, then, 0) for r in range(then)]
+    for u in range(len(old[0].update_rows)):
+        if u < old[0].next_update:
+            assert all(len(p.update_rows[u]) == 0 for p in new)
+            continue
+        assert len({len(p.update_rows[u]) for p in new}) == 1  # as many rows on every rank
+        assert sorted(r for p in new for r in rows_of(p, u)) == sorted(r for p in old for r in rows_of(p, u))
+    for p in new:
+        b = p.batch
+        for i in set(b["group"].tolist()):  # one prompt per group (a group's prompt is run once)
+            rows = (b["group"] == i).nonzero().flatten()
+            assert len({tuple(b["input_ids"][r, :-b["mask"].shape[1]].tolist()) for r in rows}) == 1
+        assert p.algo is old[0].algo and p.record is old[0].record and p.next_update == 1
+    assert sum(p.sums["loss"] for p in new) == sum(p.sums["loss"] for p in old)
+    assert new[0].groups == old[0].groups and all(p.groups == [] for p in new[1:])
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """On 2 ranks: each script uninterrupted and stopped at each check in turn (OUT/two/<script>/straight, stop<k>),
+    and a run saved after 2 of 4 steps (between/2). On 1 rank: the same (OUT/one/...), and each 2-rank run resumed on
+    1 (copies: <run>_on1). On 2 ranks again: each stopped run resumed. Returns (OUT, the stopped runs per script,
+    their saved_at before the resumes, the printed output of the resumes)."""
+    out = tmp_path_factory.mktemp("resumed")
+    two, one = out / "two", out / "one"
+    every = [{"script": s, "out": str(two / s), "flags": ANYWHERE, "every_point": True} for s in SCRIPTS]
+    between = [{"script": "da3po.py", "out": str(two / "between" / n), "flags": [*BETWEEN_STEPS, "--steps", k]}
+               for n, k in (("straight", "4"), ("moved", "2"))]
+    lockstep_jobs(two, 2, every + between)
+    stops = {s: stopped_runs(two / s) for s in SCRIPTS}
+    for d in [d for s in SCRIPTS for d in stops[s]] + [two / "between" / "moved"]:
+        shutil.copytree(d, f"{d}_on1")
+    every = [{**job, "out": job["out"].replace(str(two), str(one))} for job in every]
+    between = [{**job, "out": job["out"].replace(str(two), str(one))} for job in between]
+    on1 = [{"script": s, "out": f"{d}_on1", "flags": [*ANYWHERE, "--resume"]} for s in SCRIPTS for d in stops[s]]
+    on1 += [{"script": "da3po.py", "out": f"{two / 'between' / 'moved'}_on1",
+             "flags": [*BETWEEN_STEPS, "--steps", "4", "--resume"]}]
+    said = lockstep_jobs(one, 1, every + between + on1)
+    for s in SCRIPTS:
+        stops[s] += stopped_runs(one / s)
+    saved = {str(d): saved_at(d) for s in SCRIPTS for d in stops[s]}  # before the resumes change them
+    on2 = [{"script": s, "out": str(d), "flags": [*ANYWHERE, "--resume"]} for s in SCRIPTS for d in stops[s]]
+    on2 += [{"script": "da3po.py", "out": str(one / "between" / "moved"),
+             "flags": [*BETWEEN_STEPS, "--steps", "4", "--resume"]}]
+    said += lockstep_jobs(out / "again", 2, on2)
+    return out, stops, saved, said
+
+
+def test_a_stop_anywhere_resumes_on_any_number_of_ranks(resumed):
+    """da3po.py and daro.py stopped at every check for a stop in turn, on 2 gloo ranks (torchrun) and on 1; each
+    stopped run resumed on 2 ranks and on 1 (2 -> 2, 2 -> 1, 1 -> 2). Each resumed run continues with exactly one
+    record per step and per evaluation, those before the stop unchanged; 2 -> 2 equals the uninterrupted run. A
+    stop between updates leaves the step's remaining groups and sums, split anew over the new ranks: that step's
+    record equals the uninterrupted one's within float rounding (the loss denominators are global), DARO's per-bin
+    sums too (DARO: those stops only; its loop is da3po.py's). (Later steps differ by design: N ranks deal a step's
+    groups to its updates in another order.)"""
+    out, stops, saved, said = resumed
+    mid_step = [d for d, (_, stopped) in saved.items() if stopped]  # each resumed on another number of ranks once
+    assert said.count("the stopped step's remaining work is split anew") == len(mid_step)
+    for s in SCRIPTS:
+        assert sum(str(d) in mid_step for d in stops[s]) == 4  # one in each step, on 2 ranks and on 1
+        assert len(stops[s]) == (12 if s == "da3po.py" else 4)  # 6 checks a run (da3po.py: each one)
+        for d in stops[s]:
+            first = 1 if d.parent.parent.name == "one" else 2
+            straight = records(d.parent / "straight" / "metrics.jsonl")
+            assert [(r["step"], "train/loss" in r) for r in straight] == [
+                (0, False), (1, True), (1, False), (2, True), (2, False)]
+            assert any(r.get("train/num_gen_batches", 0) > 1 for r in straight)  # a stop between generation batches
+            ckpt_step, stopped = saved[str(d)]
+            for run, ranks_then in ((d, 2), (f"{d}_on1", 1)) if first == 2 else ((d, 2),):
+                got = records(os.path.join(run, "metrics.jsonl"))
+                assert [(r["step"], "train/loss" in r) for r in got] == [
+                    (r["step"], "train/loss" in r) for r in straight], (s, run)
+                if ranks_then == first:
+                    assert got == straight, (s, run)
+                    continue
+                for x, y in zip(straight, got):
+                    if x["step"] <= ckpt_step:
+                        assert y == x, (s, run, x["step"])
+                    elif x["step"] == stopped and "train/loss" in x:
+                        assert x.keys() == y.keys(), (s, run)
+                        for k in x:
+                            if not k.startswith("perf/"):  # (padding: another split into micro-batches)
+                                assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-6), (s, run, k)
+
+
+@pytest.mark.parametrize("first", [2, 1], ids=["2-ranks-then-1", "1-rank-then-2"])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(resumed, first):
+    """Saved on `first` ranks after 2 steps, resumed on the other number for 2 more: the metrics of an uninterrupted
+    run on `first` ranks, within float rounding (the optimizer state is resharded; the data, scripted by content, all
+    of it kept, in one update per step, make the math independent of the number of ranks)."""
+    out, _, _, said = resumed
+    folder = out / ("two" if first == 2 else "one") / "between"
+    assert f"saved on {first} ranks, this run has {3 - first}" in said
+    a = records(folder / "straight" / "metrics.jsonl")
+    b = records(folder / ("moved_on1" if first == 2 else "moved") / "metrics.jsonl")
     assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) == 7  # 4 steps and 3 evaluations
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
@@ -202,13 +365,49 @@ def test_resume_without_a_checkpoint_starts_the_records_over(tmp_path, monkeypat
     assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
 
 
-def test_daro_pending_work_restores_on_the_training_device_and_the_rest_on_the_cpu(tmp_path, monkeypatch, demo_dir):
-    """Issue 28, defect 3: a DARO checkpoint taken between two updates, loaded for another device than the CPU (the
-    meta device stands in for a GPU): the batch goes to that device, DARO's per-bin sums stay on the CPU, where
-    `self.bins[0] += (...).cpu()` adds to them (moved to the device with the rest, that add failed on a GPU)."""
-    stop_when(monkeypatch, common.UpdateGuard, "step", lambda n: n == 1)  # after step 1's first update
-    run(daro, tmp_path, "--steps", "2")
-    ckpt = bookkeeping.latest_checkpoint(str(tmp_path))
+@pytest.mark.parametrize("script", [da3po, daro], ids=["da3po", "daro"])
+def test_resuming_a_finished_run_adds_nothing_and_says_so(tmp_path, capsys, script):
+    """--resume of a run that finished: metrics.jsonl and samples.jsonl stay as they were (the final evaluation is not
+    run and logged a second time), and a line says that the run is done."""
+    flags = ["--steps", "1", "--eval_size", "8", "--eval_samples", "2"]
+    run(script, tmp_path, *flags)
+    files = {name: open(tmp_path / name).read() for name in ("metrics.jsonl", "samples.jsonl")}
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [0, 1, 1]
+    capsys.readouterr()
+    run(script, tmp_path, *flags, "--resume")
+    assert {name: open(tmp_path / name).read() for name in files} == files
+    assert "--resume: the run is done (step 1 of 1" in capsys.readouterr().out
+
+
+def tagged_cuda(path):
+    """Rewrite a checkpoint's .pt file as a run on a GPU writes it: every tensor's storage tagged cuda:0."""
+    saved = torch.load(path, weights_only=True)
+    tagged = []
+    with mock.patch.object(torch.serialization, "location_tag", lambda storage: tagged.append(1) or "cuda:0"):
+        torch.save(saved, path)
+    if tagged:  # (a file with no tensor has nothing to tag)
+        with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
+            torch.load(path, weights_only=True)  # loaded where it was saved, it needs that GPU
+    return len(tagged)
+
+
+@pytest.mark.parametrize("script", [da3po, daro], ids=["da3po", "daro"])
+def test_a_checkpoint_from_a_gpu_resumes_here_and_loads_onto_the_training_device(tmp_path, monkeypatch, script):
+    """A checkpoint taken between two updates of step 1 (the step's batch in it; DARO's weights and their Adam state,
+    DA3PO's running pass counts), every tensor in its .pt files tagged cuda:0 as a GPU run writes them: resumed on
+    this CPU, the run ends as an uninterrupted one. Loaded for another training device (the meta device stands in for
+    a GPU): the batch and DARO's weights and moments go to that device; the data rows, the per-bin sums (added to on
+    the CPU) and Adam's step counts stay on the CPU."""
+    flags = ["--steps", "2", *(["--p_estimate", "running"] if script is da3po else [])]
+    run(script, tmp_path / "straight", *flags)
+    out = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        stop_when(m, common.UpdateGuard, "step", lambda n: n == 1)  # after step 1's first update
+        run(script, out, *flags)
+    ckpt = bookkeeping.latest_checkpoint(str(out))
+    tagged = {name: tagged_cuda(os.path.join(ckpt, name)) for name in ("trainer.pt", "rank0.pt")}
+    assert tagged["rank0.pt"] and bool(tagged["trainer.pt"]) == (script is daro)  # DARO's weights, moments
+
     model, _ = modeling.load_model(ckpt)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
@@ -217,11 +416,24 @@ def test_daro_pending_work_restores_on_the_training_device_and_the_rest_on_the_c
     pending = state["pending"]
     assert pending is not None and pending.step == 1 and pending.next_update == 1
     assert {v.device.type for v in pending.batch.values()} == {"meta"}
-    assert all(r.device.type == "cpu" for r in pending.update_rows) and pending.algo["bins"].device.type == "cpu"
-    cfg = bookkeeping.parse_config(daro.Config, ["--device", "meta"], daro.PRESETS)
-    algo = daro.DARO(cfg, torch.device("cpu"), state)
-    algo.load_step_state(pending.algo)
-    algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what step_weights does
+    assert all(r.device.type == "cpu" for r in pending.update_rows)
+    cfg = bookkeeping.parse_config(script.Config, ["--device", "meta", *flags], script.PRESETS)
+    if script is daro:
+        algo = daro.DARO(cfg, torch.device("meta"), state)
+        algo.load_step_state(pending.algo)
+        assert all(s.device.type == "meta" for s in [*algo.neg_log_w, algo.w, algo.bin_loss, algo.bin_tokens])
+        moments = [v for s in algo.weight_opt.state.values() for k, v in s.items() if k != "step"]
+        steps = [s["step"] for s in algo.weight_opt.state.values()]
+        assert moments and all(v.device.type == "meta" for v in moments)
+        assert steps and all(v.device.type == "cpu" for v in steps)  # where Adam keeps them (not capturable)
+        assert algo.bins.device.type == "cpu"
+        algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what step_weights does
+    else:
+        counts = da3po.DAA(cfg, state).pass_counts
+        assert counts and all(type(n) is int for c in counts.values() for n in c)  # plain numbers, no device
+
+    run(script, out, *flags, "--resume")  # on this CPU, for real
+    assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
 
 
 class RunsCode:

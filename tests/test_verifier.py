@@ -2,12 +2,16 @@
 The math answer verifier (verifier.py: extract_answer / math_equal / verify_batch) on the peer projects' cases in
 tests/data (see its README), our own normalisation and near-miss cases, and adversarial inputs with a time bound.
 Needs no torch and no conftest fixtures: test_verifier_cli.py also runs this file with torch made unimportable."""
+import itertools
 import json
+import logging
 import os
+import random
 import re
 import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -98,7 +102,9 @@ def test_extract_never_raises_and_is_fast():
     assert extract_answer(12) is None  # type: ignore[arg-type]
     big = "x" * 1_000_000 + "\\boxed{42}"
     many = "\\boxed{" * 200_000           # worst case for naive backward brace matching
-    for text, expected in [(big, "42"), (many, None), ("{" * 500_000, None), ("Answer:" * 100_000, None)]:
+    # the whole text is searched: a line of 100,000 'Answer:' gives the 99,999 after the first
+    cases = [(big, "42"), (many, None), ("{" * 500_000, None), ("Answer:" * 100_000, "Answer:" * 99_999)]
+    for text, expected in cases:
         t = time.monotonic()
         assert extract_answer(text) == expected
         assert time.monotonic() - t < BOUND_S
@@ -144,6 +150,183 @@ def test_own_equivalent(pred, gold):
 @pytest.mark.parametrize("pred, gold", OWN_FALSE)
 def test_own_near_misses(pred, gold):
     assert math_equal(pred, gold, timeout=SLACK) is False
+
+
+# ----- answer forms: the rules of docs/data.md (its verifier section), each form both ways -----
+
+def _both_ways(pred, gold, expected):
+    assert math_equal(pred, gold, timeout=SLACK) is expected, (pred, gold)
+    assert math_equal(gold, pred, timeout=SLACK) is expected, (gold, pred)
+
+
+DISPLAY_MATH = [
+    ("\\[ x = \\frac{5}{2} \\]", "5/2"), ("\\[\\frac{5}{2}\\]", "2.5"), ("$$2.5$$", "5/2"), ("\\( 5/2 \\)", "5/2"),
+    ("\\begin{equation} x = \\frac52 \\end{equation}", "5/2"),
+    ("\\begin{equation*}\\tfrac{5}{2}\\end{equation*}", "2.5"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", DISPLAY_MATH)
+def test_display_math_delimiters(pred, gold):
+    _both_ways(pred, gold, True)
+    _both_ways(pred, "5/3", False)
+
+
+# One number, 2.5 million, written ten ways: every pair is equal.
+LARGE_NUMBER = ["2,500,000", "2500000", "2.5 \\times 10^6", "2.5e6", "25 \\cdot 10^{5}", "2.5 \\times 10^{6}",
+                "2.5 million", "2\\,500\\,000", "2{,}500{,}000", "2.5 \u00d7 10\u2076", "\\frac{5}{2} \\cdot 10^6"]
+LARGE_NUMBER_MISSES = [("2.5e6", "2.5e5"), ("2,500,000", "250,000"), ("25 \\cdot 10^{5}", "25 \\cdot 10^{6}"),
+                       ("2.5 \\times 10^6", "2.6 \\times 10^6"), ("2.5 million", "2.5 billion")]
+
+
+@pytest.mark.parametrize("pred, gold", list(itertools.combinations(LARGE_NUMBER, 2)))
+def test_large_number_spellings(pred, gold):
+    _both_ways(pred, gold, True)
+
+
+@pytest.mark.parametrize("pred, gold", LARGE_NUMBER_MISSES)
+def test_large_number_misses(pred, gold):
+    _both_ways(pred, gold, False)
+
+
+# The comma rule: a comma followed by a space separates list items; between digit groups without a space it reads
+# both ways, as a thousands separator (if every later group has three digits) and as a list separator.
+COMMA_EQUAL = [("7,125", "7125"), ("1,234,567", "1234567"), ("7,125", "125, 7"), ("7, 125", "125,7"),
+               ("7,125", "7, 125")]
+COMMA_NOT_EQUAL = [("7, 125", "7125"), ("100, 200", "100200"), ("1, 234, 567", "1234567"), ("12,34", "1234")]
+
+
+@pytest.mark.parametrize("pred, gold, expected", [(*c, True) for c in COMMA_EQUAL]
+                         + [(*c, False) for c in COMMA_NOT_EQUAL])
+def test_comma_list_or_thousands(pred, gold, expected):
+    _both_ways(pred, gold, expected)
+
+
+LISTS_EQUAL = [
+    ("(1,5), (1,5)", "(1,5)"), ("(1,5),(5,1),(1,5)", "(5,1),(1,5)"), ("1, 1, 2", "2, 1"),
+    ("\\{1, 1, 2\\}", "\\{1, 2\\}"),
+    ("(1;5)", "(1,5)"), ("(1; 5), (5; 1)", "(5,1), (1,5)"), ("[1;5]", "[1,5]"), ("x=2 or x=-3", "2, -3"),
+    ("x = 2 \\text{ or } x = -3", "-3, 2"), ("(1,5) \\text{ and } (5,1)", "(1,5), (5,1)"),
+    ("(1,5) \\text{ or } (5,1)", "\\{(5,1),(1,5)\\}"), ("x=2 \\lor x=-3", "2,-3"), ("2 or -3", "-3, 2"),
+]
+LISTS_NOT_EQUAL = [
+    ("(1;5)", "(5,1)"), ("(1;5)", "[1,5]"), ("(1,5), (1,5)", "(1,5), (5,1)"), ("x=2 or x=-3", "2, 3"),
+    ("1, 1", "1, 2"),
+    ("(1,5;2)", "(1,5,2)"), ("\\{1\\}", "1"), ("x=2 or x=-3", "2"),
+]
+
+
+@pytest.mark.parametrize("pred, gold, expected", [(*c, True) for c in LISTS_EQUAL]
+                         + [(*c, False) for c in LISTS_NOT_EQUAL])
+def test_lists_and_tuples(pred, gold, expected):
+    _both_ways(pred, gold, expected)
+
+
+# Named sets: every spelling in a group is equal to every other; \mathbb{N} is read as both of the first two.
+NAMED_SETS = {
+    "positive integers": ["\\{1, 2, 3, \\ldots\\}", "\\{1,2,3,\\dots\\}", "\\mathbb{Z}^+", "\\mathbb{Z}_{>0}",
+                          "\\text{all positive integers}", "1, 2, 3, ..."],
+    "non-negative integers": ["\\{0, 1, 2, \\ldots\\}", "\\mathbb{Z}_{\\ge 0}", "\\mathbb{N}_0",
+                              "\\text{all nonnegative integers}"],
+    "real line": ["\\mathbb{R}", "\\mathbb R", "\u211d", "(-\\infty, \\infty)", "(-\\infty,+\\infty)",
+                  "\\text{all real numbers}", "All real numbers.", "x \\in \\mathbb{R}", "-\\infty < x < \\infty"],
+    "empty set": ["\\emptyset", "\\varnothing", "\u2205", "\\{\\}", "\\{ \\}", "\\text{no solution}",
+                  "no real solutions", "the empty set"],
+    "integers": ["\\mathbb{Z}", "\\{\\ldots, -1, 0, 1, \\ldots\\}", "\\text{all integers}"],
+}
+NAMED_EQUAL = [pair for names in NAMED_SETS.values() for pair in itertools.combinations(names, 2)] + [
+    ("\\mathbb{N}", "\\{1, 2, 3, \\ldots\\}"), ("\\mathbb{N}", "\\{0, 1, 2, \\ldots\\}"),
+    ("\\mathbb{N}", "\\mathbb{N}_0"), ("\\text{all natural numbers}", "\\mathbb{N}"),
+    ("[0, \\infty)", "\\mathbb{R}_{\\ge 0}"), ("(0, \\infty)", "\\mathbb{R}^+"),
+    ("\\mathbb{R} \\setminus \\{0\\}", "(-\\infty, 0) \\cup (0, \\infty)"),
+    ("\\mathbb{R} - \\{0\\}", "\\mathbb{R}\\setminus\\{0\\}"),
+    ("\\{1, 2, \\ldots, 10\\}", "\\{1,2,3,4,5,6,7,8,9,10\\}"), ("1, 3, \\ldots, 9", "9, 7, 5, 3, 1"),
+    ("\\ldots, -2, -1", "\\mathbb{Z}_{<0}"), ("\\{-1, -2, -3, \\ldots\\}", "\\mathbb{Z}^-"),
+]
+NAMED_NOT_EQUAL = [(a[0], b[0]) for a, b in itertools.combinations(NAMED_SETS.values(), 2)] + [
+    ("\\mathbb{R}", "R"), ("\\mathbb{R}", "(0, \\infty)"), ("\\mathbb{R}^+", "[0, \\infty)"),
+    ("\\mathbb{Q}", "\\mathbb{R}"), ("\\mathbb{C}", "\\mathbb{R}"), ("\\mathbb{N}", "\\mathbb{Z}"),
+    ("\\{1, 3, 5, \\ldots\\}", "\\mathbb{N}"),
+    ("\\mathbb{R} \\setminus \\{0\\}", "\\mathbb{R}"), ("\\emptyset", "0"), ("\\emptyset", "\\{0\\}"),
+    ("\\{1, 2, \\ldots, 10\\}", "\\{1,2,3,4,5,6,7,8,9\\}"), ("\\mathbb{Z}^+", "\\mathbb{Z}_{\\ge 0}"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", NAMED_EQUAL)
+def test_named_sets_equal(pred, gold):
+    _both_ways(pred, gold, True)
+
+
+@pytest.mark.parametrize("pred, gold", NAMED_NOT_EQUAL)
+def test_named_sets_differ(pred, gold):
+    _both_ways(pred, gold, False)
+
+
+# ----- huge outputs: judged, or refused with a logged reason, in bounded time and memory -----
+
+FILLER = "Let me double-check that step once more. " * 36_000  # 1.5 MB on either side of the answer
+
+
+def test_answer_surrounded_by_megabytes():
+    text = FILLER + "So the answer is $\\boxed{\\frac{5}{2}}$. " + FILLER
+    assert extract_answer(text) == "\\frac{5}{2}"
+    assert extract_answer(FILLER + "\nAnswer: 7\n" + FILLER) == "7"
+    out, info = verify_batch([text, text], ["2.5", "3"], timeout=SLACK, num_workers=1)
+    assert out == [True, False] and info["no_answer"] == 0 and info["refused"] == 0
+
+
+def test_answer_of_300k_digits():
+    digits = "".join(random.Random(0).choice("0123456789") for _ in range(300_000)).lstrip("0")
+    wrong = digits[:-1] + str((int(digits[-1]) + 1) % 10)
+    grouped = digits[:len(digits) % 3 or 3] + "".join("," + digits[i:i + 3]
+                                                       for i in range(len(digits) % 3 or 3, len(digits), 3))
+    completions = [f"It is $\\boxed{{{digits}}}$.", f"\\boxed{{{wrong}}}", f"\\boxed{{{grouped}}}",
+                   f"Answer: {digits}", f"\\boxed{{{digits}.0}}"]
+    out, info = verify_batch(completions, [digits] * 5, timeout=SLACK, num_workers=1)
+    assert out == [True, False, True, True, True]
+    assert info["refused"] == 0 and info["no_answer"] == 0 and info["symbolic"] == 0
+
+
+def test_huge_answers_that_cannot_be_judged_are_refused_and_logged(caplog):
+    huge_expression = "\\boxed{" + "x+" * 100_000 + "1}"
+    over_limit = "x" * (vmod._MAX_TEXT + 1) + "\\boxed{1}"
+    with caplog.at_level(logging.WARNING, logger="verifier"):
+        out, info = verify_batch([huge_expression, over_limit, "\\boxed{1}"], ["1", "1", "1"], num_workers=1)
+    assert out == [False, False, True]
+    assert info["refused"] == 2 and info["no_answer"] == 0
+    assert "200,001 characters that is not a plain number" in caplog.text
+    assert f"over {vmod._MAX_TEXT:,} characters" in caplog.text
+
+
+# What one completion can cost: the bound is about two passes over its braces (docs/data.md), here with generous
+# slack for a shared machine; memory is the candidates and the answer, never a copy per brace.
+WORST_CASES = {
+    "unclosed last box, then braces": "\\boxed{5}\\boxed{" + "{" * (vmod._MAX_TEXT - 20),
+    "balanced braces, unclosed last box": "\\boxed{5}" + "{}" * (vmod._MAX_TEXT // 2 - 10) + "\\boxed{",
+    "a box flood": "\\boxed{5}" + "\\boxed{" * (vmod._MAX_TEXT // 7 - 2),
+}
+
+
+@pytest.mark.parametrize("name", WORST_CASES)
+def test_extraction_time_bound(name):
+    text = WORST_CASES[name]
+    assert len(text) <= vmod._MAX_TEXT
+    t = time.monotonic()
+    out, info = verify_batch([text], ["5"], num_workers=1)
+    assert time.monotonic() - t < 4 * BOUND_S
+    assert out == [name != "a box flood"]  # the flood's last 1000 boxes are all open: no answer
+
+
+def test_extraction_memory_bound():
+    text = FILLER + "\\boxed{" + "7" * 300_000 + "}" + "{" * 200_000 + "\\boxed{" + FILLER
+    tracemalloc.start()
+    try:
+        answer = extract_answer(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert answer == "7" * 300_000
+    assert peak < 4 * 300_000 + 2_000_000  # the answer (and a copy), a few candidates: not the 4 MB text
 
 
 # ----- adversarial input: result and hard time bound -----
@@ -269,7 +452,9 @@ def test_verify_batch_info_counts():
     golds = ["1", "\\frac12", "x+1"]
     out, info = verify_batch(completions, golds, timeout=SLACK, num_workers=1)
     assert out == [False, True, True]
-    assert info == {"timeouts": 0, "symbolic": 1, "cached": 0, "inline": 2, "crashed": 0, "no_answer": 1}
+    assert info == {"timeouts": 0, "symbolic": 1, "cached": 0, "inline": 2, "crashed": 0, "refused": 0,
+                    "no_answer": 1}
     out, info = verify_batch(completions, golds, timeout=SLACK, num_workers=1)
     assert out == [False, True, True]
-    assert info == {"timeouts": 0, "symbolic": 0, "cached": 1, "inline": 2, "crashed": 0, "no_answer": 1}
+    assert info == {"timeouts": 0, "symbolic": 0, "cached": 1, "inline": 2, "crashed": 0, "refused": 0,
+                    "no_answer": 1}

@@ -61,6 +61,16 @@ def test_jsonl_mixed(tmp_path):
     assert (r.returncode, r.stdout.splitlines()) == (0, ["1: equal", "1 equal of 1"])
 
 
+def test_jsonl_refused_rows_are_counted_and_explained(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"pred": "x+" * 3000 + "1", "gold": "1"}, {"pred": "7" * 5000, "gold": "7" * 5000}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    r = run_cli("--jsonl", str(path), "--num_workers", "1")
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == ["1: not equal", "2: equal", "1 equal of 2 (1 refused)"]
+    assert "refused 1 of 2 pairs as too large to judge, the first an answer of 6,001 characters" in r.stderr
+
+
 def test_bad_input_exits_2_with_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     cases = [('{"pred": "1", "gold": "1"}\n{oops\n', ":2: invalid JSON"),

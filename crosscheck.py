@@ -1,0 +1,119 @@
+"""
+Look up when needed: --verifier_crosscheck, a second verifier beside ours. Math-Verify
+(huggingface/Math-Verify, optional: requirements-crosscheck.txt) judges the completions that verifier.py
+judged, and the pairs where the two disagree are counted and kept for a person to read. Where they disagree
+one of them is wrong, so the two rates say how often the reward may be wrong on a model's own outputs, in
+each direction (docs/metrics.md: crosscheck/*).
+
+  checker = CrossCheck()                # Math-Verify; CrossCheck(judge): any judge(completion, gold) -> bool
+  counts, rows = checker.run(completions, golds, ours)
+  # counts: checked, ours_only (ours right, theirs wrong), theirs_only (the reverse), failed (no verdict)
+  # rows: the disagreements, {"index", "ours", "theirs", "extracted" (our answer)}
+
+common.py calls check_groups (the end of this file) in training and evaluation. Math-Verify reads plain-text
+answers with sympy's parse_expr, which runs Python's eval on them: model text goes through eval there. The
+judge runs in forked worker processes (verifier.py's pool), each pair under a hard deadline; that bounds the
+time a completion can take, not what eval can do in that process. The cross-check is an instrument, off by
+default; verifier.py itself never evaluates model text.
+"""
+import atexit
+import random
+
+import torch
+
+import verifier
+from ranks import all_gather_list, all_reduce_sum
+
+MATH_VERIFY_HINT = "pip install -r requirements-crosscheck.txt (Math-Verify)"
+
+
+def math_verify_judge(completion: str, gold: str) -> bool:
+    """Math-Verify's verdict, used as its README and TRL's accuracy reward use it: its own extraction from the
+    whole completion (parse, with its default configs and timeouts), against the gold answer boxed."""
+    from math_verify import parse, verify
+    return bool(verify(parse("\\boxed{" + gold + "}"), parse(completion)))
+
+
+class CrossCheck:
+    """A second verifier over (completion, gold, our verdict) triples, in a pool of its own workers."""
+
+    def __init__(self, judge=math_verify_judge, timeout: float = 15.0, num_workers: int = 0):
+        if judge is math_verify_judge:
+            import math_verify  # noqa: F401  (imported before the workers fork: each has it)
+        self.timeout = timeout  # per pair; Math-Verify's own timeouts (5 s parsing, 5 s comparing) come first
+        self.pool = verifier._Pool(num_workers or verifier._default_workers(), task=judge)
+        atexit.register(self.pool.close)
+
+    def run(self, completions: list[str], golds: list[str], ours: list[bool],
+            answer_format: str = "auto") -> tuple[dict, list[dict]]:
+        """Judge every (completion, gold) pair and compare with `ours`, our verdicts on the same pairs.
+        Returns the counts and the disagreeing pairs (their index, both verdicts, our extracted answer).
+        A pair the judge could not settle by the deadline is `failed`: neither an agreement nor a
+        disagreement."""
+        pairs = [(str(c), str(g)) for c, g in zip(completions, golds)]
+        theirs = self.pool.run(pairs, self.timeout, self.pool.size, verifier._new_info()) if pairs else []
+        counts = {"checked": 0, "ours_only": 0, "theirs_only": 0, "failed": 0}
+        rows = []
+        for i, (mine, other) in enumerate(zip(ours, theirs)):
+            if other is None:
+                counts["failed"] += 1
+                continue
+            counts["checked"] += 1
+            if bool(mine) != other:
+                counts["ours_only" if mine else "theirs_only"] += 1
+                rows.append({"index": i, "ours": bool(mine), "theirs": other,
+                             "extracted": verifier.extract_answer(pairs[i][0], answer_format)})
+        return counts, rows
+
+
+_CHECKER: CrossCheck | None = None  # the process's checker, made on first use (use_checker sets another)
+
+
+def shared_checker() -> CrossCheck:
+    """The checker the trainer uses: Math-Verify unless use_checker() set another."""
+    global _CHECKER
+    if _CHECKER is None:
+        _CHECKER = CrossCheck()
+    return _CHECKER
+
+
+def use_checker(checker: CrossCheck | None):
+    """Make `checker` the one shared_checker() returns (a test's stub judge; None: Math-Verify again)."""
+    global _CHECKER
+    _CHECKER = checker
+
+
+def missing() -> str:
+    """Why the cross-check cannot run here ('' if it can): no Math-Verify installed, and no checker set."""
+    if _CHECKER is not None:
+        return ""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        return f"Math-Verify is not installed: {MATH_VERIFY_HINT}"
+    return ""
+
+
+def check_groups(groups: list[dict], cfg, where: str, limit: int = 0, rank: int = 0) -> dict:
+    """The second verifier on this rank's completions of `groups` (`limit` > 0: that many, drawn by an RNG
+    of its own, so training is untouched), its disagreements with our verdicts summed over ranks: two
+    collectives, on every rank whatever its data. Returns crosscheck/{ours_only, theirs_only} (rates per
+    checked completion), crosscheck/{checked, failed}, and "crosscheck_samples": the disagreements of
+    all ranks, which bookkeeping.Logger.log writes to crosscheck.jsonl."""
+    items = [(g, i) for g in groups for i in range(len(g["texts"]))]  # (group, index of a completion)
+    if 0 < limit < len(items):  # seeded by the data: a rerun draws the same completions
+        items = random.Random(f"{cfg.seed} {rank} {groups[0]['prompt']}").sample(items, limit)
+    texts = [g["texts"][i] for g, i in items]
+    golds = [g["answer"] for g, _ in items]
+    ours = [g["correct"][i] for g, i in items]
+    counts, rows = shared_checker().run(texts, golds, ours, cfg.answer_format)
+    for row in rows:
+        g, i = items[row.pop("index")]
+        row.update(where=where, prompt=g["prompt"], gold=g["answer"], completion=g["texts"][i])
+    summed = all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64))
+    totals = dict(zip(counts, summed.tolist()))
+    checked = max(totals["checked"], 1.0)
+    return {"crosscheck/ours_only": totals["ours_only"] / checked,
+            "crosscheck/theirs_only": totals["theirs_only"] / checked,
+            "crosscheck/checked": totals["checked"], "crosscheck/failed": totals["failed"],
+            "crosscheck_samples": all_gather_list(rows)}
