@@ -122,7 +122,7 @@ def daro_case(name, token_loss, mask, bins, G, neg_log_w, delta=1e-3, literal=Fa
 
 
 def cases() -> dict:
-    rng = random.Random(29)  # issue 29
+    rng = random.Random(29)  # a fixed seed: the file is the same on every machine
     adv = [advantage_case("hand_G4_one_correct", [[1, 0, 0, 0]], [[3, 3, 3, 3]])]  # tests/test_golden.py by hand
     correct, lengths = random_groups(rng, [0, 1, 2, 3, 4, 5, 7, 8], 8)  # every pass rate, incl. uniform groups
     adv.append(advantage_case("G8_every_pass_rate", correct, lengths))
@@ -137,6 +137,11 @@ def cases() -> dict:
     adv.append(advantage_case("G16_lam3", correct, lengths, lam=3.0, max_new_tokens=24, overlong_buffer=8))
     # tau 1: a correct completion at the length cap (reward 0) sits below its group's mean: not amplified
     adv.append(advantage_case("G4_tau1_correct_below_mean", [[1, 1, 1, 0]], [[5, 5, 16, 5]], tau=1.0))
+    # a correct completion at the length cap: reward 1 - 1 = 0 (not > 0), yet above its group's mean (A > 0):
+    # amplified (correct and A > 0); a reading of "R_i > 0" would leave it alone. Second group: wrong ones at the
+    # cap (-2) and a correct one in the buffer (0.5)
+    adv.append(advantage_case("G4_correct_at_cap_amplified", [[1, 0, 0, 0], [0, 0, 1, 0]],
+                              [[16, 5, 5, 5], [16, 16, 14, 3]]))
     adv.append(advantage_case("G4_lam1_is_grpo", [[1, 0, 0, 1], [0, 1, 0, 0]], [[2, 15, 16, 3], [4, 4, 4, 4]],
                               lam=1.0))
 
@@ -145,14 +150,18 @@ def cases() -> dict:
     loss_hand = [[0.5, -0.25, 0, 0, 0], [1.0, 1.0, -1.0, 0.5, 0], [0.2, 0.2, 0.2, 0.2, 0.2]]
     dro = [daro_case("hand_G4", loss_hand, mask_hand, bins_hand, 4, [0.0, 0.0, 0.0])]
     token_loss, mask = token_batch(rng, 16, 12)
-    bins = [rng.randint(0, 8) for _ in range(16)]
-    bins[:3] = [0, 8, 3]  # bins 0 and G (no advantage) present, weighed 0
+    bins = list(range(9)) + [rng.randint(0, 8) for _ in range(7)]  # every bin 0..8 present
+    rng.shuffle(bins)  # bins 0 and G (no advantage) among them, weighed 0
     neg_log_w = [round(rng.uniform(-1, 1), 6) for _ in range(7)]
     dro.append(daro_case("G8_random", token_loss, mask, bins, 8, neg_log_w))
     dro.append(daro_case("G8_random_literal", token_loss, mask, bins, 8, neg_log_w, literal=True))
     dro.append(daro_case("G8_random_delta0.1", token_loss, mask, bins, 8, neg_log_w, delta=0.1))
     bins_gap = [b if b not in (2, 5) else 4 for b in bins]  # bins 2 and 5 absent: no gradient for their weights
     dro.append(daro_case("G8_absent_bins", token_loss, mask, bins_gap, 8, neg_log_w))
+    # bin 6's only row has no token (fully masked): the bin is absent though a row names it
+    empty = mask.index([0.0] * len(mask[0]))
+    bins_empty = [6 if i == empty else (5 if b == 6 else b) for i, b in enumerate(bins)]
+    dro.append(daro_case("G8_bin_of_an_empty_row", token_loss, mask, bins_empty, 8, neg_log_w))
 
     token_loss, mask = token_batch(rng, 6, 9)
     agg = [{"name": f"{mode}", "inputs": {"token_loss": token_loss, "mask": mask, "loss_agg": mode,

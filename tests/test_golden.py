@@ -36,6 +36,13 @@ def test_hand_checked_cases():
     # DARO, G = 4: bins [1, 1, 3] with 2, 4, 5 tokens -> token weights 1/6, 1/6, 1/5 (daro.bin_token_weights' example)
     # L_1 = (0.5 - 0.25 + 1 + 1 - 1 + 0.5) / 6 = 1.75 / 6, L_3 = 5 * 0.2 / 5 = 0.2; w = 1 (s = 0): model loss
     # L_1 + L_3; weight objective sum (|L| + delta) w - ln w = L_1 + L_3 + 2 delta; its gradient in s: 1 - (|L| + delta)
+    # A correct answer at the cap: rewards [0, -1, -1, -1] (1 - 1 at the cap; R = 0, not > 0): mean -0.75, unbiased std
+    # sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5, A = [0.75, -0.25, -0.25, -0.25] / (0.5 + 1e-6): A > 0, so amplified
+    case = next(c for c in data["advantages"] if c["name"] == "G4_correct_at_cap_amplified")["expected"]
+    d = 0.5 + 1e-6
+    assert case["rewards"][0] == [0.0, -1.0, -1.0, -1.0]
+    assert case["advantages_after"][0] == pytest.approx([1.5 / d, -0.25 / d, -0.25 / d, -0.25 / d], rel=1e-15)
+    assert case["amplified"][0] == [True, False, False, False]
     case = next(c for c in data["daro"] if c["name"] == "hand_G4")["expected"]
     L1, L3, delta = 1.75 / 6, 0.2, 1e-3
     assert case["token_weights"][0][:2] == pytest.approx([1 / 6, 1 / 6]) and case["token_weights"][2][0] == 0.2
@@ -43,6 +50,18 @@ def test_hand_checked_cases():
     assert case["model_loss"] == pytest.approx(L1 + L3, rel=1e-15)
     assert case["weight_objective"] == pytest.approx(L1 + L3 + 2 * delta, rel=1e-15)
     assert case["weight_grad"] == pytest.approx([1 - L1 - delta, 0.0, 1 - L3 - delta], rel=1e-15)
+
+
+def test_no_two_cases_alike():
+    """Each case tests something the others do not: no two cases of a section share their inputs or their outputs."""
+    data = golden.load()
+    for section in golden.SECTIONS:
+        inputs = [json.dumps(c["inputs"], sort_keys=True) for c in data[section]]
+        outputs = [json.dumps(c["expected"], sort_keys=True) for c in data[section]]
+        assert len(set(inputs)) == len(inputs) and len(set(outputs)) == len(outputs), section
+    daro = {c["name"]: c for c in data["daro"]}
+    assert all(daro["G8_random"]["expected"]["present"])  # every bin 0..G: the absent-bin cases differ from it
+    assert not daro["G8_absent_bins"]["expected"]["present"][2] and not daro["G8_absent_bins"]["expected"]["present"][5]
 
 
 def test_checker_fails_a_wrong_implementation():
@@ -61,7 +80,7 @@ def test_checker_fails_a_wrong_implementation():
 
     # a wrong shape and a callable that declines a case
     report = golden.check(daro=lambda inp: {"bin_loss": [0.0]} if inp["G"] == 4 else None)
-    assert "expected a list of 5, got list of 1" in report["mismatches"][0] and len(report["skipped"]) == 4
+    assert "expected a list of 5, got list of 1" in report["mismatches"][0] and len(report["skipped"]) == 5
 
 
 def test_clear_error_on_g_mismatch():

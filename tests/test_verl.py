@@ -1,10 +1,15 @@
-"""The verl drop-in (integrations/verl_da3po.py, verl==0.9.1) on CPU, through verl's own registry lookups: the
-registered estimator equals the project's DAA on the golden vectors (rows shuffled, groups found by uid), lam = 1 is
-verl's own GRPO, verl's DAPO loss ("vanilla", token-mean) and aggregations equal common.policy_loss and
-common.loss_weights, and the README's module works through VERL_USE_EXTERNAL_MODULES. A whole verl run needs GPUs.
-Skips without verl (pip install -r requirements-verl.txt && pip install --no-deps verl==0.9.1)."""
+"""The verl drop-in (integrations/verl_da3po_daro.py, verl==0.9.1) on the CPU, in verl's own install
+(requirements-verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
+registry lookup equals the golden vectors and, with lam 1, verl's own grpo; the default counts a correct answer at
+the length cap as correct; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c = 1e9); DARO's estimator
+and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its weights saved with the actor's
+checkpoint and loaded back; the two recipe scripts compose on verl's config and pass verl's checks. Skips without
+verl (pip install -r requirements-verl.txt, in a venv of its own).
+Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_verl.py"""
+import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -12,14 +17,20 @@ import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos",
                                  reason="verl is optional: pip install -r requirements-verl.txt")
+for _module in ("verl.workers.engine_workers", "hydra"):  # verl's trainer stack: in verl's own install only
+    pytest.importorskip(_module, reason="the drop-in needs verl's own install: pip install -r requirements-verl.txt")
 
 import common  # noqa: E402
-from conftest import ROOT, readme_block, run_script  # noqa: E402
+import da3po  # noqa: E402
+import daro  # noqa: E402
+from conftest import ROOT, run_script  # noqa: E402
 from integrations import golden  # noqa: E402
-from integrations.verl_da3po import register_da3po  # noqa: E402
+from integrations import verl_da3po_daro as drop_in  # noqa: E402
+from integrations.verl_da3po_daro import register_da3po, register_daro  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 
 F64 = torch.float64
+RECIPES = {"verl_dapo_da3po.sh": "da3po", "verl_daro.sh": "daro"}
 
 
 def verl_batch(inp: dict, seed: int = 0):
@@ -38,26 +49,107 @@ def verl_batch(inp: dict, seed: int = 0):
     return {"token_level_rewards": scores, "response_mask": mask, "index": index}, torch.tensor(order)
 
 
+class ActorConfig:
+    """What a policy loss reads of verl's ActorConfig: the clips, get(), and global_batch_info (per micro-batch)."""
+
+    def __init__(self, clip_ratio_c: float = 3.0, global_batch_info: dict | None = None):
+        self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high = 0.2, 0.2, 0.28
+        self.clip_ratio_c = clip_ratio_c
+        self.global_batch_info = global_batch_info or {}
+
+    def get(self, key, default=None):
+        return getattr(self, key, default)
+
+
+def back_to_groups(per_token: torch.Tensor, mask: torch.Tensor, order: torch.Tensor, G: int) -> torch.Tensor:
+    """An estimator's (bs, T) output, one value per row on its response tokens, back to the golden file's (N, G)."""
+    per_row = per_token.sum(-1) / mask.sum(-1)
+    return torch.empty_like(per_row).index_put_((order,), per_row).view(-1, G)
+
+# -----------------------------------------------------------------------------------------------------------------
+# The file's formulas: the project's, on the same inputs
+
+
+def test_formulas_equal_the_projects():
+    g = torch.Generator().manual_seed(0)
+    N, G, B, T = 6, 8, 12, 7
+    rewards = torch.randn(N, G, generator=g, dtype=F64)
+    for std_norm in (True, False):
+        assert torch.equal(drop_in.group_advantages(rewards, std_norm), common.group_advantages(rewards, std_norm))
+    correct = torch.rand(N, G, generator=g) < 0.4
+    adv = torch.randn(N, G, generator=g, dtype=F64)
+    for lam, scope in ((2.0, "correct"), (3.0, "all")):
+        assert all(torch.equal(a, b) for a, b in zip(drop_in.daa(adv, correct, lam, 0.5, scope=scope),
+                                                         da3po.daa(adv, correct, lam, 0.5, scope=scope)))
+    p = torch.tensor([[0.0], [1 / 8], [0.3], [0.5], [0.9], [1.0]], dtype=F64)
+    assert torch.equal(drop_in.adaptive_lam(p, G, 4.0), da3po.adaptive_lam(p, G, 4.0))
+
+    mask = (torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)).to(F64)
+    bins = torch.randint(0, G + 1, (B,), generator=g)
+    ours, theirs = drop_in.bin_token_weights(mask, bins, G), daro.bin_token_weights(mask, bins, G)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    for weighting in ("learned", "uniform", "var"):
+        s = [torch.tensor(0.1 * i) for i in range(G - 1)]
+        assert torch.equal(drop_in.bin_weights(s, weighting), daro.bin_weights(s, weighting))
+    bin_loss = torch.randn(G + 1, generator=g, dtype=F64)
+    present = torch.rand(G + 1, generator=g) < 0.7
+    for literal in (False, True):
+        settings = drop_in.DAROSettings(weight_lr=0.05, daro_literal=literal)
+        s_ours = [torch.tensor(0.1 * i, dtype=F64, requires_grad=True) for i in range(G - 1)]
+        s_theirs = [s.detach().clone().requires_grad_() for s in s_ours]
+        assert torch.equal(drop_in.weight_objective(s_ours, bin_loss, present, 1e-3, literal),
+                           daro.weight_objective(s_theirs, bin_loss, present, 1e-3, literal))
+        drop_in.update_weights(s_ours, torch.optim.Adam(s_ours, lr=0.05), bin_loss, present, settings)
+        daro.update_weights(s_theirs, torch.optim.Adam(s_theirs, lr=0.05), bin_loss, present, settings)
+        assert all(torch.equal(a, b) for a, b in zip(s_ours, s_theirs))
+
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    logp = old + torch.randn(B, T, generator=g, dtype=F64) * 0.5  # ratios beyond both clips and the dual clip
+    advantages, is_weight = torch.randn(B, generator=g, dtype=F64), torch.rand(B, T, generator=g, dtype=F64)
+    for kw in ({}, {"clip_ratio_c": 1.5}, {"is_weight": is_weight}):
+        ours = drop_in.policy_loss(logp, old, advantages, mask, 0.2, 0.28, **kw)
+        theirs = common.policy_loss(logp, old, advantages, mask, 0.2, 0.28, **kw)
+        assert torch.equal(ours[0], theirs[0]) and ours[1] == theirs[1]
+        per_token = drop_in.policy_loss(logp, old, advantages.unsqueeze(-1) * mask, mask, 0.2, 0.28, **kw)[0]
+        assert torch.equal(per_token * mask, theirs[0] * mask)  # verl's (B, T) advantages, the same losses
+    assert common.policy_loss(logp, old, advantages, mask, 0.2, 0.28, clip_ratio_c=1.5)[0].ne(theirs[0]).any()
+
+# -----------------------------------------------------------------------------------------------------------------
+# DA3PO's estimator through verl's registry
+
+
 def through_registry(inp: dict):
     """The golden advantage cases through get_adv_estimator_fn; None for a running p (not offered for verl)."""
     if inp["p"] is not None:
         return None
     name = f"da3po_golden_{inp['lam']}_{inp['tau']}_{inp['adaptive_lam']}_{inp['lam_max']}_{inp['scope']}"
-    # DAPO's shaped rewards: correct ones in [0, 1], wrong ones in [-2, -1]
-    register_da3po(name, inp["lam"], inp["tau"], inp["adaptive_lam"], inp["lam_max"], inp["scope"], -0.5)
+    register_da3po(name, inp["lam"], inp["tau"], inp["adaptive_lam"], inp["lam_max"], inp["scope"])
     kwargs, order = verl_batch(inp)
     adv, returns = core_algos.get_adv_estimator_fn(name)(
         **kwargs, config=AlgoConfig(adv_estimator=name, norm_adv_by_std_in_grpo=inp["std_norm"]))
     assert torch.equal(adv, returns) and torch.equal(adv, adv * kwargs["response_mask"])
-    per_row = adv.sum(-1) / kwargs["response_mask"].sum(-1)  # one value per row, on every response token
-    after = torch.empty_like(per_row).index_put_((order,), per_row).view(-1, inp["G"])  # back to the file's order
-    return {"advantages_after": after}
+    return {"advantages_after": back_to_groups(adv, kwargs["response_mask"], order, inp["G"])}
 
 
 def test_registered_estimator_equals_the_golden_vectors():
     report = golden.check(advantages=through_registry)
     assert report["mismatches"] == []
-    assert report["cases"] == 9 and len(report["skipped"]) == 2  # the two running-p cases
+    assert report["cases"] == 10 and len(report["skipped"]) == 2  # the two running-p cases
+
+
+def test_default_da3po_counts_a_correct_answer_at_the_cap():
+    """"da3po" as importing the file registers it, on DAPO's shaped scores: a correct answer at the length cap scores
+    1 - 1 = 0 and is correct (correct_above = -0.5), so DAA doubles its advantage; a threshold of 0 would count it
+    wrong, p_hat would be 0 and nothing amplified."""
+    inp = next(c for c in golden.load()["advantages"] if c["name"] == "G4_correct_at_cap_amplified")
+    kwargs, order = verl_batch(inp["inputs"], seed=3)
+    adv, _ = core_algos.get_adv_estimator_fn("da3po")(**kwargs, config=AlgoConfig())
+    after = back_to_groups(adv, kwargs["response_mask"], order, 4)
+    assert torch.allclose(after, torch.tensor(inp["expected"]["advantages_after"], dtype=F64), rtol=1e-12, atol=0)
+    assert after[0, 0] == pytest.approx(2 * 0.75 / (0.5 + 1e-6), rel=1e-12)  # 2 x the GRPO advantage
+    register_da3po("da3po_threshold_0", correct_above=0.0)
+    wrong, _ = core_algos.get_adv_estimator_fn("da3po_threshold_0")(**kwargs)
+    assert back_to_groups(wrong, kwargs["response_mask"], order, 4)[0, 0] == pytest.approx(0.75 / (0.5 + 1e-6))
 
 
 def test_lam1_is_verls_grpo():
@@ -70,24 +162,41 @@ def test_lam1_is_verls_grpo():
     # (verl's grpo_vectorized computes its group statistics in float32: ~1e-7 off, so not the reference here)
 
 
+def test_daro_estimator_is_grpo_with_the_bins():
+    inp = golden.load()["advantages"][1]["inputs"]
+    kwargs, order = verl_batch(inp, seed=2)
+    adv, bins = core_algos.get_adv_estimator_fn("daro")(**kwargs, config=AlgoConfig())
+    verls, _ = core_algos.get_adv_estimator_fn("grpo")(**kwargs, config=AlgoConfig())
+    assert (adv - verls).abs().max() < 1e-12
+    expected = torch.tensor(inp["correct"]).sum(-1, keepdim=True).expand(-1, 8).to(F64)
+    assert torch.equal(back_to_groups(bins, kwargs["response_mask"], order, 8), expected)
+
+
 def test_dapo_loss_is_verls_vanilla():
-    """DA3PO's loss needs nothing registered: verl's vanilla loss (token-mean, clip 0.2 / 0.28, dual clip 3) is
-    common.policy_loss aggregated by common.loss_weights, in float64."""
+    """DA3PO's loss needs nothing registered: verl's vanilla loss with token-mean and clip 0.2 / 0.28 is
+    common.policy_loss aggregated by common.loss_weights, in float64; with the recipes' clip_ratio_c = 1e9, verl's
+    dual clip never binds (verl caps the ratio at e^20), the papers' loss; with verl's default 3.0 it does."""
     from omegaconf import OmegaConf
     g = torch.Generator().manual_seed(0)
     B, T = 6, 9
     mask = (torch.arange(T) < torch.randint(1, T + 1, (B,), generator=g).unsqueeze(-1)).to(F64)
     old = -torch.rand(B, T, generator=g, dtype=F64) * 3
-    logp = old + torch.randn(B, T, generator=g, dtype=F64) * 0.3  # ratios on both sides of both clips
+    logp = old + torch.randn(B, T, generator=g, dtype=F64) * 0.8  # ratios on both sides of every clip
+    logp[0, 0] = old[0, 0] + 25.0  # a ratio beyond verl's cap, on a negative advantage
     adv = torch.randn(B, generator=g, dtype=F64)
-    cfg = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
-                            "global_batch_info": {}})
-    verls, _ = core_algos.get_policy_loss_fn("vanilla")(old, logp, adv.unsqueeze(-1) * mask, mask.bool(),
-                                                        "token-mean", cfg)
-    token_loss, clipped = common.policy_loss(logp, old, adv, mask, 0.2, 0.28, clip_ratio_c=3.0)
-    ours = (token_loss * common.loss_weights(mask, "token-mean", T)).sum()
-    assert clipped["clip_low"] > 0 and clipped["clip_high"] > 0
-    assert abs(ours.item() - verls.item()) <= 1e-14
+    adv[0] = -1.0
+    weights = common.loss_weights(mask, "token-mean", T)
+    for c, ours_c in ((3.0, 3.0), (1e9, 0.0)):
+        cfg = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                                "clip_ratio_c": c, "global_batch_info": {}})
+        verls, _ = core_algos.get_policy_loss_fn("vanilla")(old, logp, adv.unsqueeze(-1) * mask, mask.bool(),
+                                                            "token-mean", cfg)
+        token_loss, clipped = common.policy_loss(logp, old, adv, mask, 0.2, 0.28, clip_ratio_c=ours_c)
+        assert clipped["clip_low"] > 0 and clipped["clip_high"] > 0
+        ours = (token_loss * weights).sum().item()
+        assert abs(ours - verls.item()) <= 1e-14 * max(1.0, abs(ours))  # float64 rounding of the sum
+    dual = common.policy_loss(logp, old, adv, mask, 0.2, 0.28, clip_ratio_c=3.0)[0]
+    assert not torch.equal(dual, token_loss)  # the dual clip binds on this batch: the two settings differ
 
 
 def test_verls_aggregations_on_the_golden_vectors():
@@ -103,29 +212,136 @@ def test_verls_aggregations_on_the_golden_vectors():
     report = golden.check(loss_agg=via_agg_loss, rtol=1e-6)  # each row 1e-8 / n off; the loss a signed sum of rows
     assert report["mismatches"] == []
 
+# -----------------------------------------------------------------------------------------------------------------
+# DARO in verl
+
+
+def test_daro_golden_vectors_through_the_drop_in():
+    """The file's Eq. (2) weights, w_mu, DARO's policy loss (as verl calls it, with the micro-batch's weights in
+    global_batch_info) and the weights' objective on every golden DARO case, float64."""
+    def via_drop_in(inp):
+        G = inp["G"]
+        mask, bins = torch.tensor(inp["mask"], dtype=F64), torch.tensor(inp["bins"])
+        s = [torch.tensor(v, dtype=F64, requires_grad=True) for v in inp["neg_log_w"]]
+        eq2, tokens = drop_in.bin_token_weights(mask, bins, G)
+        w = drop_in.bin_weights(s, "learned")
+        # token losses as the loss computes them: at ratio 1 (old = new), -A, so A = -token_loss (exact in float64)
+        token_loss = torch.tensor(inp["token_loss"], dtype=F64)
+        info = {"daro": {"bins": bins, "eq2": eq2, "w": w, "shares": torch.zeros(G + 1, dtype=F64)}, "dp_size": 1}
+        logp = torch.zeros_like(token_loss)
+        loss, _ = drop_in.daro_policy_loss(logp, logp, -token_loss, mask, config=ActorConfig(1e9, info))
+        objective = drop_in.weight_objective(s, info["daro"]["shares"], tokens > 0, inp["delta"], inp["literal"])
+        grads = torch.autograd.grad(objective, s, allow_unused=True)
+        return {"token_weights": eq2, "bin_tokens": tokens, "present": tokens > 0, "w": w,
+                "bin_loss": info["daro"]["shares"], "model_loss": loss, "weight_objective": objective,
+                "weight_grad": [0.0 if g is None else g.item() for g in grads]}
+    report = golden.check(daro=via_drop_in)
+    assert report["mismatches"] == [] and report["cases"] == 6
+
+
+def test_daro_in_verls_actor_update(tmp_path):
+    """verl's own actor update (ActorRolloutRefWorker, FSDP2, gloo) with DARO, on 2 ranks and on 1 with the same
+    updates (tests/verl_actor_update.py): each micro-batch's loss equals daro.py's Eq. (2) over the update's rows on
+    all ranks times w_mu (float32 losses: within a few float32 roundings of the terms' absolute sum); the weights
+    after each update equal daro.update_weights on the gathered L_mu; they are saved with the actor's checkpoint
+    and loaded back; and the 2-rank update's gradient norm is the 1-rank one's (the rank factor is right)."""
+    reports = {}
+    for n in (2, 1):
+        out = tmp_path / f"ranks{n}"
+        out.mkdir()
+        run = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                          os.path.join(ROOT, "tests", "verl_actor_update.py"), str(out)], timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+        reports[n] = json.loads((out / "report.json").read_text())
+        assert len(reports[n]) == n
+        for r in reports[n]:
+            assert r["worker"] == "DAROTrainingWorker" and r["bins_ok"]
+            assert r["metrics"] == ["daro/L_0.250", "daro/L_0.500", "daro/L_0.750", "daro/w_0.250", "daro/w_0.500",
+                                    "daro/w_0.750"]
+            assert r["micro_batches"] == 4 and r["worst_loss_rel"] < 2e-6 and r["worst_weight_abs"] < 1e-9
+            assert r["weights_moved"] > 1e-3 and r["saved_file"] and r["moved_after_save"] and r["restored"]
+        assert all(r["weights_after"] == reports[n][0]["weights_after"] for r in reports[n])  # ranks agree
+    one, two = reports[1][0], reports[2][0]
+    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-5)  # float32 sums in another order
+    assert np.allclose(two["weights_after"][0], one["weights_after"][0], rtol=0, atol=1e-12)
+    # after the first update the two models differ by float32 noise amplified by Adam's sign-like first step
+    assert two["grad_norm"][1] == pytest.approx(one["grad_norm"][1], rel=1e-3)
+    worst_loss = max(r["worst_loss_rel"] for r in reports[2])
+    worst_weights = max(r["worst_weight_abs"] for r in reports[2])
+    print(f"figure: verl actor update with DARO: loss vs daro.py worst {worst_loss:.1e} of the terms' absolute sum, "
+          f"weights worst {worst_weights:.1e}; gradient norms 2 ranks {two['grad_norm']} vs 1 rank {one['grad_norm']}")
+
 
 def test_clear_errors():
     inp = golden.load()["advantages"][1]["inputs"]
     kwargs, _ = verl_batch(inp)
     kwargs["index"][0] = "a lone uid"  # one group of 1, one of 7
-    with pytest.raises(ValueError, match=r"same number G >= 2 of completions; got group sizes \[1, 7, 8\]"):
-        core_algos.get_adv_estimator_fn("da3po")(**kwargs)
+    for name in ("da3po", "daro"):
+        with pytest.raises(ValueError, match=r"same number G >= 2 of completions; got group sizes \[1, 7, 8\]"):
+            core_algos.get_adv_estimator_fn(name)(**kwargs)
     with pytest.raises(ValueError, match="tau"):
         register_da3po("bad", tau=0.0)
     register_da3po("da3po_x", lam=3.0)
     with pytest.raises(ValueError, match="already been registered"):
         register_da3po("da3po_x", lam=4.0)
+    with pytest.raises(ValueError, match="w_min"):
+        register_daro("daro_bad", w_min=2.0)
+    with pytest.raises(ValueError, match="other settings"):
+        register_daro("daro", weight_lr=0.5)
+    x = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match="the actor worker is not DARO's"):
+        core_algos.get_policy_loss_fn("daro")(x, x, x, x.bool(), "token-mean", ActorConfig())
+
+# -----------------------------------------------------------------------------------------------------------------
+# The recipes: complete verl commands, every override a key of verl's config
 
 
-def test_readme_module_through_verls_external_modules(tmp_path):
-    (tmp_path / "my_da3po.py").write_text(readme_block("register_da3po"))
-    code = ("from verl.trainer.ppo.core_algos import get_adv_estimator_fn as get\n"
-            "import torch, numpy as np\n"
-            "r = torch.tensor([[1.0], [-1.0], [-1.0], [-1.0]]); m = torch.ones(4, 1)\n"
-            "adv, _ = get('da3po_dapo')(token_level_rewards=r, response_mask=m, index=np.array(['q'] * 4))\n"
-            "print([round(a, 4) for a in adv.flatten().tolist()])\n")
-    env_path = os.pathsep.join([str(tmp_path), ROOT])
-    out = run_script(["-c", f"import os; os.environ['VERL_USE_EXTERNAL_MODULES'] = 'my_da3po'\n"
-                            f"import sys; sys.path[:0] = {env_path.split(os.pathsep)!r}\n{code}"], cwd=str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[3.0, -0.5, -0.5, -0.5]"  # p_hat 1/4: the correct one doubled
+def recipe_overrides(name: str) -> list[str]:
+    """The hydra overrides of a recipe script's command, its shell variables given test values."""
+    text = open(os.path.join(ROOT, "integrations", name)).read()
+    command = text[text.index("python3 -m verl.trainer.main_ppo"):].splitlines()[1:]
+    values = {"TRAIN": "train.parquet", "VAL": "val.parquet", "MODEL": "/models/m", "OUT": "/runs/x"}
+    lines = [line.strip().rstrip("\\").strip() for line in command]
+    return [re.sub(r"\$(\w+)", lambda m: values[m.group(1)], line) for line in lines if line and line != '"$@"']
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from verl.trainer import main_ppo
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(main_ppo.__file__), "config"),
+                               version_base=None):
+        return hydra_compose(config_name="ppo_trainer", overrides=overrides)
+
+
+@pytest.mark.parametrize("script", sorted(RECIPES))
+def test_recipe_composes_on_verls_config(script):
+    """Every override of the recipe is a key of verl's ppo_trainer config (hydra's compose refuses an unknown one),
+    and the composed config passes verl's own checks (main_ppo's validate_config, the actor's dataclass)."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    overrides = recipe_overrides(script)
+    assert len(overrides) > 40 and all("=" in o for o in overrides)
+    config = compose(overrides)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    algo = RECIPES[script]
+    assert config.algorithm.adv_estimator == algo and algo in core_algos.ADV_ESTIMATOR_REGISTRY
+    assert actor.policy_loss.loss_mode == ("vanilla" if algo == "da3po" else "daro")
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.28, 1e9)  # no dual clip
+    assert actor.optim.weight_decay == 0.1 and actor.optim.lr == 1e-6 and not actor.use_kl_loss
+    assert not need_reference_policy(config) and not need_critic(config)
+    if algo == "da3po":  # DAPO: the filter on correctness, token mean, the overlong shaping
+        assert config.algorithm.filter_groups.enable and config.algorithm.filter_groups.metric == "acc"
+        assert actor.loss_agg_mode == "token-mean" and config.reward.reward_kwargs.overlong_buffer_cfg.enable
+        assert config.data.train_batch_size // actor.ppo_mini_batch_size == 16  # 16 updates per step
+    else:  # DARO: no dynamic sampling, 128 prompts in 2 updates, K = 8
+        assert not config.algorithm.filter_groups.enable and config.actor_rollout_ref.rollout.n == 8
+        assert config.data.train_batch_size // actor.ppo_mini_batch_size == 2
+
+
+def test_a_wrong_override_path_fails_to_compose():
+    """What the test above relies on: the old documented short paths are not keys of verl's config."""
+    from hydra.errors import ConfigCompositionException
+    for wrong in ("actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.clip_ratio_hihg=0.28"):
+        with pytest.raises(ConfigCompositionException):
+            compose([wrong])
