@@ -85,8 +85,11 @@ PROJECT = {"advantages": project_advantages, "daro": project_daro, "loss_agg": p
 
 
 def advantage_case(name, correct, lengths, lam=2.0, tau=0.5, p=None, scope="correct", adaptive_lam=False,
-                   lam_max=4.0, std_norm=True, max_new_tokens=16, overlong_buffer=4, overlong_penalty=1.0):
-    rewards = shaped_rewards(correct, lengths, max_new_tokens, overlong_buffer, overlong_penalty)
+                   lam_max=4.0, std_norm=True, max_new_tokens=16, overlong_buffer=4, overlong_penalty=1.0,
+                   rewards=None):
+    """A case of the advantages section; `rewards` None: the shaped rewards of `correct` and `lengths`."""
+    if rewards is None:
+        rewards = shaped_rewards(correct, lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     return {"name": name, "inputs": {
         "G": len(correct[0]), "correct": correct, "lengths": lengths, "max_new_tokens": max_new_tokens,
         "overlong_buffer": overlong_buffer, "overlong_penalty": overlong_penalty, "rewards": rewards,
@@ -142,6 +145,12 @@ def cases() -> dict:
     # cap (-2) and a correct one in the buffer (0.5)
     adv.append(advantage_case("G4_correct_at_cap_amplified", [[1, 0, 0, 0], [0, 0, 1, 0]],
                               [[16, 5, 5, 5], [16, 16, 14, 3]]))
+    # a correct completion exactly at its group's mean (rewards 0.25, 1, 0.75, -1: mean 0.25, exact in binary):
+    # A = 0 is not > 0, so it is not amplified, though its group is hard (p 0.75 < tau 1)
+    adv.append(advantage_case("G4_correct_at_zero_advantage", [[1, 1, 1, 0]], [[15, 5, 13, 5]], tau=1.0))
+    # the advantages come from the rewards given, which here are not the shaped rewards of correct and lengths
+    adv.append(advantage_case("G4_rewards_given", [[1, 0, 0, 0]], [[3, 3, 3, 3]],
+                              rewards=[[1.0, 0.0, 0.0, -0.5]]))
     adv.append(advantage_case("G4_lam1_is_grpo", [[1, 0, 0, 1], [0, 1, 0, 0]], [[2, 15, 16, 3], [4, 4, 4, 4]],
                               lam=1.0))
 

@@ -10,6 +10,8 @@ import torch
 from conftest import ROOT
 from integrations import golden, make_golden
 
+import golden_port
+
 
 def test_file_is_what_the_script_writes():
     with open(golden.DEFAULT_PATH) as f:
@@ -101,3 +103,10 @@ def test_checker_cli_needs_only_the_standard_library():
 def test_float64_throughout():
     out = make_golden.project_daro(golden.load()["daro"][1]["inputs"])
     assert out["token_weights"].dtype == out["bin_loss"].dtype == out["model_loss"].dtype == torch.float64
+
+
+def test_an_independent_port_from_the_conventions_page_passes():
+    report = golden.check(golden.DEFAULT_PATH, advantages=golden_port.advantages, daro=golden_port.daro,
+                          loss_agg=golden_port.loss_agg)
+    assert not report["mismatches"] and not report["skipped"], report["mismatches"][:5]
+    assert report["cases"] == sum(len(golden.load()[s]) for s in golden.SECTIONS)
