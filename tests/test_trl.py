@@ -145,7 +145,8 @@ def test_advantage_golden_vectors_through_the_drop_in():
         after, _ = drop_in.amplify(before, torch.tensor(inp["correct"], dtype=torch.bool), [], {}, args)
         return {"advantages_after": after}
     report = golden.check(advantages=via_drop_in)
-    assert report["mismatches"] == [] and report["cases"] == 10 and len(report["skipped"]) == 2
+    running = sum(case["inputs"]["p"] is not None for case in golden.load()["advantages"])
+    assert report["mismatches"] == [] and running == len(report["skipped"]) == 2 and report["cases"] >= 10
 
 
 def test_daro_golden_vectors_through_the_drop_in(demo_dir, tmp_path):
