@@ -578,8 +578,9 @@ def lora_config(model, cfg):
 def add_lora(model, cfg):
     """The model with peft's LoRA layers swapped in (B = 0: it computes as the base until trained), only the
     adapters trainable, in float32 (the optimizer's master copy, whatever the base's dtype)."""
+    config = lora_config(model, cfg)  # (says what to install if peft is missing)
     from peft import inject_adapter_in_model
-    model = inject_adapter_in_model(lora_config(model, cfg), model)
+    model = inject_adapter_in_model(config, model)
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
@@ -601,16 +602,13 @@ def adapter_disabled(model):
             module.enable_adapters(True)
 
 
-def adapter_state_dict(model) -> dict:
+def adapter_state_dict(model, device: torch.device | None = None) -> dict:
     """The adapters' weights, whole, on the CPU, under the names peft saves them with
-    (base_model.model.<layer>.lora_A.weight); under FSDP every rank must call it and rank 0 gets them."""
+    (base_model.model.<layer>.lora_A.weight). Under FSDP every rank gathers each (on `device`, else where
+    its shard is), in the same order: every rank gets them all."""
     from peft import get_peft_model_state_dict
-    if is_dist():
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        trained = get_model_state_dict(model, options=options)
-    else:
-        trained = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    trained = {n: full_tensor(p.detach().to(device or p.device)).cpu()
+               for n, p in model.named_parameters() if p.requires_grad}
     return {_PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(model, state_dict=trained).items()}
 
 
