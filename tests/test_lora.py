@@ -255,11 +255,13 @@ def test_the_reasoning_demo_learns_with_lora(script, tmp_path):
 
 @pytest.mark.parametrize("script", ["da3po.py", "daro.py"])
 def test_two_gloo_ranks_learn_and_resume_exactly(script, tmp_path):
-    """2 FSDP2 ranks (gloo): the demo learns in 6 steps at a LoRA learning rate; a resume from step 4 (its
-    checkpoint, the rest deleted) ends with the same metrics."""
+    """2 FSDP2 ranks (gloo; daro.py with --cpu_offload): the demo learns in 6 steps at a LoRA learning rate; a
+    resume from step 4 (its checkpoint, the rest deleted) ends with the same metrics."""
     out = tmp_path / "run"
     args = [*TORCHRUN, script, "--lora_rank", "8", "--lr", "1e-3", "--steps", "6", "--eval_every", "3",
             "--eval_size", "100", "--save_every", "2", "--keep_last", "3", "--out_dir", str(out)]
+    if script == "daro.py":  # the base and adapters on the host (as the one-GPU recipes run)
+        args += ["--cpu_offload"]
     r = run_script(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert gain(r.stdout) > 0.05, r.stdout[-2000:]
@@ -372,3 +374,28 @@ def test_da3po_runs_with_vllm_and_lora(sync, tmp_path):
     train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
     assert [x["step"] for x in train] == [1, 2]
     assert all(x["rollout/sync_diff"] < 1e-4 and x["rollout/logprob_diff"] < 1e-4 for x in train), train
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Under torchrun, ranks in lockstep with LoRA: the KL reference forward on the model itself, the adapters' gathers
+# for checkpoints and for vLLM (tests/lockstep.py's skewed data; each rank's collectives from the Flight Recorder)
+@pytest.mark.parametrize("script,skew,flags", [
+    ("da3po.py", "lengths", ["--kl_coef", "0.05", "--grad_checkpointing", "--dtype", "bfloat16"]),
+    ("daro.py", "nan", ["--kl_coef", "0.05", "--logprob_chunk", "8"]),
+    ("da3po.py", "real", ["--rollout", "vllm", "--micro_batch_tokens", "120"])], ids=["da3po", "daro", "vllm"])
+def test_lora_ranks_issue_the_same_collectives(tmp_path, script, skew, flags):
+    from test_lockstep import SMALL as LOCKSTEP, launch
+    if skew == "real":
+        pytest.importorskip("vllm")
+        if eng.vllm_usable(torch.device("cpu")):
+            pytest.skip(eng.vllm_usable(torch.device("cpu")))
+    code, _, stderr = launch(tmp_path, script, skew, [*LOCKSTEP, "--lora_rank", "4", *flags])
+    assert code == 0, stderr[-3000:]
+    traces = [json.load(open(tmp_path / f"collectives_rank{r}.json")) for r in (0, 1)]
+    assert len(traces[0]) > 50 and traces[0] == traces[1]
+    data = [json.load(open(tmp_path / f"data_rank{r}.json")) for r in (0, 1)]
+    if skew == "lengths":
+        assert data[0]["tokens"] > 1.5 * data[1]["tokens"], data
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in records if "train/loss" in m] == [1, 2, 3]
+    assert (tmp_path / "step_000003" / "adapter_model.safetensors").exists()
