@@ -55,7 +55,7 @@ class TrainConfig:
     lora_alpha: float = 32.0  # alpha: the adapters' output is scaled by alpha / r
     lora_target_modules: str = ""  # linear layers to adapt, comma-separated names (q_proj,v_proj);
     #   '' = every linear layer of the blocks
-    lora_dropout: float = 0.0  # dropout on the adapters' input while training (> 0: noisy log-probs)
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training
     lora_sync: str = "auto"  # what vLLM receives after each update: adapter | merged (the merged weights) |
     #   auto (the adapter where vLLM can serve it)
     # rollout

@@ -460,6 +460,8 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
         print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to "
                f"{cfg.max_model_len} tokens")
     merged_because = vllm_serves_adapter(model, cfg.lora_sync) if is_lora(model) else ""
+    if merged_because and cfg.lora_sync == "adapter":
+        die(f"--lora_sync adapter: vLLM cannot serve this adapter ({merged_because}); use --lora_sync merged")
     if merged_because:
         print0(f"rollout: vLLM gets the merged weights after each update ({merged_because})")
     lora_rank = cfg.lora_rank if is_lora(model) and not merged_because else 0

@@ -362,6 +362,20 @@ def test_a_checkpoint_loads_in_vllm_as_a_lora_module(vllm_setup, lora_checkpoint
     assert (served - expected).abs().max() < 1e-4
 
 
+def test_what_vllm_gets_after_an_update(demo_dir, capsys):
+    """The adapter where vLLM can serve it; the merged weights when asked or above vLLM's largest rank; asking for
+    the adapter where it cannot stops with one line."""
+    pytest.importorskip("vllm")
+    model, tok = lora_model(demo_dir)
+    assert eng.vllm_serves_adapter(model, "auto") == eng.vllm_serves_adapter(model, "adapter") == ""
+    assert eng.vllm_serves_adapter(model, "merged") == "--lora_sync merged"
+    model.peft_config["default"].r = 1024
+    assert eng.vllm_serves_adapter(model, "auto") == "rank 1024 is above vLLM's largest, 512"
+    cfg = lora_cfg(lora_rank=1024, rollout="vllm", lora_sync="adapter")
+    line = one_line_exit(capsys, lambda: eng.make_rollout(cfg, model, tok, ranks.DistInfo(), demo_dir))
+    assert "--lora_sync adapter: vLLM cannot serve this adapter (rank 1024" in line
+
+
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_da3po_runs_with_vllm_and_lora(sync, tmp_path):
     """The real script: vLLM gets the adapter, or the merged weights, after every update, and the probe passes."""
