@@ -219,6 +219,7 @@ class VLLMRollout:
         from vllm import SamplingParams
         assert not self.asleep, (
             "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update")
+        assert self.lora_request or not self.lora_rank, "no adapter to serve yet: calibrate (or sync) first"
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0,
                                  max_tokens=max_new_tokens, stop_token_ids=self.eos,
                                  logprobs=None if seed is not None else 0, detokenize=False,

