@@ -47,7 +47,8 @@ class TrainConfig:
     seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
     steps: int = 60  # RL steps (one rollout batch each)
     device: str = ""  # '' = cuda if available, else cpu
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (weights and optimizer state stay float32)
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (trained weights and optimizer state stay
+    #   float32; LoRA's frozen base is kept in this dtype)
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
     cpu_offload: bool = False  # FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU
     # LoRA (peft, requirements-lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)

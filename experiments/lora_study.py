@@ -55,9 +55,9 @@ MARGIN = 0.03  # equivalence margin: 3 points, under a tenth of what full fine-t
 ENDPOINTS = [{"id": f"L{i + 1}", "task": t, "arm": f"lora_r{r}", "vs": "full", "metric": m}
              for i, (t, m, r) in enumerate((t, m, r) for t in TASKS for m in ("acc", "pass@k") for r in RANKS)]
 LEVEL = 0.05  # each family's alpha, Holm-adjusted
-PUBLISHED = ("Schulman et al., \"LoRA Without Regret\" (Thinking Machines Lab, 2025): in RL on math reasoning "
-             "(Llama-3.1-8B and Qwen3-8B class models), LoRA of rank 1 and up on all linear layers matched full "
-             "fine-tuning, at about 10x its learning rate")
+PUBLISHED = ("Schulman et al., \"LoRA Without Regret\" (Thinking Machines Lab, 2025): in policy-gradient RL on math "
+             "(Llama-3.1-8B-Base on GSM8K and DeepMath, Qwen3-8B-Base on DeepMath), LoRA of rank 1 and up on all "
+             "layers matched full fine-tuning, at about 10x its learning rate")
 
 
 # ------------------------------------------------------------------------------------------------------------
