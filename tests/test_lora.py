@@ -408,6 +408,7 @@ def test_lora_ranks_issue_the_same_collectives(tmp_path, script, skew, flags):
     traces = [json.load(open(tmp_path / f"collectives_rank{r}.json")) for r in (0, 1)]
     assert len(traces[0]) > 50 and traces[0] == traces[1]
     data = [json.load(open(tmp_path / f"data_rank{r}.json")) for r in (0, 1)]
+    assert data[0]["root_unsharded_at_sync"] == data[1]["root_unsharded_at_sync"] == 0  # (the KL pass included)
     if skew == "lengths":
         assert data[0]["tokens"] > 1.5 * data[1]["tokens"], data
     records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
