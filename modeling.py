@@ -1,7 +1,7 @@
 """
-Look up when needed: the models. Loading (a hub id, a folder, or the demo model), FSDP2 sharding, and the
-log-probs of completion tokens under any family's output layer: in chunks, packed without padding (--pack),
-each shortcut probed at start-up.
+Look up when needed: the models. Loading (a hub id, a folder, or the demo model), FSDP2 sharding, LoRA
+adapters (peft: --lora_rank), and the log-probs of completion tokens under any family's output layer: in
+chunks, packed without padding (--pack), each shortcut probed at start-up.
 """
 import contextlib
 import os
