@@ -196,13 +196,15 @@ def report(chosen: dict, rows: list[dict], runs: dict, argv: list[str]) -> tuple
     sizes = adapter_sizes()
     pct = lambda x: f"{100 * x:+.1f}"  # noqa: E731
     lines = ["# LoRA against full fine-tuning in RL: the study", "",
-             f"Command: `python -m experiments.lora_study {' '.join(argv)}`. The protocol (arms, sweep, rule, seeds, "
+             f"Command: `{' '.join(['python -m experiments.lora_study', *argv])}`. The protocol (arms, sweep, rule, "
+             "seeds, "
              "endpoints, margin, tests) is fixed in experiments/lora_study.py before any run (see git log). DA3PO "
              "(lam 2) from the shipped demo models on bench/learning.py's tasks: " + "; ".join(
                  f"`{t}`: {settings(t)['steps']} steps x {learning.PROTOCOL['updates_per_step']} updates, eval every "
                  f"{settings(t)['eval_every']} steps with {settings(t)['eval_samples']} samples per problem"
                  for t in TASKS) + f". LoRA on every linear layer of the blocks, alpha {ALPHA} (scale alpha / r).",
              "", "Trainable parameters: " + ", ".join(f"{a} {n:,}" for a, n in sizes.items()) + ".",
+             "", f"The published claim: {PUBLISHED}.",
              "", "## The sweep (seeds " + ", ".join(map(str, SWEEP_SEEDS)) + ")", "",
              "Mean accuracy endpoint (last 3 evals) over the sweep seeds at each learning rate; the chosen rate in "
              "bold. A best rate at an end of its grid extends the grid once by x3.", "",
@@ -213,7 +215,7 @@ def report(chosen: dict, rows: list[dict], runs: dict, argv: list[str]) -> tuple
                           for lr, m in sorted(c["means"].items()))
         ratio = c["lr"] / chosen[t, "full"]["lr"]
         lines.append(f"| {t} | {a} | {cells}{' (still at the edge)' if c['at_edge'] else ''} | {c['lr']:g} | "
-                     f"{ratio:g}x |")
+                     f"{ratio:.2f}x |")
     lines += ["", f"## Endpoints (seeds {','.join(map(str, TEST_SEEDS))}, paired by seed)", "",
               f"LoRA - full fine-tuning in points, 95% t-interval; equivalence: TOST within +-{100 * MARGIN:g} points; "
               "difference: two-sided paired t-test; Holm across the 12 endpoints in each family.", "",
@@ -239,7 +241,7 @@ def report(chosen: dict, rows: list[dict], runs: dict, argv: list[str]) -> tuple
                          f"| {statistics.mean(r['cpu_s'] for r in rs):.0f} |")
     lines += ["", "## Cost", "", f"{len(runs)} runs, {sum(cost.values()) / 3600:.2f} CPU-hours (each run's own user + "
               f"system time), one at a time; {learning.cpu_name()}."]
-    data = {"command": f"python -m experiments.lora_study {' '.join(argv)}", "published": PUBLISHED,
+    data = {"command": " ".join(["python -m experiments.lora_study", *argv]), "published": PUBLISHED,
             "margin": MARGIN, "sweep_seeds": SWEEP_SEEDS, "test_seeds": TEST_SEEDS, "trainable": sizes,
             "sweep": [{"task": t, "arm": a, **{k: v for k, v in c.items() if k != "means"},
                        "means": {f"{lr:g}": m for lr, m in c["means"].items()}} for (t, a), c in chosen.items()],
