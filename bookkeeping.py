@@ -26,7 +26,8 @@ from tqdm import tqdm
 import crosscheck
 from common import evaluate_sets
 from dataset import PromptStream, parse_eval_data
-from modeling import full_state_dict
+from modeling import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_state_dict, full_state_dict, is_lora,
+                      save_adapter)
 from ranks import DistInfo, all_reduce_max, die, is_dist, print0
 
 # torch.distributed.checkpoint warns at each save/load of a plain run that it works in one process: it should
@@ -203,8 +204,24 @@ def check_config(cfg, world_size: int, check_algorithm=None):
     if cfg.verifier_crosscheck and crosscheck.missing():
         die(f"--verifier_crosscheck: {crosscheck.missing()}")
     parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
+    check_lora_config(cfg)
     if check_algorithm is not None:
         check_algorithm(cfg)
+
+
+def check_lora_config(cfg):
+    """The --lora_* flags: a rank >= 1 turns LoRA on; the others only tune it, so setting them without a rank
+    is a mistake, not a silent full fine-tune."""
+    tuned = [f"--{f.name}" for f in fields(cfg)
+             if f.name.startswith("lora_") and f.name != "lora_rank" and getattr(cfg, f.name) != f.default]
+    if cfg.lora_rank < 0 or (cfg.lora_rank == 0 and tuned):
+        die(f"--lora_rank {cfg.lora_rank}: LoRA needs a rank >= 1" +
+            (f" ({', '.join(tuned)} set: they only apply to LoRA)" if tuned else ""))
+    if cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
+        die(f"--lora_alpha must be > 0 and --lora_dropout in [0, 1), "
+            f"got {cfg.lora_alpha} and {cfg.lora_dropout}")
+    if cfg.lora_sync not in ("auto", "adapter", "merged"):
+        die(f"--lora_sync {cfg.lora_sync!r}: choose one of auto, adapter, merged")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -496,16 +513,20 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
     if is_dist():
         dist.barrier()
     os.makedirs(tmp, exist_ok=True)
-    state_dict = full_state_dict(model)
+    lora = is_lora(model)
+    state_dict = adapter_state_dict(model) if lora else full_state_dict(model)  # LoRA: the adapter alone
     # An optimizer that has not stepped yet (a stop in step 1) has no state; torch's optimizer state dict
     # gives it one with a zero-lr step of its own (Adam's step count 1): saved as "fresh" and undone below, so
     # that the first real update, resumed or not, is Adam's step 1. (Every rank agrees: they step together.)
     fresh = not opt.state
-    if rank == 0:
+    if rank == 0 and lora:
+        save_adapter(model, state_dict, tmp)  # peft's format: the base is --model's
+    elif rank == 0:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(model.config)
         skeleton.generation_config = model.generation_config
         skeleton.save_pretrained(tmp, state_dict=state_dict)
+    if rank == 0:
         tok.save_pretrained(tmp)
         torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
                     "optimizer_fresh": fresh, "data_position": stream.position,
@@ -526,7 +547,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
             shutil.rmtree(old, ignore_errors=True)
     if is_dist():
         dist.barrier()
-    files = ["trainer.pt", "model.safetensors", os.path.join("optimizer", ".metadata")] + [
+    weights = ADAPTER_WEIGHTS if lora else "model.safetensors"
+    files = ["trainer.pt", weights, os.path.join("optimizer", ".metadata")] + [
         f"rank{r}.pt" for r in range(world)]
     missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
     if all_reduce_max(torch.tensor(float(len(missing)))).item():
@@ -550,7 +572,21 @@ def find_checkpoint(cfg) -> str | None:
         dist.broadcast_object_list(ckpt, src=0)
     if ckpt[0] is None:
         print0(f"--resume: no checkpoint in {cfg.out_dir!r}; starting from step 0")
+    else:
+        check_checkpoint_kind(ckpt[0], cfg.lora_rank)
     return ckpt[0]
+
+
+def check_checkpoint_kind(ckpt: str, lora_rank: int):
+    """A LoRA run resumes an adapter checkpoint, a full fine-tune a whole model's, never the other's."""
+    adapter = os.path.exists(os.path.join(ckpt, ADAPTER_CONFIG))
+    if lora_rank and not adapter:
+        die(f"--resume: {ckpt} was written without LoRA (a whole model, no adapter): resume it without "
+            f"--lora_rank, or start LoRA from its model (--model {ckpt}) in a new --out_dir")
+    if not lora_rank and adapter:
+        rank = json.load(open(os.path.join(ckpt, ADAPTER_CONFIG)))["r"]
+        die(f"--resume: {ckpt} holds a LoRA adapter of rank {rank}: resume it with its --lora_* flags, or "
+            f"merge it (python -m tools.merge_lora {ckpt} <folder>) and start from that with --model")
 
 
 def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int,

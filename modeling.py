@@ -1,7 +1,7 @@
 """
-Look up when needed: the models. Loading (a hub id, a folder, or the demo model), FSDP2 sharding, and the
-log-probs of completion tokens under any family's output layer: in chunks, packed without padding (--pack),
-each shortcut probed at start-up.
+Look up when needed: the models. Loading (a hub id, a folder, or the demo model), FSDP2 sharding, LoRA
+adapters (peft: --lora_rank), and the log-probs of completion tokens under any family's output layer: in
+chunks, packed without padding (--pack), each shortcut probed at start-up.
 """
 import contextlib
 import os
@@ -540,6 +540,143 @@ def full_state_dict(model) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# LoRA (--lora_rank > 0): peft's low-rank adapters on the linear layers of the blocks, the base frozen. The
+# model stays the Hugging Face model (peft swaps its layers in place), so everything above works unchanged.
+# On disk an adapter is what PeftModel.save_pretrained writes (vLLM and PeftModel.from_pretrained load it).
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."  # PeftModel's name for the model it wraps, in saved weight names
+
+
+def is_lora(model) -> bool:
+    """Whether peft's adapters are in the model (add_lora)."""
+    return bool(getattr(model, "peft_config", None))
+
+
+def block_linear_names(model) -> list[str]:
+    """The names of the linear layers inside the model's blocks, once each (q_proj, ..., down_proj)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.model.layers.named_modules()
+                   if isinstance(module, torch.nn.Linear)})
+
+
+def lora_config(model, cfg):
+    """peft's LoraConfig from the --lora_* flags; a target the model's blocks do not have stops here."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        die("--lora_rank needs peft: pip install -r requirements-lora.txt")
+    available = block_linear_names(model)
+    targets = [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()] or available
+    missing = [t for t in targets if t not in available]
+    if missing:
+        die(f"--lora_target_modules: {_model_name(model)} has no linear layer named {', '.join(missing)} in "
+            f"its blocks (it has {', '.join(available)})")
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                      lora_dropout=cfg.lora_dropout, bias="none", task_type="CAUSAL_LM",
+                      base_model_name_or_path=model.config.name_or_path)
+
+
+def add_lora(model, cfg):
+    """The model with peft's LoRA layers swapped in (B = 0: it computes as the base until trained), only the
+    adapters trainable, in float32 (the optimizer's master copy, whatever the base's dtype)."""
+    config = lora_config(model, cfg)  # (says what to install if peft is missing)
+    from peft import inject_adapter_in_model
+    model = inject_adapter_in_model(config, model)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+@contextlib.contextmanager
+def adapter_disabled(model):
+    """Inside, a LoRA model computes as its base (peft's disable_adapter): the KL reference without a second
+    copy of the weights. peft also turns the adapters' requires_grad off and back on, so call it outside
+    any forward whose backward is pending. A no-op on a model without adapters."""
+    from_peft = [m for m in model.modules() if hasattr(m, "enable_adapters") and hasattr(m, "lora_A")]
+    for module in from_peft:
+        module.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for module in from_peft:
+            module.enable_adapters(True)
+
+
+def adapter_state_dict(model, device: torch.device | None = None) -> dict:
+    """The adapters' weights, whole, on the CPU, under the names peft saves them with
+    (base_model.model.<layer>.lora_A.weight). Under FSDP every rank gathers each (on `device`, else where
+    its shard is), in the same order: every rank gets them all."""
+    from peft import get_peft_model_state_dict
+    trained = {n: full_tensor(p.detach().to(device or p.device)).cpu()
+               for n, p in model.named_parameters() if p.requires_grad}
+    return {_PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(model, state_dict=trained).items()}
+
+
+def save_adapter(model, weights: dict, path: str):
+    """Write adapter_state_dict's `weights` and the adapter's config to the folder `path` (peft's format)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(path)
+
+
+def load_adapter(model, path: str):
+    """Load a saved adapter's weights into the model's adapters, which must match it (rank, alpha, layers)."""
+    import json
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    saved, ours = json.load(open(os.path.join(path, ADAPTER_CONFIG))), model.peft_config["default"]
+    for key, flag in (("r", "lora_rank"), ("lora_alpha", "lora_alpha"),
+                      ("target_modules", "lora_target_modules")):
+        mine, theirs = getattr(ours, key), saved[key]
+        if key == "target_modules":
+            mine, theirs = sorted(mine), sorted(theirs)
+        if mine != theirs:
+            die(f"--resume: {path}'s adapter has {key} {theirs}, this run's --{flag} gives {mine}: "
+                f"resume with the adapter's settings")
+    weights = load_file(os.path.join(path, ADAPTER_WEIGHTS))
+    weights = {k.removeprefix(_PEFT_PREFIX): v for k, v in weights.items()}
+    result = set_peft_model_state_dict(model, weights)
+    if result.unexpected_keys:
+        die(f"--resume: {path} holds weights this adapter does not have ({result.unexpected_keys[0]}, ...)")
+
+
+def merged_parameters(model, device: torch.device, dtype: torch.dtype):
+    """(name, whole tensor) of the model as a plain Hugging Face model, one at a time: each adapted layer's
+    weight merged, W + (alpha / r) B A, under the base's name; the adapters themselves are not yielded.
+    Under FSDP every rank gathers each tensor in the same order (collectives in lockstep)."""
+    modules = dict(model.named_modules())
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            continue  # merged into their layer's weight below
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer"):  # a peft LoRA layer's frozen base: merge its adapter in
+            layer = modules[owner.removesuffix(".base_layer")]
+            value = full_tensor(p.detach().to(device, torch.float32))
+            if leaf == "weight":
+                a = full_tensor(layer.lora_A["default"].weight.detach().to(device, torch.float32))
+                b = full_tensor(layer.lora_B["default"].weight.detach().to(device, torch.float32))
+                value = value + layer.scaling["default"] * (b @ a)
+            yield f"{owner.removesuffix('.base_layer')}.{leaf}", value.to(dtype)
+        else:
+            yield name, full_tensor(p.detach().to(device, dtype))
+
+
+def load_policy(resume_from: str | None, base_path: str, cfg):
+    """(model, tokenizer, the folder of its full weights), on the CPU: the checkpoint's model (--resume) or
+    --model's; with --lora_rank the base from --model, frozen, with LoRA adapters (the checkpoint's on
+    --resume). The base is kept in the compute dtype: nothing updates it, so it needs no float32 copy."""
+    if not cfg.lora_rank:
+        return (*load_model(resume_from or base_path), resume_from or base_path)
+    model, tok = load_model(base_path, dtype=cfg.dtype)
+    model = add_lora(model, cfg)
+    if resume_from:
+        load_adapter(model, resume_from)
+    return model, tok, base_path
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Start-up: token_logprobs' shortcuts checked on the unsharded model, then FSDP2, calibration; the KL anchor.
 @torch.no_grad()
 def check_chunked_logprobs(model, dtype: str = "float32"):
@@ -634,12 +771,15 @@ def _check_packed(model) -> str:
 
 def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
     """(model, ref_model), checked and sharded, the rollout engine calibrated against the model (vLLM: the
-    weight-sync probe's start-up gap); ref_model, the KL anchor, is the initial model even after a resume."""
+    weight-sync probe's start-up gap); ref_model, the KL anchor, is the initial model even after a resume:
+    with LoRA the model itself, which token_losses runs with its adapters off (the base: no second copy)."""
     check_logprob_paths(model, cfg)
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
     engine.calibrate(model)
     if cfg.kl_coef <= 0:
         return model, None
+    if is_lora(model):
+        return model, model
     ref_model = load_model(base_path)[0].requires_grad_(False)
     check_logprob_paths(ref_model, cfg)
     return model, shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()

@@ -7,6 +7,7 @@ Usage (repository root):
   torchrun --standalone --nproc_per_node=1 bench/device_check.py   # GPU, the trainer's FSDP2 path at world size 1
   python bench/device_check.py                                     # GPU, a plain (unsharded) trainer model
   python bench/device_check.py --device cpu                        # CPU smoke run: a tiny model, well under a minute
+  torchrun --standalone --nproc_per_node=1 bench/device_check.py --lora_rank 32   # the same checks with LoRA
 On a lent machine, one call (the report and the full log come back from $OUT; the run should take 2-5 minutes):
   set -o pipefail; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m torch.distributed.run --standalone \
       --nproc_per_node=1 bench/device_check.py 2>&1 | tee $OUT/device_check.log
@@ -38,6 +39,9 @@ Checks (sections of the report):
  5. One training update (FSDP2 under torchrun): gradient checkpointing, chunked log-probs, the real loss path
     (common.token_losses, UpdateGuard, fused AdamW); time, tokens/s, peak memory, MFU and HFU.
  6. The memory of a no-grad log-prob pass with the whole logits vs --logprob_chunk chunks; HF sampler tokens/s.
+With --lora_rank r every check runs as a LoRA run does (requirements-lora.txt): the base frozen in the compute dtype
+(modeling.load_policy), adapters on every linear layer of the blocks (their B set to a trained-looking size), vLLM
+serving them (enable_lora, a new version per sync, sleep level 1), the update training the adapters only.
 """
 import argparse
 import contextlib
@@ -82,6 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--peak_tflops", type=float, default=989.0,
                    help="the device's dense bf16 peak, for MFU and HFU (989: H100/H200 SXM)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora_rank", type=int, default=0, help="> 0: LoRA adapters of this rank (see above)")
     for key, value in PROFILES["cuda"].items():  # every size, defaulted from the device's profile
         p.add_argument(f"--{key}", type=type(value), default=None, help=f"(GPU {value}, CPU {PROFILES['cpu'][key]})")
     args = p.parse_args(argv)
@@ -285,6 +290,7 @@ def main(argv=None):
         if getattr(a, key) is None:
             setattr(a, key, value)
     dtype = a.dtype or ("bfloat16" if device_type == "cuda" else "float32")
+    level = 1 if a.lora_rank else 2  # vLLM's sleep level (VLLMRollout.sleep: its base kept on the host with LoRA)
     if not a.out:
         name = "device_check.md" if device_type == "cuda" else "device_check_cpu.md"
         a.out = os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else \
@@ -310,7 +316,9 @@ def main(argv=None):
                f"launch: {launch}; compute dtype {dtype}."),
               (f"Model: Qwen3-shaped, built in code: hidden {a.hidden}, {a.layers} layers, {a.heads} heads x "
                f"{a.head_dim} (KV {a.kv_heads}), intermediate {a.intermediate}, vocabulary {a.vocab:,}, tied "
-               f"embeddings, logit std ~{a.logit_std}.")]
+               f"embeddings, logit std ~{a.logit_std}.")
+              + (f" LoRA of rank {a.lora_rank} on every linear layer of the blocks, the base frozen in {dtype}; vLLM "
+                 f"serves the adapter (sleep level 1)." if a.lora_rank else "")]
     R = Report(a.out, header, d.is_main)
     st = types.SimpleNamespace(engine=None, samples={}, model=None, tok=None, hf=None, counts=None, folder=None,
                                why_no_engine="vLLM was not checked")
@@ -407,7 +415,14 @@ def main(argv=None):
     def model_item():
         st.folder = tempfile.mkdtemp(prefix="device_check_model_")
         build_model_folder(a, st.folder, dtype)
-        st.model, st.tok = modeling.load_model(st.folder)  # float32 master weights, as the trainer holds them
+        lora = types.SimpleNamespace(lora_rank=a.lora_rank, lora_alpha=32.0, lora_target_modules="",
+                                     lora_dropout=0.0, dtype=dtype)
+        # float32 master weights as the trainer holds them; with LoRA the base in the compute dtype, and adapters
+        st.model, st.tok, _ = modeling.load_policy(None, st.folder, lora)
+        g = torch.Generator().manual_seed(a.seed)
+        for name, p in st.model.named_parameters():  # B = 0 would give sgd_steps' relative steps nothing to scale
+            if ".lora_B." in name:
+                p.data = 1e-2 * torch.randn(p.shape, generator=g)
         st.counts = param_counts(st.model)
         st.prompts = [st.tok(dataset.format_prompt(st.tok, p["prompt"], "chat"), add_special_tokens=False)["input_ids"]
                       for p in dataset.arith_problems(a.seed, 50, 10)[1][:max(a.gen_prompts, a.hf_prompts)]]
@@ -428,7 +443,9 @@ def main(argv=None):
         free0, t0 = free(), time.time()
         share = eng.vllm_memory_share(st.model, d, False) if on_gpu else 0.0
         st.engine = eng.VLLMRollout(st.folder, st.tok, d, dtype, seed=a.seed, max_model_len=a.max_model_len,
-                                       gpu_memory_utilization=share, cpu_kv_cache_gb=0.1)
+                                       gpu_memory_utilization=share, cpu_kv_cache_gb=0.1, lora_rank=a.lora_rank)
+        if a.lora_rank:  # the adapter it serves (the trainer's calibrate loads it before any rollout)
+            st.engine.load_adapter(st.model)
         seconds = time.time() - t0
         st.taken = free0 - free()
         mem = (f"gpu_memory_utilization {share:.2f} (eng.vllm_memory_share), took {st.taken / GiB:.1f} GiB; "
@@ -587,7 +604,7 @@ def main(argv=None):
         freed = free() - before
         st.freed = freed
         ok = freed >= 0.8 * st.taken
-        text = (f"level 2: freed {freed / GiB:.1f} GiB (VLLMRollout.freed {st.engine.freed / GiB:.1f}) of the "
+        text = (f"level {level}: freed {freed / GiB:.1f} GiB (VLLMRollout.freed {st.engine.freed / GiB:.1f}) of the "
                 f"{st.taken / GiB:.1f} GiB it took at start")
         assert ok, f"freed less than 80% of what it took: {text}"
         return text
@@ -654,7 +671,7 @@ def main(argv=None):
         assert agree >= 0.9, f"the engine does not run the trainer's weights after the wake-up: {text}"
         return text
 
-    R.run(2, "sleep (level 2)", sleep)
+    R.run(2, f"sleep (level {level})", sleep)
     R.run(3, "update the trainer's weights", update_weights)
     R.run(3, "sync_weights and the probe after it", sync_weights)
     R.run(2, "wake-up (inside sync_weights)", wake_memory)
@@ -721,8 +738,9 @@ def main(argv=None):
         n, chunked = st.counts, a.logprob_chunk > 0 and B * T > a.logprob_chunk
         shape = dict(n_body=n["N_body"], n_head=n["N_head"], layers=a.layers, attn_width=a.heads * a.head_dim,
                      rows=B, seq=P + T, completion=T)
-        model_f = flops(**shape, body_factor=6, head_factor=6, attn_factor=6)
-        hw_f = flops(**shape, body_factor=8, head_factor=8 if chunked else 6, attn_factor=8)
+        weights = 6 if not a.lora_rank else 4  # LoRA: a frozen weight gets no gradient (2 + 2 per token)
+        model_f = flops(**shape, body_factor=weights, head_factor=weights, attn_factor=6)
+        hw_f = flops(**shape, body_factor=weights + 2, head_factor=weights + 2 * chunked, attn_factor=8)
         peak = a.peak_tflops * 1e12 * d.world_size
         tokens = B * (P + T) * d.world_size
         figures = (f"tokens_per_step={tokens} step_s={step_s:.6g} tokens_per_s={tokens / step_s:.6g} "
@@ -746,6 +764,9 @@ def main(argv=None):
               "gradient checkpointing), 8 N_head when the log-probs are chunked (each chunk's logits recomputed in "
               "the backward), 8 x layers x attn_width x seq_len (the recomputed causal attention). Not counted: "
               "norms, softmax, the entropy, the optimizer, and FlashAttention's own recomputation in its backward.")
+    if a.lora_rank:
+        R.note(5, "LoRA: the frozen weights get no gradient, so 4 N per token (forward, input gradient) in MFU and 6 "
+                  "in HFU; the adapters' own FLOPs (a fraction of a percent) are not counted.")
 
     # ---- 2c. the trainer's cycle: the update ran with vLLM asleep; sync_weights wakes it --------------------------
     def wake_after_update():

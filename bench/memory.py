@@ -1,6 +1,7 @@
 """Per-GPU memory arithmetic behind docs/gpu.md's recipes: why a recipe fits, or which flag to change.
-Usage: python bench/memory.py [--model all|Qwen3-4B-Base|Qwen3-8B-Base|Qwen2.5-Math-7B] [--gpus 8 --gpu_gb 79.6]
-       [--markdown]   (writes bench/results/memory.md)
+Usage: python bench/memory.py [--model all|Qwen3-4B-Base|Qwen3-8B-Base|Qwen2.5-Math-7B|Llama-3.1-8B]
+       [--gpus 8 --gpu_gb 79.6] [--lora_rank 32] [--markdown]   (writes bench/results/memory.md)
+Full fine-tuning on 8 x 80 GB, 1 x 80 GB and 1 x 141 GB; LoRA (rank 32) on one GPU of 24, 48, 80 and 141 GB.
 
 No GPU, no torch: plain arithmetic on the models' public config.json numbers and on what the trainer holds
 (the config, the batch, the log-probs). Exact: parameter counts, sharded state, KV bytes per token. ESTIMATES
@@ -19,12 +20,14 @@ MODELS = {
     "Qwen3-8B-Base": dict(H=4096, L=36, heads=32, kv=8, hd=128, I=12288, V=151936, tied=False, max_pos=32768,
                           qkv_bias=False, qk_norm=True),
     "Qwen2.5-Math-7B": dict(H=3584, L=28, heads=28, kv=4, hd=128, I=18944, V=152064, tied=False, max_pos=4096,
-                            qkv_bias=True, qk_norm=False)}
+                            qkv_bias=True, qk_norm=False),
+    "Llama-3.1-8B": dict(H=4096, L=32, heads=32, kv=8, hd=128, I=14336, V=128256, tied=False, max_pos=131072,
+                         qkv_bias=False, qk_norm=False)}
 # docs/gpu.md's recipes: --max_prompt_length, --max_new_tokens, --prompts_per_step / 8 GPUs, --updates_per_step,
 # --group_size. G sets only the sequences per step (the update's memory is per micro-batch of --micro_batch_tokens).
 DAPO = dict(name="DA3PO/DAPO/GRPO", prompt=2048, completion=20480, prompts_per_gpu=64, updates=16, G=16)
 DARO = dict(name="DARO", prompt=1096, completion=3000, prompts_per_gpu=16, updates=2, G=8)
-RECIPE = {"Qwen3-4B-Base": DAPO, "Qwen3-8B-Base": DAPO, "Qwen2.5-Math-7B": DARO}
+RECIPE = {"Qwen3-4B-Base": DAPO, "Qwen3-8B-Base": DAPO, "Qwen2.5-Math-7B": DARO, "Llama-3.1-8B": DARO}  # DARO's 2nd
 MICRO_BATCH_TOKENS, LOGPROB_CHUNK = 24576, 1024  # --micro_batch_tokens, --logprob_chunk
 # GPU totals as torch.cuda.mem_get_info reports them: an "80 GB" H100/A100 has 81,559 MiB, a 141 GB H200 143,771 MiB
 MACHINES = [(8, 81559 / 1024, "8 x 80 GB"), (1, 81559 / 1024, "1 x 80 GB"), (1, 143771 / 1024, "1 x 141 GB (H200)")]
@@ -105,12 +108,12 @@ def trainer_rollout_resident(m: dict, gpus: int, offload: bool) -> float:
     return 12 * shard
 
 
-def vllm_fixed(m: dict) -> dict:
+def vllm_fixed(m: dict, tokens: int = VLLM_TOKENS) -> dict:
     """vLLM's non-KV share. vLLM 0.32 gpu_worker.determine_available_memory: KV = u x total - (the drop in free
     memory since its start-up snapshot: bf16 weights, non-torch buffers) - (the torch peak of a profile run of
     max_num_batched_tokens above what stays allocated) - its CUDA-graph estimate (on by default since 0.21)."""
     q, kv, H, I = m["heads"] * m["hd"], m["kv"] * m["hd"], m["H"], m["I"]
-    act = VLLM_TOKENS * 2 * (2 * H + 2 * q + 2 * kv + 3 * I) + 5 * VLLM_SEQS * m["V"] * 4  # layer peak + sampler
+    act = tokens * 2 * (2 * H + 2 * q + 2 * kv + 3 * I) + 5 * VLLM_SEQS * m["V"] * 4  # layer peak + sampler
     return dict(weights=2 * param_count(m), activations=act + VLLM_NON_TORCH, graphs=VLLM_GRAPHS)
 
 
@@ -232,28 +235,150 @@ def report(name: str, gpus: int, total: float, label: str) -> tuple[list[str], l
     return lines, row
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# LoRA (--lora_rank r on every linear layer of the blocks), one GPU, vLLM colocated: the base is frozen and kept in
+# bf16 (2N; no float32 master copy, no gradients, no AdamW), only the adapters train (float32 weights, gradients and
+# AdamW moments: 16 bytes each). vLLM serves the adapter and sleeps at level 1 during the updates: its bf16 base waits
+# in host memory (it never changes) and comes back on wake. Without --cpu_offload a plain `python` run (no FSDP);
+# with it FSDP2 at world size 1 (torchrun), the base and adapters on the host, a layer gathered at a time.
+LORA_RANK = 32  # the largest rank of the published claim's range (1-32); the adapters' memory is small at any of them
+LORA_MACHINES = [(24564 / 1024, "1 x 24 GB"), (46068 / 1024, "1 x 48 GB"), (81559 / 1024, "1 x 80 GB"),
+                 (143771 / 1024, "1 x 141 GB (H200)")]  # RTX 4090, L40S, H100, H200 as mem_get_info reports them
+LORA_GRAPHS = 2 * VLLM_GRAPHS  # estimate: vLLM captures its CUDA graphs with and without LoRA (specialised)
+
+
+def lora_params(m: dict, rank: int) -> int:
+    """A: adapter parameters, rank x (in + out) for q, k, v, o, gate, up and down of every layer."""
+    q, kv, H, I = m["heads"] * m["hd"], m["kv"] * m["hd"], m["H"], m["I"]
+    return rank * m["L"] * ((H + q) + 2 * (H + kv) + (q + H) + 2 * (H + I) + (I + H))
+
+
+def vllm_batch_tokens(total: float) -> int:
+    """vLLM 0.32's max_num_batched_tokens for the LLM class: 16384 on a GPU of 70 GiB or more, else 8192."""
+    return VLLM_TOKENS if total >= 70 * GiB else 8192
+
+
+def lora_plan(m: dict, recipe: dict, total: float, offload: bool, micro_batch_tokens: int, rank: int) -> dict:
+    """Every number of one LoRA case on one GPU, and whether it fits. Updates (vLLM asleep: its graphs stay): the
+    base 2N (plain run) or FSDP2's gathered bf16 units, 2R + two layers 4P (--cpu_offload), the adapters 16A (on the
+    host with --cpu_offload), activations as full fine-tuning's (the gradient still flows through every layer).
+    Rollouts: the trainer keeps 2N + 12A (0 with --cpu_offload) beside vLLM, and its no-grad passes (pi_old, the
+    probe) need one layer's activations or the log-prob chunks on top: vLLM's share leaves room for them."""
+    N, A, max_len, kvb = param_count(m), lora_params(m, rank), recipe["prompt"] + recipe["completion"], \
+        kv_bytes_per_token(m)
+    act = activation_bytes(m, micro_batch_tokens, max_len, LOGPROB_CHUNK)
+    base = 2 * root_params(m) + 4 * layer_params(m) if offload else 2 * N
+    upd = dict(base=base, adapters=0 if offload else 16 * A, activations=act["total"], other=CONTEXT + LORA_GRAPHS)
+    upd["peak"] = sum(upd.values())
+    resident = 0 if offload else 2 * N + 12 * A
+    passes = ACT_MARGIN * max(act["layer"], act["logits"]) / 2  # a forward alone: about half of forward + backward
+    free_at_start = total - CONTEXT
+    u = vllm_share(total, free_at_start, resident + passes)
+    tokens = vllm_batch_tokens(total)
+    fixed = {**vllm_fixed(m, tokens), "graphs": LORA_GRAPHS, "adapter slots": 2 * A}  # one adapter (max_loras 1)
+    kv = u * total - sum(fixed.values())
+    engine_len = min(max_len, m["max_pos"])
+    start_ok = kv >= (engine_len + 16) * kvb
+    fits = upd["peak"] <= (1 - MARGIN) * total and u > 0 and start_ok
+    host = 2 * N + (2 * N + 16 * A if offload else 0)  # vLLM's base while asleep; the trainer's, offloaded
+    return dict(N=N, A=A, max_len=max_len, kvb=kvb, act=act, upd=upd, resident=resident, passes=passes, u=u,
+                fixed=fixed, kv=kv, kv_tokens=max(0, int(kv // kvb)), engine_len=engine_len, start_ok=start_ok,
+                fits=fits, offload=offload, mbt=micro_batch_tokens, tokens=tokens, host=host, rank=rank)
+
+
+def best_lora_plan(m: dict, recipe: dict, total: float, rank: int) -> dict:
+    """As best_plan: the recipe's --micro_batch_tokens, else smaller ones (not below the longest row), then
+    --cpu_offload; first with TIGHT to spare, then without; the most relaxed one if nothing fits."""
+    max_len = recipe["prompt"] + recipe["completion"]
+    for spare in (TIGHT, 0):
+        for offload in (False, True):
+            for mbt in range(MICRO_BATCH_TOKENS, max_len - 1024, -1024):
+                p = lora_plan(m, recipe, total, offload, max(mbt, max_len), rank)
+                if p["fits"] and p["upd"]["peak"] + spare <= (1 - MARGIN) * total:
+                    return p
+    return p
+
+
+def lora_report(name: str, total: float, label: str, rank: int = LORA_RANK) -> tuple[list[str], list[str]]:
+    """The block of lines for one LoRA (model, one GPU), and its row of the LoRA table."""
+    m, recipe = MODELS[name], RECIPE[name]
+    p, g = best_lora_plan(m, recipe, total, rank), lambda x: f"{x / GiB:6.1f} GiB"
+    upd, usable, f = p["upd"], (1 - MARGIN) * total, p["fixed"]
+    lines = [f"{name}, LoRA rank {rank} on every linear layer of the blocks, on {label} ({total / GiB:.1f} GiB), "
+             f"{recipe['name']}: {recipe['prompts_per_gpu']} prompts per step, {recipe['prompt']} + "
+             f"{recipe['completion']} tokens",
+             f"  parameters: base N = {p['N'] / 1e9:.2f}B, frozen, bf16; adapters A = {p['A'] / 1e6:.1f}M "
+             f"({p['A'] / p['N']:.2%} of N), float32",
+             f"  update (vLLM asleep at level 1), --micro_batch_tokens {p['mbt']}"
+             + (" (--cpu_offload: FSDP2 at world size 1)" if p["offload"] else " (a plain python run)") + ":",
+             ("    gathered bf16 2R + 4P       " if p["offload"] else "    base bf16 2N                ")
+             + f"{g(upd['base'])}",
+             f"    adapters + grads + AdamW 16A {g(upd['adapters'])}" + ("  (on the host)" if p["offload"] else ""),
+             f"    activations (ESTIMATE)      {g(upd['activations'])}  (as full fine-tuning's: "
+             f"{p['act']['tokens']} tokens)",
+             f"    CUDA context + vLLM graphs  {g(upd['other'])}  (estimate; graphs with and without LoRA)",
+             f"    trainer peak                {g(upd['peak'])}  of {usable / GiB:.1f} usable ({MARGIN:.0%} margin)",
+             f"  rollout: trainer resident {g(p['resident'])} (base 2N + adapters and AdamW 12A"
+             + (", none: all on the host" if p["offload"] else "") + f") + its no-grad passes {g(p['passes'])} "
+             f"(estimate: pi_old and the probe run while vLLM is awake)",
+             f"    vLLM share u = {p['u']:.2f} = {p['u'] * total / GiB:.1f} GiB: base bf16 2N {f['weights'] / GiB:.1f} "
+             f"+ adapter slots {f['adapter slots'] / GiB:.2f} + activations/workspace {f['activations'] / GiB:.1f} "
+             f"({p['tokens']} batched tokens) + graphs {f['graphs'] / GiB:.1f} + KV {max(0, p['kv']) / GiB:.1f}",
+             f"    KV {p['kv_tokens']:,} tokens = {p['kv_tokens'] // p['max_len']} sequences of {p['max_len']} "
+             f"tokens at once; start-up check, one {p['engine_len']}-token sequence = "
+             f"{(p['engine_len'] + 16) * p['kvb'] / GiB:.1f} GiB: {'ok' if p['start_ok'] else 'FAILS'}",
+             f"  host RAM: {p['host'] / GiB:.0f} GiB (vLLM's sleeping base 2N"
+             + (" + the offloaded base and adapters" if p["offload"] else "") + ")"]
+    launch = "torchrun --standalone --nproc_per_node=1" if p["offload"] else "python"
+    flags = [f"--lora_rank {rank}", f"--vllm_gpu_memory {p['u']:.2f}"] + \
+        (["--cpu_offload"] if p["offload"] else []) + \
+        ([f"--micro_batch_tokens {p['mbt']}"] if p["mbt"] != MICRO_BATCH_TOKENS else [])
+    slack = usable - upd["peak"]
+    if p["fits"]:
+        verdict = f"fits: {launch}, {' '.join(flags)}"
+        lines.append(f"  verdict: {verdict} (update peak {upd['peak'] / GiB:.1f} of {usable / GiB:.1f} GiB usable: "
+                     f"{slack / GiB:.1f} GiB to spare" + (", tight" if slack < TIGHT else "") + ")")
+    else:
+        why = ([f"the update needs {upd['peak'] / GiB:.1f} GiB"] if upd["peak"] > usable else []) + \
+            ([f"vLLM's KV {max(0, p['kv']) / GiB:.1f} GiB < one sequence's "
+              f"{(p['engine_len'] + 16) * p['kvb'] / GiB:.1f}"] if not p["start_ok"] else [])
+        verdict = f"DOES NOT FIT even with {' '.join(flags[2:]) or 'the recipe as written'}: {'; '.join(why)}"
+        lines.append(f"  verdict: {verdict}")
+    row = [name, label, f"{p['A'] / 1e6:.0f}M", f"{upd['peak'] / GiB:.1f}", f"{slack / GiB:.1f}",
+           f"{p['u']:.2f}", f"{max(0, p['kv']) / GiB:.1f}", str(p["kv_tokens"] // p["max_len"]), verdict]
+    return lines, row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="all", choices=["all", *MODELS], help="one model, or all")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs (FSDP ranks); with --gpu_gb: one machine (default 8)")
     ap.add_argument("--gpu_gb", type=float, default=0.0,
                     help="GiB per GPU as torch.cuda.mem_get_info reports it (default: 8x80, 1x80, 1x141 GB)")
+    ap.add_argument("--lora_rank", type=int, default=LORA_RANK,
+                    help=f"the LoRA rows' rank, one GPU each (default {LORA_RANK}; 0: no LoRA rows)")
     ap.add_argument("--markdown", action="store_true", help="also write bench/results/memory.md")
     args = ap.parse_args()
-    if args.gpus < 0 or args.gpu_gb < 0:
-        ap.error("--gpus and --gpu_gb must be positive")
-    machines = MACHINES
+    if args.gpus < 0 or args.gpu_gb < 0 or args.lora_rank < 0:
+        ap.error("--gpus, --gpu_gb and --lora_rank must be positive")
+    machines, lora_machines = MACHINES, LORA_MACHINES
     if args.gpus or args.gpu_gb:
         gpus, gb = args.gpus or 8, args.gpu_gb or 81559 / 1024
         machines = [(gpus, gb, f"{gpus} x {gb:g} GiB")]
-    out = [report(name, gpus, gb * GiB, label) for name in (MODELS if args.model == "all" else [args.model])
-           for gpus, gb, label in machines]
-    text, rows = "\n\n".join("\n".join(lines) for lines, _ in out), [row for _, row in out]
+        lora_machines = [(gb, f"1 x {gb:g} GiB")] if args.gpu_gb else []
+    names = MODELS if args.model == "all" else [args.model]
+    out = [report(name, gpus, gb * GiB, label) for name in names for gpus, gb, label in machines]
+    lora = [lora_report(name, gb * GiB, label, args.lora_rank) for name in names for gb, label in lora_machines
+            if args.lora_rank]
+    text, rows = "\n\n".join("\n".join(lines) for lines, _ in out + lora), [row for _, row in out]
     print(text)
     if args.markdown:
         head = ["model", "machine", "update peak GiB", "spare GiB", "rollout resident GiB", "u", "KV GiB",
                 "KV tokens", "full-length seqs", "verdict"]
         table = ["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows]]
+        head = ["model", "machine", "adapters", "update peak GiB", "spare GiB", "u", "KV GiB", "full-length seqs",
+                "verdict"]
+        lora_table = ["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *(r for _, r in lora)]]
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory.md")
         with open(path, "w") as fh:
             fh.write(f"Per-GPU memory of docs/gpu.md's recipes (`python bench/memory.py {' '.join(sys.argv[1:])}`): "
@@ -263,7 +388,11 @@ def main():
                      f"spare = usable ({1 - MARGIN:.0%} of the GPU) - update peak, --logprob_chunk {LOGPROB_CHUNK}, "
                      f"bf16 compute, "
                      f"gradient checkpointing, FSDP2, vLLM colocated with sleep level 2.\n\n"
-                     + "\n".join(table) + "\n\n```\n" + text + "\n```\n")
+                     + "\n".join(table) + "\n\n"
+                     + (f"LoRA of rank {args.lora_rank} on every linear layer of the blocks, one GPU (the recipes' "
+                        f"prompts per step / 8), vLLM colocated serving the adapter, sleep level 1; Llama-3.1-8B "
+                        f"with DARO's recipe (its paper's second model):\n\n" + "\n".join(lora_table) + "\n\n"
+                        if lora else "") + "```\n" + text + "\n```\n")
         print(f"\nwrote {path}")
 
 

@@ -42,8 +42,8 @@ def test_script_prints_the_hand_worked_figures():
     assert "AdamW moments fp32 8N/W       3.7 GiB" in r.stdout and "trainer resident    5.6 GiB" in r.stdout
     assert "verdict: fits with --vllm_gpu_memory" in r.stdout
     assert "G = 16, 64 prompts = 1024 sequences per GPU per step" in r.stdout  # the DA3PO recipes' G = 16
-    r = run_script(["bench/memory.py", "--model", "Qwen2.5-Math-7B"], timeout=60)  # all three machines
-    assert r.returncode == 0 and r.stdout.count("verdict:") == 3
+    r = run_script(["bench/memory.py", "--model", "Qwen2.5-Math-7B"], timeout=60)  # all machines
+    assert r.returncode == 0 and r.stdout.count("verdict:") == 3 + 4  # full fine-tuning's 3, LoRA's 4 GPU sizes
     # the DARO recipe's --max_prompt_length 1096 + --max_new_tokens 3000 fill the model's 4096 positions exactly
     assert "4096 tokens <= max_position_embeddings 4096: ok (prompts up to 1096 tokens fit)" in r.stdout
     # every verdict says what the update leaves: DARO on one 141 GB GPU fits with 2.0 GiB to spare, no more
@@ -51,7 +51,28 @@ def test_script_prints_the_hand_worked_figures():
     assert "G = 8, 16 prompts = 128 sequences per GPU per step" in r.stdout
 
 
+def test_lora_arithmetic_by_hand(demo_dir):
+    """The adapters' size: rank x (in + out) of q, k, v, o, gate, up, down per layer (Qwen3-8B: 4096 + 4096, 4096 +
+    1024 twice, 4096 + 4096, then 4096 + 12288 three times = 75,776), the same count peft makes on the demo model;
+    the gathered units of a LoRA update under --cpu_offload, bf16 params only: 2R + two layers' 2P."""
+    assert memory.lora_params(memory.MODELS["Qwen3-8B-Base"], 32) == 32 * 36 * 75_776 == 87_293_952
+    assert memory.lora_params(memory.MODELS["Qwen3-4B-Base"], 32) == 32 * 36 * 57_344 == 66_060_288
+    r = run_script(["bench/memory.py", "--model", "Qwen3-4B-Base", "--gpu_gb", "24", "--gpus", "1"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    two_r_four_p = (2 * (151_936 * 2560 + 2560) + 4 * 100_930_816) / 2**30  # 1.1 GiB
+    assert f"gathered bf16 2R + 4P          {two_r_four_p:.1f} GiB" in r.stdout
+    assert "adapters A = 66.1M (1.64% of N)" in r.stdout and "(--cpu_offload: FSDP2 at world size 1)" in r.stdout
+    peft = __import__("pytest").importorskip("peft")
+    import modeling
+    model = modeling.load_model(demo_dir)[0]
+    c = model.config
+    demo = dict(H=c.hidden_size, L=c.num_hidden_layers, heads=c.num_attention_heads, kv=c.num_key_value_heads,
+                hd=c.head_dim, I=c.intermediate_size)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=8, target_modules="all-linear"), model)
+    assert memory.lora_params(demo, 8) == sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+
+
 def test_bad_flags_exit_2():
-    for args in (["--model", "Llama-3-8B"], ["--gpus", "-1"], ["--gpu_gb", "lots"]):
+    for args in (["--model", "Llama-3-8B"], ["--gpus", "-1"], ["--gpu_gb", "lots"], ["--lora_rank", "-8"]):
         r = run_script(["bench/memory.py", *args], timeout=60)
         assert r.returncode == 2, (args, r.stdout, r.stderr)

@@ -58,7 +58,8 @@ def test_every_command_parses_and_passes_the_checks(recipes):
     eight = {(s, c.algo) for s, w, c, _ in recipes if w == 8}
     assert eight == {("da3po.py", a) for a in ("da3po", "dapo", "grpo", "dr_grpo", "gspo")} | {
         ("daro.py", a) for a in ("daro", "uniform", "var", "grpo", "dr_grpo", "dapo")}
-    assert len(recipes) == 11 + 3 and all(w in (1, 8) for _, w, _, _ in recipes)  # + the three one-GPU commands
+    # + the three one-GPU commands and the four one-GPU LoRA ones
+    assert len(recipes) == 11 + 3 + 4 and all(w in (1, 8) for _, w, _, _ in recipes)
     assert len({c.out_dir for _, _, c, _ in recipes}) == len(recipes)  # no two runs write into one folder
     assert all(c.demo == "" for _, _, c, _ in recipes)  # a model of the user's own: no demo's value applies
 
@@ -119,19 +120,31 @@ def test_the_daro_papers_runs_change_one_thing_each(recipes):
     assert changed(daro_cfg, runs["dapo"][0]) == {"weighting", "dynamic_sampling"}  # the paper's contrast
 
 
-def test_memory_figures_agree_with_bench_memory(recipes):
+def load_memory():
     spec = importlib.util.spec_from_file_location("memory", os.path.join(ROOT, "bench", "memory.py"))
     memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(memory)
+    return memory
+
+
+def memory_tables() -> tuple[dict, dict]:
+    """bench/results/memory.md's two tables, full fine-tuning's and LoRA's: (model, machine) -> the row's cells."""
+    text = open(os.path.join(ROOT, "bench", "results", "memory.md")).read()
+    tables = [[line.strip("| ").split(" | ") for line in block.splitlines() if line.startswith("| ")][2:]
+              for block in text.split("```")[0].split("\n\n") if block.startswith("| model")]
+    assert len(tables) == 2
+    return tuple({tuple(r[:2]): r for r in rows} for rows in tables)
+
+
+def test_memory_figures_agree_with_bench_memory(recipes):
+    memory = load_memory()
     for script, recipe in (("da3po.py", memory.DAPO), ("daro.py", memory.DARO)):
         cfg = next(c for s, w, c, _ in recipes if s == script and w == 8)
         assert (recipe["prompt"], recipe["completion"], recipe["prompts_per_gpu"] * 8, recipe["updates"],
                 recipe["G"]) == (cfg.max_prompt_length, cfg.max_new_tokens, cfg.prompts_per_step,
                                  cfg.updates_per_step, cfg.group_size), script
         assert cfg.micro_batch_tokens == memory.MICRO_BATCH_TOKENS
-    table = open(os.path.join(ROOT, "bench", "results", "memory.md")).read()
-    rows = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| Qwen")]
-    rows = {tuple(r[:2]): r for r in rows}  # (model, machine) -> model, machine, peak, spare, resident, u, ..., verdict
+    rows = memory_tables()[0]  # (model, machine) -> model, machine, peak, spare, resident, u, ..., verdict
     doc = " ".join(open(DOC).read().replace("\n# ", "\n").split())  # comments in code blocks wrap too
     usable = {label: f"{(1 - memory.MARGIN) * gb:.1f}" for _, gb, label in memory.MACHINES}  # 75.7, 133.4 GiB
     h200_4b, h200_daro = rows["Qwen3-4B-Base", "1 x 141 GB (H200)"], rows["Qwen2.5-Math-7B", "1 x 141 GB (H200)"]
@@ -144,5 +157,30 @@ def test_memory_figures_agree_with_bench_memory(recipes):
     assert f"update peak {offload[0][2]} / {offload[1][2]} GiB of {usable['1 x 80 GB']} usable" in doc
     shares = [rows[m, "8 x 80 GB"][5] for m in ("Qwen3-4B-Base", "Qwen3-8B-Base")]  # --vllm_gpu_memory 0's choice
     assert f"{shares[0]} for Qwen3-4B and {shares[1]} for Qwen3-8B on 8 x 80 GB" in doc
-    one_gpu = {(s, c.cpu_offload): c for s, w, c, _ in recipes if w == 1}
+    one_gpu = {(s, c.cpu_offload): c for s, w, c, _ in recipes if w == 1 and not c.lora_rank}
     assert one_gpu["daro.py", False].micro_batch_tokens == 13312 and one_gpu["da3po.py", True].prompts_per_step == 64
+
+
+def test_the_one_gpu_lora_recipes_are_bench_memorys_plans(recipes):
+    """Each LoRA command: one GPU, rank 32, 10x the full fine-tune's lr, and the flags bench/memory.py's LoRA row of
+    its model and GPU gives (--vllm_gpu_memory, --cpu_offload, --micro_batch_tokens), the doc quoting the row's
+    margin; besides those, only the one-GPU batch differs from the paper's 8-GPU run of the same algorithm."""
+    memory, rows = load_memory(), memory_tables()[1]
+    gpu = {"Qwen/Qwen3-4B-Base": "1 x 24 GB", "Qwen/Qwen3-8B-Base": "1 x 48 GB", "Qwen/Qwen2.5-Math-7B": "1 x 24 GB",
+           "meta-llama/Llama-3.1-8B": "1 x 24 GB"}
+    lora = [(s, c) for s, w, c, _ in recipes if c.lora_rank]
+    assert sorted(c.model for _, c in lora) == sorted(gpu) and all(w == 1 for _, w, c, _ in recipes if c.lora_rank)
+    doc = " ".join(open(DOC).read().replace("\n# ", "\n").split())
+    eight = {(s, c.algo): c for s, w, c, _ in recipes if w == 8}
+    for script, cfg in lora:
+        row = rows[cfg.model.split("/")[1], gpu[cfg.model]]  # model, machine, adapters, peak, spare, u, ..., verdict
+        assert (cfg.lora_rank, cfg.lora_alpha) == (memory.LORA_RANK, 32.0)
+        assert cfg.lr == pytest.approx(10 * eight[script, cfg.algo].lr, rel=1e-12)
+        flags = f"--lora_rank 32 --vllm_gpu_memory {cfg.vllm_gpu_memory:.2f}" + " --cpu_offload" * cfg.cpu_offload + (
+            f" --micro_batch_tokens {cfg.micro_batch_tokens}" if cfg.micro_batch_tokens != 24576 else "")
+        assert row[-1].endswith(flags) and row[-1].startswith("fits: torchrun"), (cfg.model, row[-1], flags)
+        usable = f"{(1 - memory.MARGIN) * dict((label, gb) for gb, label in memory.LORA_MACHINES)[row[1]]:.1f}"
+        assert f"update peak {row[3]} GiB of {usable} usable: {row[4]} GiB to spare" in doc, cfg.model
+        assert changed(cfg, eight[script, cfg.algo]) <= {"model", "prompts_per_step", "lora_rank", "lr",
+                                                         "vllm_gpu_memory", "cpu_offload", "micro_batch_tokens"}
+        assert cfg.prompts_per_step * 8 == eight[script, cfg.algo].prompts_per_step
