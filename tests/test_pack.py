@@ -184,9 +184,6 @@ def test_eager_packed_equals_sdpa_packed(float64_model):
 # -----------------------------------------------------------------------------------------------------------------
 # Other families, sliding windows included: the packed path under the default flags against each row's own forward
 
-MOE = {"mixtral", "qwen3_moe"}  # their router's softmax runs in float32: 6e-8 of each routing weight; 1e-6 bounds it
-
-
 WINDOW = 12  # longer than the start-up check's rows once were (10 tokens: a window as long passed it)
 
 
@@ -236,7 +233,7 @@ def test_sliding_window_families_get_each_rows_own_logprobs(family, checkpointin
     own = _own_logprobs(model, groups)
     sum((lp * weights[:len(lp)]).sum() for lp in own).backward()
     theirs = [p.grad.clone() for p in model.parameters()]
-    tol = 1e-6 if family in MOE else harness.TOL
+    tol = harness.FAMILY_TOL.get(family, harness.TOL)
     gap = max((logp[i, :len(lp)] - lp).abs().max().item() for i, lp in enumerate(own))
     assert gap <= tol * max(lp.abs().max().item() for lp in own), gap
     for a, b in zip(ours, theirs):

@@ -71,6 +71,20 @@ def test_ci_cases_cover_every_flag(float64_model):
     assert wanted <= seen, wanted - seen
 
 
+@pytest.mark.parametrize("family", list(harness.FAMILIES))
+def test_other_families_packed_and_padded_match_reference(family):
+    """The harness's random cases on other families (tiny random Llama, Qwen2 with its q/k/v biases, GPT-NeoX, and the
+    sliding-window families with a window of 6 tokens against rows of up to 14): each case through the real pipeline
+    packed and padded, both equal to the reference, so packed == padded, in float64 (harness.FAMILY_TOL: MoE)."""
+    model = harness.family_model(family)
+    ref_model = harness.ref_model_of(model)
+    for seed in range(4):
+        for pack in (False, True):
+            case, errors = harness.check_case(model, ref_model, 0, seed, pack=pack)
+            bad = harness.failures(errors, harness.FAMILY_TOL.get(family, harness.TOL))
+            assert not bad, (seed, harness.describe(case), bad)
+
+
 def _hand_case(model, lengths, rejected, **flags):
     """A case built by hand: one group of completions of `lengths`, whose tokens `rejected` ((row, t) pairs) have an
     engine log-prob far from pi_old, so that --rollout_is token --rollout_is_mask rejects exactly them."""
