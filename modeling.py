@@ -499,8 +499,8 @@ def _probe_rows(model, device):
 
 
 def _gradient_sums(model) -> torch.Tensor:
-    """Two numbers that a change of the gradient moves, sums of positive terms (no cancellation: their rounding
-    is a few float32 roundings of themselves): the sum of its squares and of its absolute values, over all
+    """Two numbers that a change of the gradient moves, sums of positive terms (no cancellation: they round
+    to a few float32 roundings of themselves): the sum of its squares and of its absolute values, over all
     ranks (FSDP2's shards summed), in float64."""
     sums = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for p in model.parameters():
@@ -512,19 +512,19 @@ def _gradient_sums(model) -> torch.Tensor:
 
 def _probe(model, rows, dtype: str, device, alone: bool = False, **path):
     """One path of token_logprobs on the probe rows (`alone`: each row by itself, unpadded), where training
-    runs: its log-probs (B, T) in float32, 0 off the completions, and _gradient_sums of sum_t t log p_t after
+    runs: its log-probs (B, T) in float64, 0 off the completions, and _gradient_sums of sum_t t log p_t after
     a backward (None for a model that does not train); or the error it raised, as text. Every rank runs it
     (its collectives) and the gradient's all-reduce, whatever happened."""
     ids, attn, T, _ = rows
     trains = any(p.requires_grad for p in model.parameters())
     lengths = attn[:, -T:].sum(-1).tolist()
     parts = [(i, attn[i].bool(), n) for i, n in enumerate(lengths) if n > 0] if alone else [(None, None, T)]
-    logp = torch.zeros(attn[:, -T:].shape, device=device)  # (B, T)
+    logp = torch.zeros(attn[:, -T:].shape, dtype=torch.float64, device=device)  # (B, T)
     try:
         for i, keep, n in parts:  # (i None: the rows together)
             part = (ids, attn) if i is None else (ids[i, keep][None], attn[i, keep][None])
             with torch.set_grad_enabled(trains), autocast(dtype, device):
-                out = token_logprobs(model, *part, n, **path)[0].float() * part[1][:, -n:]
+                out = token_logprobs(model, *part, n, **path)[0].double() * part[1][:, -n:]
             logp[slice(None) if i is None else i, :n] = out.detach()
             if trains:
                 (out * torch.arange(1, n + 1, device=device)).sum().backward()
@@ -608,9 +608,10 @@ def _head_refusal(model, head, dtype: str) -> str:
 def check_logprob_paths(model, cfg, device: torch.device | None = None):
     """Start-up checks of the sharded model on `device`: each shortcut token_logprobs may take against each
     row's own forward (and the padded rows' distance from it), in cfg.dtype under autocast, with a backward
-    (a model that trains): chunks of the output layer (--logprob_chunk > 0: exit 2 if off); a group's prompt run once
-    (padded rows, no checkpointing: model.shares_prompts; a hybrid or recurrent cache may not index out);
-    packed rows (--pack: model.pack_refusal, '' or why not, and a note). `device`: the parameters'."""
+    (a model that trains): chunks of the output layer (--logprob_chunk > 0: exit 2 if off); a group's
+    prompt run once (padded rows, no checkpointing: model.shares_prompts; a hybrid or recurrent cache may not
+    index out); packed rows (--pack: model.pack_refusal, '' or why not, and a note). `device`: the
+    parameters'."""
     device = device or next(model.parameters()).device
     rows = _probe_rows(model, device)
     alone = _probe(model, rows, cfg.dtype, device, alone=True)  # each row's own forward: what is right
@@ -624,8 +625,8 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None):
         check_chunked_logprobs(model, cfg.dtype)
         why = check(chunk_tokens=2 * len(rows[0]))  # chunks of 2 positions, the last one shorter
         if why:
-            die(f"--logprob_chunk: the chunked log-probs of {_model_name(model)} would not be its own ({why}); "
-                "run with --logprob_chunk 0")
+            die(f"--logprob_chunk: the chunked log-probs of {_model_name(model)} would not be its own "
+                f"({why}); run with --logprob_chunk 0")
     model.shares_prompts = True
     if _shares_prompts(model, rows[3]):
         model.shares_prompts = not check(groups=rows[3])

@@ -355,3 +355,16 @@ def test_start_up_checks_run_where_training_runs_and_agree(tmp_path):
     assert results[0]["ref_refusal"] == "it failed on another rank"
     assert results[1]["ref_refusal"].startswith("log-probs off by")
     assert r.stdout.count("note: --pack:") == 2  # rank 0's line, for each model
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "no_such_attention"])
+def test_an_attention_transformers_cannot_use_here_exits_2(float64_model, implementation, capsys):
+    """--attn_implementation: one transformers cannot use on this machine (flash attention without its package or a
+    GPU, an unknown name) stops the run with one line naming the flag, before anything trains."""
+    model, _ = float64_model
+    with pytest.raises(SystemExit) as exit_info:
+        modeling.set_attention(model, implementation)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --attn_implementation {implementation}: transformers cannot use it here")
+    assert model.config._attn_implementation == "sdpa"

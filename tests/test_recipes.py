@@ -60,6 +60,8 @@ def test_every_command_parses_and_passes_the_checks(recipes):
         ("daro.py", a) for a in ("daro", "uniform", "var", "grpo", "dr_grpo", "dapo")}
     assert len(recipes) == 11 + 3 and all(w in (1, 8) for _, w, _, _ in recipes)  # + the three one-GPU commands
     assert len({c.out_dir for _, _, c, _ in recipes}) == len(recipes)  # no two runs write into one folder
+    # packed micro-batches on a GPU need an attention that takes them without a dense mask (modeling.pack_refusal)
+    assert all(c.pack and c.attn_implementation == "flash_attention_2" for _, _, c, _ in recipes)
 
 
 def test_the_da3po_papers_runs(recipes):
