@@ -277,13 +277,14 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
     (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once (padded
     rows only). With `pack`, on a model that packs (pack_refusal), one forward runs every row without padding
-    (_packed_outputs); both outputs are then 0 at padded positions.
+    (_packed_outputs) where that runs fewer positions than the padded path (_packs); both outputs are then 0
+    at padded positions.
     Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
     log-softmax, entropy and backward make several. With chunk_tokens > 0, head_logits, the log-softmax and
     the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
     gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
     T = num_completion_tokens
-    pack = _runs_packed(model, pack)
+    pack = _packs(model, attention_mask, T, groups, pack)
     if pack:  # outputs (1, N, .) at the completions' N tokens, scattered back to (B, T) at the end
         where = attention_mask[:, -T:].bool()
         forward = lambda: _packed_outputs(model, input_ids, attention_mask, T)  # noqa: E731
@@ -321,10 +322,10 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
 # transformers finds the sequences in the position_ids (masking_utils.find_packed_sequence_indices) and keeps
 # them apart itself, sliding windows included. Kernels that read the boundaries (flash attention's
 # variable-length path, flex attention's block mask) take the micro-batch as one row. sdpa and eager are given
-# a dense mask per row, so there the sequences are dealt into rows no longer than the longest one (first fit,
-# longest first): masks no larger than the padded path's, on a CPU only (pack_refusal). Each row's prompt runs
-# in its row: a group's prompt once needs a KV cache, which transformers' packed path does not take
-# (docs/gpu.md: what sharing would save).
+# a dense mask per row, so there the sequences are dealt into rows of twice the longest one (first fit,
+# longest first), on a CPU only (pack_refusal). Each row's prompt runs in its row: a group's prompt once needs
+# a KV cache, which transformers' packed path does not take; where the padded path runs it once, a micro-batch
+# packs only if that runs fewer positions (_packs; docs/gpu.md: what a prompt once saves).
 DENSE_MASK_ATTENTION = ("sdpa", "eager")  # transformers builds a (rows, 1, W, W) mask for packed rows
 
 
@@ -350,6 +351,22 @@ def pack_refusal(model) -> str:
     return ""
 
 
+def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
+    """Whether token_logprobs packs this micro-batch: asked, on a model that packs (_runs_packed), and, where
+    the padded path would run a group's prompt once (_shares_prompts), only if packing runs fewer positions.
+    Summed over ranks before the choice, so that every rank takes the same path (one forward packed, two
+    padded: lockstep). Example: the sums demo's prompts of 7 tokens and completions of 6: the prompt once runs
+    about half the positions packing does; the reasoning demo's completions of 30-72: packing runs fewer."""
+    if not _runs_packed(model, pack):
+        return False
+    if not _shares_prompts(model, groups):
+        return True
+    _, _, used, W = _packed_layout(model, attention_mask, T)
+    padded = _padded_tokens(model, attention_mask, T, groups)[0]
+    packed, padded = all_reduce_sum(torch.tensor([len(used) * W, padded], dtype=torch.float64)).tolist()
+    return packed < padded
+
+
 def _runs_packed(model, pack: bool) -> bool:
     """Whether token_logprobs runs packed: asked, on a model that packs (the start-up verdict,
     model.pack_refusal, once check_logprob_paths has run; pack_refusal before)."""
@@ -361,15 +378,17 @@ def _packed_layout(model, attention_mask, T: int):
     """Where each row's tokens go in the packed input (R, W). Returns keep (B, width): the tokens a row runs,
     all but its last completion token; at (B, width): each kept token's index in the flattened input (R * W);
     used (R,): the tokens in each packed row, whose rest is filler; W. One row (W = every kept token) for a
-    kernel that reads boundaries (_one_row), else rows of the longest sequence's length, filled first fit,
-    longest first. Example: sequences of 5, 3, 2 tokens under sdpa: W = 5, rows [5] and [3, 2]."""
+    kernel that reads boundaries (_one_row), else rows of twice the longest sequence's length (less filler
+    than rows of the longest, for at most twice the padded rows' attention: bench/results/pack.md), filled
+    first fit, longest first. Example: sequences of 5, 4, 3, 2 tokens under sdpa: W = 10, rows [5, 4] and
+    [3, 2]."""
     B, width = attention_mask.shape
     device = attention_mask.device
     keep = attention_mask.bool().clone()  # (a bool mask's .bool() is the mask itself)
     lengths = attention_mask[:, width - T:].sum(-1, keepdim=True)  # (B, 1): completion tokens
     keep[:, width - T:] = torch.arange(T, device=device) < lengths - 1
     sizes = keep.sum(-1).tolist()
-    W = sum(sizes) if _one_row(model) else max(sizes)
+    W = sum(sizes) if _one_row(model) else min(sum(sizes), 2 * max(sizes))
     used, start = [], [0] * B
     for i in sorted(range(B), key=lambda i: -sizes[i]):  # (sorted is stable: ties keep row order)
         r = next((r for r, n in enumerate(used) if n + sizes[i] <= W), len(used))
@@ -399,13 +418,18 @@ def _packed_outputs(model, input_ids, attention_mask, T: int):
 
 
 def forward_tokens(model, attention_mask, T: int, groups=None, pack: bool = False) -> tuple[int, int]:
-    """(positions token_logprobs' forwards run, those they need) for perf/pad_frac: packed, the packed rows'
-    positions (filler included) and every row's tokens but its last; padded, B x width (a group's prompt
-    once: U x prompt width + B x (T - 1)) and each completion's tokens but its last plus each row's prompt
-    (each group's once)."""
-    if _runs_packed(model, pack):
+    """(positions token_logprobs' forwards run, those they need) for perf/pad_frac, in the layout it takes
+    (_packs: under torchrun every rank must call this for every micro-batch, as token_logprobs)."""
+    if _packs(model, attention_mask, T, groups, pack):
         keep, _, used, W = _packed_layout(model, attention_mask, T)
-        return len(used) * W, int(keep.sum())
+        return len(used) * W, int(keep.sum())  # the packed rows' positions, filler included
+    return _padded_tokens(model, attention_mask, T, groups)
+
+
+def _padded_tokens(model, attention_mask, T: int, groups=None) -> tuple[int, int]:
+    """forward_tokens of the padded path: rows whole, B x width and every row's tokens but its last; a group's
+    prompt once, U x prompt width + B x (T - 1) and each group's prompt plus each completion's tokens but its
+    last."""
     B, width = attention_mask.shape
     completions = int((attention_mask[:, width - T:].sum(-1) - 1).clamp(min=0).sum())
     if not _shares_prompts(model, groups):
@@ -545,18 +569,23 @@ def _gaps(probe, reference) -> tuple[float, float]:
 
 def _path_refusal(model, rows, dtype: str, device, reference, noise: tuple, **path) -> str:
     """'' if the path gives each row's own log-probs and gradient (`reference`) to within 4 x `noise` (the
-    padded rows' gaps from them: the kernels' rounding from one layout to another, in the compute dtype) plus
-    8 roundings of the log-softmax's dtype (float32, or the weights' if wider) at the log-probs' scale, and 8
-    of float32 for the gradient (families round it there: RMSNorm), else why not. Agreed across ranks."""
+    padded rows' gaps from them: the kernels' rounding from one layout to another) plus roundings of the
+    compute dtype (bf16 under its autocast, else the weights' or float32): 2 at the log-probs' scale, 8 of
+    the gradient's (at least float32's: families round it there, RMSNorm), else why not. Agreed across ranks.
+    In bf16 a log-prob rounds to ~0.1 nat at logits of 20, so there only a gross error shows: a leak between
+    sequences, a state carried across them."""
     probe = _probe(model, rows, dtype, device, **path)
     if isinstance(probe[0], str):
         return _agreed(probe[0])
-    eps = torch.finfo(torch.promote_types(next(model.parameters()).dtype, torch.float32)).eps
+    weights = next(model.parameters()).dtype
+    compute = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else torch.promote_types(weights,
+                                                                                                  torch.float32)
+    eps = torch.finfo(compute).eps
     logp, grad = _gaps(probe, reference)
     why = ""
-    if not logp <= 4 * noise[0] + 8 * eps * (1 + reference[0].abs().max().item()):  # (NaN fails too)
+    if not logp <= 4 * noise[0] + 2 * eps * (1 + reference[0].abs().max().item()):  # (NaN fails too)
         why = f"log-probs off by {logp:.3g}"
-    elif not grad <= 4 * noise[1] + 8 * torch.finfo(torch.float32).eps:
+    elif not grad <= 4 * noise[1] + 8 * max(eps, torch.finfo(torch.float32).eps):
         why = f"gradient off by {grad:.3g} of itself"
     return _agreed(why)
 

@@ -5,6 +5,7 @@ tiny random models of other families (tests/harness.py FAMILIES: sliding windows
 Usage: python bench/pack_equality.py [--seeds 30] [--family demo|all|llama,mistral,...]
 (one thread; one line per model)"""
 import argparse
+import contextlib
 import os
 import sys
 
@@ -41,9 +42,11 @@ def main():
         for seed in range(args.seeds):
             case = harness.random_case(seed, model)
             runs = []
-            for pack in (False, True):
+            for pack in (False, True):  # padded (a group's prompt once), and every micro-batch packed
                 c = {**case, "flags": {**case["flags"], "pack": pack}}
-                runs.append(harness.run_pipeline(model, ref_model if c["flags"]["kl_coef"] > 0 else None, c, pad_id))
+                with harness.every_micro_batch_packed(model, ref_model) if pack else contextlib.nullcontext():
+                    runs.append(harness.run_pipeline(model, ref_model if c["flags"]["kl_coef"] > 0 else None, c,
+                                                     pad_id))
             for a, b in zip(*runs):
                 gap = abs(a["loss"] - b["loss"])
                 loss_abs, loss_rel = max(loss_abs, gap), max(loss_rel, gap / max(abs(a["loss"]), 1e-3))

@@ -14,6 +14,7 @@ a few thousand of them, so the results agree to about 1e-12 of their scale (meas
 3.8e-13 for the gradient over 1000 cases). 1e-10 leaves a margin of 50 and is far below anything a wrong weight, a
 lost token or a wrong clip makes (at least a token's share: above 1e-3 here).
 """
+import contextlib
 import copy
 import random
 
@@ -152,6 +153,24 @@ def _float64_rms_norm(self, x):
     eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
     scale = 1.0 + self.weight if "Gemma" in type(self).__name__ else self.weight
     return scale * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@contextlib.contextmanager
+def every_micro_batch_packed(*models):
+    """Inside, --pack packs every micro-batch: the models run as ones whose KV cache cannot serve a group's prompt
+    once (model.shares_prompts False, as the start-up check leaves a hybrid model), so the padded path would run
+    rows whole and packing always runs fewer positions (modeling._packs)."""
+    saved = [m.__dict__.get("shares_prompts") for m in models]
+    for m in models:
+        m.shares_prompts = False
+    try:
+        yield
+    finally:
+        for m, value in zip(models, saved):
+            if value is None:
+                del m.shares_prompts
+            else:
+                m.shares_prompts = value
 
 
 def ref_model_of(model, seed: int = 1):

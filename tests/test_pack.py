@@ -4,6 +4,7 @@ of their scale; tests/harness.py derives it), on the demo model and on other fam
 start-up check; nothing of transformers changed at import. The reference harness runs packed cases too
 (tests/test_reference.py: harness.random_case draws --pack, and other families' cases run both ways).
 Run: python -m pytest -q tests/test_pack.py"""
+import contextlib
 import json
 import os
 import subprocess
@@ -25,10 +26,12 @@ def models(float64_model):
     return model, harness.ref_model_of(model), tok.pad_token_id
 
 
-def _update(model, ref_model, case, pad_id, pack: bool):
-    """The case's updates through the real pipeline with --pack on or off."""
+def _update(model, ref_model, case, pad_id, pack: bool, every: bool = False):
+    """The case's updates through the real pipeline with --pack on or off (`every`: every micro-batch packed, not
+    only those where packing runs fewer positions than a group's prompt once)."""
     case = {**case, "flags": {**case["flags"], "pack": pack}}
-    return harness.run_pipeline(model, ref_model if case["flags"]["kl_coef"] > 0 else None, case, pad_id)
+    with harness.every_micro_batch_packed(model, ref_model) if every else contextlib.nullcontext():
+        return harness.run_pipeline(model, ref_model if case["flags"]["kl_coef"] > 0 else None, case, pad_id)
 
 
 def _gaps(padded, packed):
@@ -52,14 +55,17 @@ CASES = [dict(seed=s, script=script, **flags) for s, script, flags in [
 
 @pytest.mark.parametrize("fixed", CASES, ids=[f"{c['seed']}-{c['script']}" for c in CASES])
 def test_packed_update_equals_padded(models, fixed):
-    """Packed and padded micro-batches: the same loss and gradient (float64), and both equal the reference."""
+    """Packed and padded micro-batches: the same loss and gradient (float64), and both equal the reference; packed
+    where it runs fewer positions (the default), and every micro-batch packed."""
     model, ref_model, pad_id = models
     fixed = dict(fixed)
     case = harness.random_case(fixed.pop("seed"), model, fixed.pop("script"), **fixed)
-    padded, packed = _update(model, ref_model, case, pad_id, False), _update(model, ref_model, case, pad_id, True)
-    loss, grad, scale = _gaps(padded, packed)
-    assert loss <= harness.TOL * max(1.0, max(abs(r["loss"]) for r in padded)) and grad <= harness.TOL * scale
-    assert not harness.failures(harness.compare(model, ref_model, case, packed))
+    padded = _update(model, ref_model, case, pad_id, False)
+    for every in (False, True):
+        packed = _update(model, ref_model, case, pad_id, True, every)
+        loss, grad, scale = _gaps(padded, packed)
+        assert loss <= harness.TOL * max(1.0, max(abs(r["loss"]) for r in padded)) and grad <= harness.TOL * scale
+        assert not harness.failures(harness.compare(model, ref_model, case, packed))
 
 
 def _one_group(lengths, prompt=(12, 13, 14)):
@@ -78,7 +84,7 @@ def test_one_token_completions_keep_the_forward_count(float64_model):
     handle = model.register_forward_hook(lambda *args: calls.append(1))
     try:
         T = attn.shape[1] - 3
-        packed = modeling.token_logprobs(model, ids, attn, T, groups=groups, pack=True)[0]
+        packed = modeling.token_logprobs(model, ids, attn, T, pack=True)[0]  # (rows whole: packing runs fewer)
         assert len(calls) == 1
         padded = modeling.token_logprobs(model, ids, attn, T, groups=groups)[0] * attn[:, 3:]
     finally:
@@ -94,11 +100,11 @@ def test_packed_attention_keeps_sequences_apart(float64_model):
     other, _, _ = _one_group([5, 3], prompt=(15, 16, 17))
     ids2 = torch.cat([ids, other])  # two groups, the second with another prompt
     attn2, groups2 = torch.cat([attn, attn]), torch.tensor([0, 0, 1, 1])
-    base = modeling.token_logprobs(model, ids2, attn2, 5, groups=groups2, pack=True)[0]
+    base = modeling.token_logprobs(model, ids2, attn2, 5, pack=True)[0]
     changed = ids2.clone()
     changed[1, 3:6] = 30  # row 1's completion
     changed[2:, :3] = 31  # group 1's prompt
-    moved = modeling.token_logprobs(model, changed, attn2, 5, groups=groups2, pack=True)[0]
+    moved = modeling.token_logprobs(model, changed, attn2, 5, pack=True)[0]
     assert torch.equal(base[0], moved[0])  # its prompt and its completion as they were
     assert not torch.equal(base[2], moved[2]) and not torch.equal(base[1], moved[1])
 
@@ -130,11 +136,35 @@ def test_forward_tokens_count_what_the_forwards_run(float64_model):
     ids, attn, groups = _one_group([5, 3, 1])
     assert modeling.forward_tokens(model, attn, 5) == (3 * 8, 3 * 3 + 6)  # rows whole, padded
     assert modeling.forward_tokens(model, attn, 5, groups) == (3 + 3 * 4, 3 + 4 + 2)  # the prompt once, padded
-    # packed: each row's tokens but its last, 7, 5 and 3, in rows of the longest (first fit, longest first): [7],
-    # [5], [3] (5 + 3 > 7), 3 x 7 positions for 15 tokens; under a kernel that reads boundaries, one row of 15
-    assert modeling.forward_tokens(model, attn, 5, groups, pack=True) == (3 * 7, 15)
+    # packed: each row's tokens but its last, 7, 5 and 3, in rows of twice the longest (first fit, longest first):
+    # [7, 5], [3], 2 x 14 positions for 15 tokens; under a kernel that reads boundaries, one row of 15
+    assert modeling.forward_tokens(model, attn, 5, pack=True) == (2 * 14, 15)
+    # where the prompt could run once, packing only where it runs fewer positions: here 15 < 28, padded
+    assert modeling.forward_tokens(model, attn, 5, groups, pack=True) == (15, 9)
     model.config._attn_implementation = "flash_attention_2"
-    assert modeling.forward_tokens(model, attn, 5, groups, pack=True) == (15, 15)
+    assert modeling.forward_tokens(model, attn, 5, pack=True) == (15, 15)
+
+
+def test_packing_where_it_runs_fewer_positions(float64_model):
+    """--pack where the padded path would run a group's prompt once: a micro-batch packs only if that runs fewer
+    positions (one long completion and short ones: the padding packing saves outweighs the prompt's repeats), and
+    the two forwards of the prompt once otherwise."""
+    model, _ = float64_model
+    calls = []
+    handle = model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        for lengths, packs in (([9, 1, 1, 1], True), ([5, 3, 1], False)):
+            ids, attn, groups = _one_group(lengths)
+            T = attn.shape[1] - 3
+            run, _ = modeling.forward_tokens(model, attn, T, groups, pack=True)
+            padded = modeling.forward_tokens(model, attn, T, groups)[0]
+            assert (run < padded) == packs and (run == padded) != packs
+            calls.clear()
+            logp = modeling.token_logprobs(model, ids, attn, T, groups=groups, pack=True)[0] * attn[:, 3:]
+            assert len(calls) == (1 if packs else 2)
+            assert (logp - modeling.token_logprobs(model, ids, attn, T)[0] * attn[:, 3:]).abs().max() <= 1e-12
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("chunk", [0, 4])
@@ -327,8 +357,8 @@ modeling.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)  #
 model, tok = load_model(modeling.model_path("demo"))
 rollout = engine.HFRollout(watched(model), tok, d, cfg.dtype)
 model, ref_model = modeling.prepare_models(model, rollout, modeling.model_path("demo"), cfg, d)
-print("RESULT " + json.dumps(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal,
-                                  ref_refusal=ref_model.pack_refusal)), flush=True)
+with open(f"{out}/rank{{d.rank}}.json", "w") as f:  # (one file each: the ranks' prints would interleave)
+    json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal), f)
 ranks.cleanup_dist()
 """
 
@@ -340,13 +370,12 @@ def test_start_up_checks_run_where_training_runs_and_agree(tmp_path):
     sees its log-probs off) rank 0 says it failed on another rank. The verdict is all-reduced before any rank acts on
     it, so the ranks' forward paths, and their collectives, stay the same."""
     script = tmp_path / "checks.py"
-    script.write_text(DIST_CHECKS.format(root=ROOT, tests=f"{ROOT}/tests"))
+    script.write_text(DIST_CHECKS.format(root=ROOT, tests=f"{ROOT}/tests", out=tmp_path))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    results = {x["rank"]: x for x in (json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()
-                                      if line.startswith("RESULT "))}
+    results = {rank: json.load(open(tmp_path / f"rank{rank}.json")) for rank in (0, 1)}
     assert sorted(results) == [0, 1]
     for x in results.values():
         assert x["seen"] and all(s["sharded"] and s["autocast"] for s in x["seen"]), x["seen"]
