@@ -100,8 +100,9 @@ class TrainConfig:
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
     micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
     logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
-    pack: bool = True  # a micro-batch's rows packed without padding, as transformers packs
-    #   (modeling._packed_outputs); --no-pack = rows padded to the longest (bench/results/pack.md)
+    pack: bool = True  # a micro-batch's rows without padding, as transformers packs, where that runs
+    #   fewer positions than a group's prompt once (modeling._packs); --no-pack = rows padded
+    #   (bench/results/pack.md)
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
     eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k
