@@ -353,18 +353,21 @@ def pack_refusal(model) -> str:
 
 def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
     """Whether token_logprobs packs this micro-batch: asked, on a model that packs (_runs_packed), and, where
-    the padded path would run a group's prompt once (_shares_prompts), only if packing runs fewer positions.
-    Summed over ranks before the choice, so that every rank takes the same path (one forward packed, two
+    the padded path would run a group's prompt once (_shares_prompts), only if the tokens packing runs (each
+    row's but its last; its few filler positions not counted) are fewer than the positions the padded path
+    runs. Summed over ranks before the choice, so that every rank takes the same path (one forward packed, two
     padded: lockstep). Example: the sums demo's prompts of 7 tokens and completions of 6: the prompt once runs
-    about half the positions packing does; the reasoning demo's completions of 30-72: packing runs fewer."""
+    about 60% of the tokens packing does; the reasoning demo's completions of 30-72: packing runs fewer."""
     if not _runs_packed(model, pack):
         return False
     if not _shares_prompts(model, groups):
         return True
-    _, _, used, W = _packed_layout(model, attention_mask, T)
-    padded = _padded_tokens(model, attention_mask, T, groups)[0]
-    packed, padded = all_reduce_sum(torch.tensor([len(used) * W, padded], dtype=torch.float64)).tolist()
-    return packed < padded
+    B, width = attention_mask.shape
+    completions = attention_mask[:, width - T:].sum(-1)  # (B,)
+    tokens = int(attention_mask.sum()) - int((completions > 0).sum())  # every row's tokens but its last
+    padded = len(torch.unique(groups)) * (width - T) + B * (T - 1)  # _padded_tokens' count, a prompt once
+    tokens, padded = all_reduce_sum(torch.tensor([tokens, padded], dtype=torch.float64)).tolist()
+    return tokens < padded
 
 
 def _runs_packed(model, pack: bool) -> bool:
@@ -378,24 +381,30 @@ def _packed_layout(model, attention_mask, T: int):
     """Where each row's tokens go in the packed input (R, W). Returns keep (B, width): the tokens a row runs,
     all but its last completion token; at (B, width): each kept token's index in the flattened input (R * W);
     used (R,): the tokens in each packed row, whose rest is filler; W. One row (W = every kept token) for a
-    kernel that reads boundaries (_one_row), else rows of twice the longest sequence's length (less filler
-    than rows of the longest, for at most twice the padded rows' attention: bench/results/pack.md), filled
-    first fit, longest first. Example: sequences of 5, 4, 3, 2 tokens under sdpa: W = 10, rows [5, 4] and
-    [3, 2]."""
+    kernel that reads boundaries (_one_row), else rows of 1 to 2 times the longest sequence's length, the one
+    with the least filler (for at most twice the padded rows' attention: bench/results/pack.md), filled first
+    fit, longest first. Example: sequences of 5, 4, 3, 2 tokens under sdpa: W = 7, rows [5, 2] and [4, 3]."""
     B, width = attention_mask.shape
     device = attention_mask.device
     keep = attention_mask.bool().clone()  # (a bool mask's .bool() is the mask itself)
     lengths = attention_mask[:, width - T:].sum(-1, keepdim=True)  # (B, 1): completion tokens
     keep[:, width - T:] = torch.arange(T, device=device) < lengths - 1
     sizes = keep.sum(-1).tolist()
-    W = sum(sizes) if _one_row(model) else min(sum(sizes), 2 * max(sizes))
-    used, start = [], [0] * B
-    for i in sorted(range(B), key=lambda i: -sizes[i]):  # (sorted is stable: ties keep row order)
-        r = next((r for r, n in enumerate(used) if n + sizes[i] <= W), len(used))
-        if r == len(used):
-            used.append(0)
-        start[i] = r * W + used[r]
-        used[r] += sizes[i]
+    order = sorted(range(B), key=lambda i: -sizes[i])  # (sorted is stable: ties keep row order)
+
+    def first_fit(W):  # each row's first packed row with room, longest first: (its start, the rows' fill)
+        used, start = [], [0] * B
+        for i in order:
+            r = next((r for r, n in enumerate(used) if n + sizes[i] <= W), len(used))
+            used += [0] * (r == len(used))
+            start[i], used[r] = r * W + used[r], used[r] + sizes[i]
+        return start, used
+    if _one_row(model):
+        W = sum(sizes)
+    else:  # of 1, 1.25, ... 2 x the longest, the width whose rows hold the fewest positions
+        widths = {min(sum(sizes), max(sizes) * k // 4) for k in range(4, 9)}
+        W = min(sorted(widths), key=lambda w: len(first_fit(w)[1]) * w)
+    start, used = first_fit(W)
     at = torch.tensor(start, device=device)[:, None] + keep.long().cumsum(-1) - 1  # (B, width), where keep
     return keep, at, torch.tensor(used, device=device), W
 
@@ -509,9 +518,9 @@ def _error(e: Exception) -> str:
 
 def _probe_rows(model, device):
     """The rows the checks run: two groups, prompts of 4 tokens, completions of 8, 4, 1 and 3, 2 tokens (right
-    padded; no left padding, so that padded rows differ from each row alone by rounding only). Packed in rows
-    of the longest sequence: [11], [7, 4], [6, 5]: sequences with tokens to score follow others, where a
-    forward that mixes sequences shows. Ids from the vocabulary's first 48 (a padded vocabulary's logits may
+    padded; no left padding, so that padded rows differ from each row alone by rounding only). Packed under
+    sdpa as [11, 7, 4], [6, 5] (one row under flash attention): sequences with tokens to score follow others,
+    where a forward that mixes sequences shows. Ids from the vocabulary's first 48 (a padded vocabulary's logits may
     be cut short: Inkling's). Returns (input_ids, attention_mask) (5, 12), T = 8, groups (5,)."""
     vocab = min(model.get_input_embeddings().num_embeddings, 48)
     ids = 3 + (torch.arange(60, device=device).view(5, 12) * 7 + 1) % (vocab - 3)

@@ -136,10 +136,11 @@ def test_forward_tokens_count_what_the_forwards_run(float64_model):
     ids, attn, groups = _one_group([5, 3, 1])
     assert modeling.forward_tokens(model, attn, 5) == (3 * 8, 3 * 3 + 6)  # rows whole, padded
     assert modeling.forward_tokens(model, attn, 5, groups) == (3 + 3 * 4, 3 + 4 + 2)  # the prompt once, padded
-    # packed: each row's tokens but its last, 7, 5 and 3, in rows of twice the longest (first fit, longest first):
-    # [7, 5], [3], 2 x 14 positions for 15 tokens; under a kernel that reads boundaries, one row of 15
-    assert modeling.forward_tokens(model, attn, 5, pack=True) == (2 * 14, 15)
-    # where the prompt could run once, packing only where it runs fewer positions: here 15 < 28, padded
+    # packed: each row's tokens but its last, 7, 5 and 3, in rows of 7, 8, 10, 12 or 14 (first fit, longest first):
+    # 21, 16, 20, 24, 28 positions: rows [7], [5, 3] of 8 hold 15 tokens in the fewest; under a kernel that reads
+    # boundaries, one row of 15
+    assert modeling.forward_tokens(model, attn, 5, pack=True) == (2 * 8, 15)
+    # where the prompt could run once, packing only where it runs fewer positions: here 15 < 16, padded
     assert modeling.forward_tokens(model, attn, 5, groups, pack=True) == (15, 9)
     model.config._attn_implementation = "flash_attention_2"
     assert modeling.forward_tokens(model, attn, 5, pack=True) == (15, 15)
