@@ -50,8 +50,8 @@ def _rows_that_fit(model, tokens: int) -> int:
 
 # The sampler's attention. transformers' sdpa copies each key/value head of a grouped-query model for its
 # query heads (repeat_kv) whenever it is given a mask, which left padding makes at every step: the whole KV
-# cache copied at every new token. sdpa's enable_gqa reads them in place: a rollout in 0.68-0.77 of the time
-# on this CPU (bench/decode_heads.py). It runs under a name of our own in transformers' registries, entered
+# cache copied at every new token. sdpa's enable_gqa reads them in place: a rollout in 0.68-0.79 of the time
+# on this CPU (bench/decode_heads.py, bench/results/decode_heads.txt). It runs under a name of our own in transformers' registries, entered
 # when our sampler first runs and used by its forwards only: importing this file, and any other model,
 # leave transformers as it was.
 ROLLOUT_ATTENTION = "rollout_sdpa"
