@@ -322,7 +322,7 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
 # transformers finds the sequences in the position_ids (masking_utils.find_packed_sequence_indices) and keeps
 # them apart itself, sliding windows included. Kernels that read the boundaries (flash attention's
 # variable-length path, flex attention's block mask) take the micro-batch as one row. sdpa and eager are given
-# a dense mask per row, so there the sequences are dealt into rows of twice the longest one (first fit,
+# a dense mask per row, so there the sequences are dealt into rows of up to twice the longest one (first fit,
 # longest first), on a CPU only (pack_refusal). Each row's prompt runs in its row: a group's prompt once needs
 # a KV cache, which transformers' packed path does not take; where the padded path runs it once, a micro-batch
 # packs only if that runs fewer positions (_packs; docs/gpu.md: what a prompt once saves).
