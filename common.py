@@ -53,6 +53,8 @@ class TrainConfig:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (trained weights and optimizer state stay
     #   float32; LoRA's frozen base is kept in this dtype)
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
+    attn_implementation: str = ""  # the trainer's attention, transformers' name ('' = the model's own:
+    #   sdpa where it has it); --pack on a GPU needs flash_attention_2 or flex_attention (docs/gpu.md)
     cpu_offload: bool = False  # FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU
     # LoRA (peft, requirements-lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)
     lora_rank: int = 0  # r: rank of the adapters; 0 = off (every weight trained)
@@ -115,8 +117,9 @@ class TrainConfig:
     micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
     micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
     logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
-    pack: bool = True  # a micro-batch's completions in one row, no padding (modeling._packed_outputs);
-    #   --no-pack = rows padded to the longest (bench/results/pack.md: the figures)
+    pack: bool = True  # a micro-batch's rows without padding, as transformers packs, where that runs
+    #   fewer positions than a group's prompt once (modeling._packs); --no-pack = rows padded
+    #   (bench/results/pack.md)
     # evaluation, logging, checkpoints
     eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
     eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common import pad_prompt_completion
 from modeling import (adapter_state_dict, autocast, full_tensor, is_lora, merged_parameters, nucleus,
@@ -50,6 +51,42 @@ def _rows_that_fit(model, tokens: int) -> int:
     return max(1, torch.cuda.mem_get_info()[0] // 2 // per_row)
 
 
+# The sampler's attention. transformers' sdpa copies each key/value head of a grouped-query model for its
+# query heads (repeat_kv) whenever it is given a mask, which left padding makes at every step: the whole KV
+# cache copied at every new token. sdpa's enable_gqa reads them in place: a rollout in 0.68-0.79 of the time
+# on this CPU (bench/decode_heads.py, bench/results/decode_heads.txt). It runs under a name of our own in
+# transformers' registries, entered when our sampler first runs and used by its forwards only: importing
+# this file, and any other model, leave transformers as it was.
+ROLLOUT_ATTENTION = "rollout_sdpa"
+
+
+def _rollout_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa, except on a CPU without gradients for grouped-query attention under a mask: there
+    sdpa's enable_gqa reads the key/value heads in place. The output is the same bit for bit
+    (tests/test_speed.py); with gradients the key/value gradients would be summed in another order, and on
+    GPUs a mask with enable_gqa falls back to the slow math kernel, so both keep transformers' path."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups == 1 or attention_mask is None or torch.is_grad_enabled() or query.device.type != "cpu"
+            or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None or "cache" in kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           scale=kwargs.get("scaling"), enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None  # (B, L, heads, d), as transformers returns it
+
+
+def _use_rollout_attention(model) -> str:
+    """Switch a model on transformers' sdpa to _rollout_sdpa (with sdpa's masks); any other attention stays.
+    Returns the implementation to put back."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    saved = model.config._attn_implementation
+    if saved == "sdpa":
+        AttentionInterface.register(ROLLOUT_ATTENTION, _rollout_sdpa)  # (idempotent)
+        AttentionMaskInterface.register(ROLLOUT_ATTENTION, sdpa_mask)
+        model.config._attn_implementation = ROLLOUT_ATTENTION
+    return saved
+
+
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                 top_p: float = 1.0, batch_size: int = 256, n: int = 1):
@@ -64,6 +101,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
     completions, truncated, logprobs = [], [], []
     was_training = model.training
     model.eval()  # gradient checkpointing is off in eval mode, so the KV cache is kept
+    attention = _use_rollout_attention(model)
     per_call = max(1, min(batch_size, _rows_that_fit(model, max(map(len, prompts)) + max_new_tokens)) // n)
     try:
         for s in range(0, len(prompts), per_call):
@@ -101,6 +139,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, tempe
             logprobs += logps
     finally:
         model.train(was_training)
+        model.config._attn_implementation = attention
     return completions, truncated, logprobs if temperature > 0 else None
 
 

@@ -1,7 +1,8 @@
 """
 Look up when needed: the models. Loading (a hub id, a folder, or the demo model), FSDP2 sharding, LoRA
 adapters (peft: --lora_rank), and the log-probs of completion tokens under any family's output layer: in
-chunks, packed without padding (--pack), each shortcut probed at start-up.
+chunks, packed without padding (--pack, the way transformers packs), each shortcut checked at start-up where
+training runs. No attention code of ours, and nothing here changes another library's state at import.
 """
 import contextlib
 import os
@@ -9,13 +10,9 @@ import re
 
 import torch
 import torch.utils.checkpoint
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
-from ranks import DistInfo, die, is_dist, print0
-
-hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our one line per step
+from ranks import DistInfo, all_reduce_max, all_reduce_sum, die, is_dist, print0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -77,6 +74,7 @@ def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str
     """A causal LM and its tokenizer (left padding) from a Hugging Face folder or hub id, dropout 0: the
     trainer runs in training mode, where dropout would make its log-probs a random draw, not the rollout's."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    hf_logging.disable_progress_bar()  # transformers' load/save bars would interleave with our step lines
     try:
         tok = AutoTokenizer.from_pretrained(name)
         config = AutoConfig.from_pretrained(name)
@@ -277,20 +275,19 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
                    with_entropy: bool = False, chunk_tokens: int = 0, groups=None, top_p: float = 1.0,
                    pack: bool = False):
     """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second (B, T) output
-    (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once. With
-    `pack`, on a model that packs, the forwards run without padding (_packed_outputs, or
-    _packed_whole_outputs where rows run whole); both outputs are then 0 at padded positions.
+    (no grad: entropy, nucleus log-probs or None); `groups` (B,): rows sharing a prompt run it once (padded
+    rows only). With `pack`, on a model that packs (pack_refusal), one forward runs every row without padding
+    (_packed_outputs) where that runs fewer positions than the padded path (_packs); both outputs are then 0
+    at padded positions.
     Memory: a micro-batch's logits are (B, T, V) floats, 25 GB in float32 at 2 x 20,480 x 151,936, and the
     log-softmax, entropy and backward make several. With chunk_tokens > 0, head_logits, the log-softmax and
     the entropy run on chunks of chunk_tokens tokens: peak memory grows with chunk_tokens x V; values and
     gradients are the same (tests/test_heads.py: every family, 1e-10 in float64; bench/logprob_memory.py)."""
     T = num_completion_tokens
-    pack = _runs_packed(model, groups, pack)
+    pack = _packs(model, attention_mask, T, groups, pack)
     if pack:  # outputs (1, N, .) at the completions' N tokens, scattered back to (B, T) at the end
         where = attention_mask[:, -T:].bool()
-        forward = lambda: (_packed_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
-                           if _shares_prompts(model, groups) else
-                           _packed_whole_outputs(model, input_ids, attention_mask, T))
+        forward = lambda: _packed_outputs(model, input_ids, attention_mask, T)  # noqa: E731
         targets = input_ids[:, -T:][where][None]  # (1, N)
     else:
         forward = lambda: _predicting_outputs(model, input_ids, attention_mask, T, groups)  # noqa: E731
@@ -320,170 +317,135 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Packed forwards (--pack): a micro-batch's prompts in one row, then its completions in one row on their KV
-# cache, no padding. Every token carries (group, row, position); query q sees key k iff they share the
-# group, k is a prompt token (row -1) or in q's row, and k's position <= q's (_sees). The attention takes
-# it in its own form: sdpa as padded rows of the packed tokens, for the attention only (_attention_rows);
-# eager as a dense additive (Lq, Lk) mask (CPU-sized only); flex attention as a BlockMask (scales on GPUs).
-PACKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+# Packed forwards (--pack): transformers' own padding-free path. A micro-batch's rows, each its tokens but its
+# last, go one after another with position_ids that restart at 0 for each, no attention mask and no cache:
+# transformers finds the sequences in the position_ids (masking_utils.find_packed_sequence_indices) and keeps
+# them apart itself, sliding windows included. Kernels that read the boundaries (flash attention's
+# variable-length path, flex attention's block mask) take the micro-batch as one row. sdpa and eager are given
+# a dense mask per row, so there the sequences are dealt into rows of up to twice the longest one (first fit,
+# longest first), on a CPU only (pack_refusal). Each row's prompt runs in its row: a group's prompt once needs
+# a KV cache, which transformers' packed path does not take; where the padded path runs it once, a micro-batch
+# packs only if that runs fewer positions (_packs; docs/gpu.md: what a prompt once saves).
+DENSE_MASK_ATTENTION = ("sdpa", "eager")  # transformers builds a (rows, 1, W, W) mask for packed rows
+
+
+def _one_row(model) -> bool:
+    """Whether the model's attention takes a packed micro-batch as one row, with no dense mask."""
+    from transformers.utils.generic import is_flash_attention_requested
+    return is_flash_attention_requested(model.config) or model.config._attn_implementation == "flex_attention"
 
 
 def pack_refusal(model) -> str:
-    """Why `model` cannot run packed forwards, or '' if it can: its attention must read a custom mask
-    (PACKED_ATTENTION), on full-attention layers only (a custom mask would drop a sliding window)."""
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in PACKED_ATTENTION:
-        return f"its attention implementation {implementation!r} takes no custom mask"
-    if any(t != "full_attention" for t in getattr(model.config, "layer_types", None) or []):
-        return "it has layers that are not full attention (a packed mask would drop their window)"
+    """Why `model` does not run packed forwards, or '' if it does, from its attention implementation and
+    device (the same on every rank): flash attention and flex attention pack anywhere; sdpa and eager on a
+    CPU only, since on a GPU their masks would be dense (L x L at --micro_batch_tokens 24576)."""
+    implementation = model.config._attn_implementation
+    if _one_row(model):
+        return ""
+    if implementation not in DENSE_MASK_ATTENTION:
+        return f"transformers packs no sequences under its attention implementation {implementation!r}"
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return (f"{implementation} would build a dense mask for packed rows on {device.type}; "
+                f"--attn_implementation flash_attention_2 or flex_attention packs without one")
     return ""
 
 
-def _attention_rows(q: tuple, k: tuple) -> tuple:
-    """The packed queries q = (group, row, position) (Lq,) and keys k (Lk,) laid out again as R padded rows,
-    one per (group, row) of the queries, for sdpa (_rows_sdpa): (q_at (R, Tq) and k_at (R, Tk), indices into
-    the packed queries and keys; q_valid (R, Tq); the mask (R, 1, Tq, Tk); order: the rows' valid outputs in
-    packed order). Attention then costs what padded rows cost, while the rest of the model runs packed."""
-    (qg, qr, qp), (kg, kr, kp) = q, k
-    span = int(max(qr.max(), kr.max())) + 3  # (group, row) -> one id: rows run from -1 (a prompt's) up
-    rows, row_of = torch.unique((qg + 1) * span + qr + 1, return_inverse=True)
-    g, r = rows // span - 1, rows % span - 1
-
-    def lay_out(member):  # (R, L) bool -> each row's members in order, padded: (at (R, T), valid (R, T))
-        count = member.sum(1)
-        at = torch.argsort((~member).to(torch.int8), dim=1, stable=True)[:, :int(count.max())]
-        return at, torch.arange(at.shape[1], device=at.device) < count[:, None]
-
-    q_at, q_valid = lay_out(row_of[None] == torch.arange(len(rows), device=rows.device)[:, None])
-    k_at, k_valid = lay_out((kg[None] == g[:, None]) & ((kr[None] == r[:, None]) | (kr[None] < 0)))
-    mask = (k_valid[:, None] & (kp[k_at][:, None] <= qp[q_at][:, :, None])) | ~q_valid[:, :, None]  # (a
-    return q_at, q_valid, k_at, mask[:, None], torch.argsort(q_at[q_valid])  # padded query sees all: no NaN)
+def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
+    """Whether token_logprobs packs this micro-batch: asked, on a model that packs (_runs_packed), and, where
+    the padded path would run a group's prompt once (_shares_prompts), only if the tokens packing runs (each
+    row's but its last; its few filler positions not counted) are fewer than the positions the padded path
+    runs. Summed over ranks before the choice, so that every rank takes the same path (one forward packed, two
+    padded: lockstep). Example: the sums demo's prompts of 7 tokens and completions of 6: the prompt once runs
+    about 60% of the tokens packing does; the reasoning demo's completions of 30-72: packing runs fewer."""
+    if not _runs_packed(model, pack):
+        return False
+    if not _shares_prompts(model, groups):
+        return True
+    B, width = attention_mask.shape
+    completions = attention_mask[:, width - T:].sum(-1)  # (B,)
+    tokens = int(attention_mask.sum()) - int((completions > 0).sum())  # every row's tokens but its last
+    padded = len(torch.unique(groups)) * (width - T) + B * (T - 1)  # _padded_tokens' count, a prompt once
+    tokens, padded = all_reduce_sum(torch.tensor([tokens, padded], dtype=torch.float64)).tolist()
+    return tokens < padded
 
 
-def _rows_sdpa(module, query, key, value, attention_mask, packed_rows=None, **kwargs):
-    """transformers' sdpa (_gqa_sdpa), unless a packed forward passes its rows (_attention_rows): then the
-    packed queries, keys and values (1, heads, L, d) are laid out as padded rows, attend, and go back to
-    packed order."""
-    if packed_rows is None:
-        return _gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
-    q_at, q_valid, k_at, mask, order = packed_rows
-    q, k, v = (x[0][:, at].transpose(0, 1) for x, at in ((query, q_at), (key, k_at), (value, k_at)))
-    out = _gqa_sdpa(module, q, k, v, mask, **kwargs)[0]  # (R, Tq, heads, d)
-    return out[q_valid][order][None], None
+def _runs_packed(model, pack: bool) -> bool:
+    """Whether token_logprobs runs packed: asked, on a model that packs (the start-up verdict,
+    model.pack_refusal, once check_logprob_paths has run; pack_refusal before)."""
+    refusal = getattr(model, "pack_refusal", None)
+    return pack and not (pack_refusal(model) if refusal is None else refusal)
 
 
-def _gqa_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa, except on a CPU without gradients (our sampler's decode steps) for grouped-query
-    attention under a mask: there transformers copies each key/value head for its query heads (repeat_kv),
-    the whole KV cache at every new token, where sdpa's enable_gqa reads them in place. The output is the
-    same bit for bit (tests/test_speed.py); with gradients the key/value gradients would be summed in another
-    order, so training keeps transformers' path. On GPUs a mask with enable_gqa falls back to the slow math
-    kernel, so they keep it too."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if (groups == 1 or attention_mask is None or torch.is_grad_enabled() or query.device.type != "cpu"
-            or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None or "cache" in kwargs):
-        return _SDPA(module, query, key, value, attention_mask, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           scale=kwargs.get("scaling"), enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None  # (B, L, heads, d), as transformers returns it
+def _packed_layout(model, attention_mask, T: int):
+    """Where each row's tokens go in the packed input (R, W). Returns keep (B, width): the tokens a row runs,
+    all but its last completion token; at (B, width): each kept token's index in the flattened input (R * W);
+    used (R,): the tokens in each packed row, whose rest is filler; W. One row (W = every kept token) for a
+    kernel that reads boundaries (_one_row), else rows of 1 to 2 times the longest sequence's length, the one
+    with the least filler (for at most twice the padded rows' attention: bench/results/pack.md), filled first
+    fit, longest first. Example: sequences of 5, 4, 3, 2 tokens under sdpa: W = 7, rows [5, 2] and [4, 3]."""
+    B, width = attention_mask.shape
+    device = attention_mask.device
+    keep = attention_mask.bool().clone()  # (a bool mask's .bool() is the mask itself)
+    lengths = attention_mask[:, width - T:].sum(-1, keepdim=True)  # (B, 1): completion tokens
+    keep[:, width - T:] = torch.arange(T, device=device) < lengths - 1
+    sizes = keep.sum(-1).tolist()
+    order = sorted(range(B), key=lambda i: -sizes[i])  # (sorted is stable: ties keep row order)
+
+    def first_fit(W):  # each row's first packed row with room, longest first: (its start, the rows' fill)
+        used, start = [], [0] * B
+        for i in order:
+            r = next((r for r, n in enumerate(used) if n + sizes[i] <= W), len(used))
+            used += [0] * (r == len(used))
+            start[i], used[r] = r * W + used[r], used[r] + sizes[i]
+        return start, used
+    if _one_row(model):
+        W = sum(sizes)
+    else:  # of 1, 1.25, ... 2 x the longest, the width whose rows hold the fewest positions
+        widths = {min(sum(sizes), max(sizes) * k // 4) for k in range(4, 9)}
+        W = min(sorted(widths), key=lambda w: len(first_fit(w)[1]) * w)
+    start, used = first_fit(W)
+    at = torch.tensor(start, device=device)[:, None] + keep.long().cumsum(-1) - 1  # (B, width), where keep
+    return keep, at, torch.tensor(used, device=device), W
 
 
-# sdpa's entry in transformers' registry, wrapped: packed rows (_rows_sdpa), grouped heads in place (_gqa_sdpa)
-_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
-AttentionInterface.register("sdpa", _rows_sdpa)
-
-
-def _sees(q: tuple, k: tuple) -> torch.Tensor:
-    """Whether query q = (group, row, position) sees key k (the rule above), elementwise, broadcasting."""
-    (qg, qr, qp), (kg, kr, kp) = q, k
-    return (kg == qg) & ((kr == qr) | (kr < 0)) & (kp <= qp)
-
-
-def _packed_mask(model, q: tuple, k: tuple):
-    """The attention of queries q = (group, row, position), each (Lq,), on keys k (Lk,) each (see above), as
-    the model's forward arguments: sdpa its rows (_attention_rows), else a mask (1, 1, Lq, Lk)."""
-    implementation, device = model.config._attn_implementation, q[0].device
-    if implementation == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, i, j):
-            return _sees(tuple(x[i] for x in q), tuple(x[j] for x in k))
-        return {"attention_mask": create_block_mask(mask_mod, None, None, len(q[0]), len(k[0]), device)}
-    if implementation == "sdpa":  # a 4D placeholder, which transformers passes through as it is
-        return {"attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
-                "packed_rows": _attention_rows(q, k)}
-    allowed = _sees(tuple(x[:, None] for x in q), tuple(x[None] for x in k))[None, None]  # (1, 1, Lq, Lk)
-    dtype = torch.promote_types(model.get_input_embeddings().weight.dtype, torch.float32)  # eager adds it
-    return {"attention_mask": torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)}
-
-
-def _packed_outputs(model, input_ids, attention_mask, T: int, groups):
+def _packed_outputs(model, input_ids, attention_mask, T: int):
     """_predicting_outputs' outputs, packed: (1, N, .) at the positions that predict each row's completion
-    tokens (N = their number), rows in order. Two forwards, whatever the data (lockstep): the U prompts of the
-    micro-batch in one row (each group's once), then its completions in one row on the prompts' KV cache (each
-    row's tokens but its last; one placeholder token if there are none). The same values and gradients as the
-    padded forwards (tests/test_pack.py)."""
-    P, B = input_ids.shape[1] - T, input_ids.shape[0]
-    device = input_ids.device
-    position_ids = positions(attention_mask)
-    inverse, first = _group_rows(groups)
-    U = len(first)
-    real = attention_mask[first, :P].bool()  # (U, P): the prompts' tokens (left padded)
-    assert bool(real.any(-1).all()), "every prompt needs a token"
-    p_pos = position_ids[first, :P][real]
-    p = (torch.arange(U, device=device)[:, None].expand(U, P)[real], torch.full_like(p_pos, -1), p_pos)
-    last = real.sum(-1).cumsum(0) - 1  # (U,): each prompt's last token in the packed row
-    prompt = model(input_ids=input_ids[first, :P][real][None], **_packed_mask(model, p, p),
-                   position_ids=p[2][None], use_cache=True, logits_to_keep=last)  # logits (1, U, .)
-    inputs = torch.arange(T - 1, device=device)[None] < attention_mask[:, P:].sum(-1, keepdim=True) - 1
-    rows = torch.arange(B, device=device)[:, None].expand(B, T - 1)[inputs]  # (B, T-1): all but the last
-    c = (inverse[rows], rows, position_ids[:, P:-1][inputs])
-    ids = input_ids[:, P:-1][inputs]
-    if not len(ids):  # no completion has 2 tokens: a placeholder (sees itself only) keeps the forward count
-        c, ids = tuple(torch.full((1,), v, device=device) for v in (-1, B, 0)), input_ids[:1, P]
-    rest = model(input_ids=ids[None], **_packed_mask(model, c, tuple(map(torch.cat, zip(p, c)))),
-                 position_ids=c[2][None], past_key_values=prompt.past_key_values, use_cache=True).logits
-    where = torch.empty(B, T, dtype=torch.long, device=device)  # each target's output in cat(prompt, rest)
-    where[:, 0] = inverse  # the first completion token: its prompt's last position
-    where[:, 1:] = U + inputs.flatten().cumsum(0).view(B, T - 1) - 1
-    return torch.cat([prompt.logits[0], rest[0]])[where[attention_mask[:, P:].bool()]][None]
-
-
-def _runs_packed(model, groups, pack: bool) -> bool:
-    """Whether token_logprobs runs packed: asked, on a model that packs (model.pack_refusal, pack_refusal)."""
-    return pack and not getattr(model, "pack_refusal", pack_refusal(model))
+    tokens (N = their number, rows in order), from one forward of every row's tokens but its last, whatever
+    the data (lockstep). Filler after a packed row's sequences is a sequence of its own (positions from 0),
+    seen by none. The same values and gradients as the padded path (tests/test_pack.py)."""
+    keep, at, used, W = _packed_layout(model, attention_mask, T)
+    R, P = len(used), attention_mask.shape[1] - T
+    ids = input_ids[keep][:1].repeat(R * W)  # filler: a token of the batch (any token would do)
+    ids[at[keep]] = input_ids[keep]
+    position_ids = (torch.arange(W, device=ids.device) - used[:, None]).flatten()  # the filler's: 0, 1, ...
+    position_ids[at[keep]] = positions(attention_mask)[keep]
+    where = at[:, P - 1:-1][attention_mask[:, P:].bool()]  # target t: the output at column P - 1 + t
+    out = model(input_ids=ids.view(R, W), position_ids=position_ids.view(R, W), use_cache=False,
+                logits_to_keep=where if R == 1 else 0).logits  # (1, N, .) or (R, W, .)
+    return out if R == 1 else out.flatten(0, 1)[where][None]
 
 
 def forward_tokens(model, attention_mask, T: int, groups=None, pack: bool = False) -> tuple[int, int]:
-    """(positions token_logprobs' forwards run, those a forward needs: each completion's tokens but its last,
-    and each row's prompt, or each group's once where rows share it): rows whole, B x width; a group's
-    prompt once, then the completions padded, U x prompt width + B x (T - 1); packed, the tokens needed."""
+    """(positions token_logprobs' forwards run, those they need) for perf/pad_frac, in the layout it takes
+    (_packs: under torchrun every rank must call this for every micro-batch, as token_logprobs)."""
+    if _packs(model, attention_mask, T, groups, pack):
+        keep, _, used, W = _packed_layout(model, attention_mask, T)
+        return len(used) * W, int(keep.sum())  # the packed rows' positions, filler included
+    return _padded_tokens(model, attention_mask, T, groups)
+
+
+def _padded_tokens(model, attention_mask, T: int, groups=None) -> tuple[int, int]:
+    """forward_tokens of the padded path: rows whole, B x width and every row's tokens but its last; a group's
+    prompt once, U x prompt width + B x (T - 1) and each group's prompt plus each completion's tokens but its
+    last."""
     B, width = attention_mask.shape
     completions = int((attention_mask[:, width - T:].sum(-1) - 1).clamp(min=0).sum())
     if not _shares_prompts(model, groups):
-        needed = int(attention_mask[:, :width - T].sum()) + completions
-        return (needed if _runs_packed(model, groups, pack) else B * width), needed
+        return B * width, int(attention_mask[:, :width - T].sum()) + completions
     first = _group_rows(groups)[1]
     needed = int(attention_mask[first, :width - T].sum()) + completions
-    if _runs_packed(model, groups, pack):
-        return needed + (completions == 0), needed  # (a placeholder when no completion has 2 tokens)
     return len(first) * (width - T) + B * (T - 1), needed
-
-
-def _packed_whole_outputs(model, input_ids, attention_mask, T: int):
-    """_packed_outputs where rows run whole (no groups, a checkpointed model, or one that cannot share its
-    cache: _shares_prompts): each row's tokens but its last, all rows in one row, one forward."""
-    B, width = input_ids.shape
-    P = width - T
-    position_ids = positions(attention_mask)
-    keep = attention_mask.bool().clone()  # (a bool mask's .bool() is the mask itself)
-    keep[:, P:] = torch.arange(T, device=keep.device) < attention_mask[:, P:].sum(-1, keepdim=True) - 1
-    rows = torch.arange(B, device=keep.device)[:, None].expand(B, width)[keep]
-    t = (rows, rows, position_ids[keep])  # a row is its own group: it sees its own earlier tokens only
-    where = (keep.flatten().cumsum(0).view(B, width) - 1)[:, P - 1:-1]  # target t: column P - 1 + t's output
-    return model(input_ids=input_ids[keep][None], **_packed_mask(model, t, t),
-                 position_ids=t[2][None], logits_to_keep=where[attention_mask[:, P:].bool()]).logits
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -677,109 +639,208 @@ def load_policy(resume_from: str | None, base_path: str, cfg):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Start-up: token_logprobs' shortcuts checked on the unsharded model, then FSDP2, calibration; the KL anchor.
+# Start-up: each shortcut of token_logprobs checked where training runs (after sharding, on the training
+# device, in the training dtype under autocast, with a backward where training runs one) against the path it
+# stands in for; every rank runs the same forwards (lockstep) and each verdict is all-reduced before any rank
+# acts on it. Then vLLM's calibration, and the KL anchor.
+def _agreed(why: str) -> str:
+    """`why` ('' = passed) once every rank has passed or failed: a failure anywhere fails everywhere."""
+    failed = all_reduce_max(torch.tensor(float(bool(why)))).item() > 0
+    return (why or "it failed on another rank") if failed else ""
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _probe_rows(model, device):
+    """The rows the checks run: two groups, prompts of 4 tokens, completions of 8, 4, 1 and 3, 2 tokens (right
+    padded; no left padding, so that padded rows differ from each row alone by rounding only). Packed under
+    sdpa as [11, 7, 4], [6, 5] (one row under flash attention): sequences with tokens to score follow others,
+    where a forward that mixes sequences shows. Ids from the vocabulary's first 48 (a padded vocabulary's logits may
+    be cut short: Inkling's). Returns (input_ids, attention_mask) (5, 12), T = 8, groups (5,)."""
+    vocab = min(model.get_input_embeddings().num_embeddings, 48)
+    ids = 3 + (torch.arange(60, device=device).view(5, 12) * 7 + 1) % (vocab - 3)
+    ids[1:3, :4] = ids[0, :4]  # a group's prompt: the same tokens
+    ids[4, :4] = ids[3, :4]
+    lengths = torch.tensor([12, 8, 5, 7, 6], device=device)[:, None]  # prompt + completion
+    attn = (torch.arange(12, device=device) < lengths).long()
+    return ids * attn, attn, 8, torch.tensor([0, 0, 0, 1, 1], device=device)
+
+
+def _gradient_sums(model) -> torch.Tensor:
+    """Two numbers that a change of the gradient moves, sums of positive terms (no cancellation: they round
+    to a few float32 roundings of themselves): the sum of its squares and of its absolute values, over all
+    ranks (FSDP2's shards summed), in float64."""
+    sums = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for p in model.parameters():
+        if p.grad is not None:
+            g = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).double()
+            sums += torch.stack([(g * g).sum(), g.abs().sum()])
+    return all_reduce_sum(sums.cpu())
+
+
+def _probe(model, rows, dtype: str, device, alone: bool = False, **path):
+    """One path of token_logprobs on the probe rows (`alone`: each row by itself, unpadded), where training
+    runs: its log-probs (B, T) in float64, 0 off the completions, and _gradient_sums of sum_t t log p_t after
+    a backward (None for a model that does not train); or the error it raised, as text. Every rank runs it
+    (its collectives) and the gradient's all-reduce, whatever happened."""
+    ids, attn, T, _ = rows
+    trains = any(p.requires_grad for p in model.parameters())
+    lengths = attn[:, -T:].sum(-1).tolist()
+    parts = [(i, attn[i].bool(), n) for i, n in enumerate(lengths) if n > 0] if alone else [(None, None, T)]
+    logp = torch.zeros(attn[:, -T:].shape, dtype=torch.float64, device=device)  # (B, T)
+    try:
+        for i, keep, n in parts:  # (i None: the rows together)
+            part = (ids, attn) if i is None else (ids[i, keep][None], attn[i, keep][None])
+            with torch.set_grad_enabled(trains), autocast(dtype, device):
+                out = token_logprobs(model, *part, n, **path)[0].double() * part[1][:, -n:]
+            logp[slice(None) if i is None else i, :n] = out.detach()
+            if trains:
+                (out * torch.arange(1, n + 1, device=device)).sum().backward()
+    except Exception as e:  # any failure refuses the path (the same on every rank: same model, same rows)
+        logp = _error(e)
+    sums = _gradient_sums(model) if trains else None
+    model.zero_grad(set_to_none=True)
+    return logp, sums
+
+
+def _gaps(probe, reference) -> tuple[float, float]:
+    """The largest gap of two probes' log-probs, and of their gradient sums relative to the reference's."""
+    logp = (probe[0] - reference[0]).abs().max().item()
+    if reference[1] is None:
+        return logp, 0.0
+    return logp, ((probe[1] - reference[1]).abs() / reference[1].abs().clamp(min=1e-30)).max().item()
+
+
+def _path_refusal(model, rows, dtype: str, device, reference, noise: tuple, **path) -> str:
+    """'' if the path gives each row's own log-probs and gradient (`reference`) to within 4 x `noise` (the
+    padded rows' gaps from them: the kernels' rounding from one layout to another) plus roundings of the
+    compute dtype (bf16 under its autocast, else the weights' or float32): 2 at the log-probs' scale, 8 of
+    the gradient's (at least float32's: families round it there, RMSNorm), else why not. Agreed across ranks.
+    In bf16 a log-prob rounds to ~0.1 nat at logits of 20, so there only a gross error shows: a leak between
+    sequences, a state carried across them."""
+    probe = _probe(model, rows, dtype, device, **path)
+    if isinstance(probe[0], str):
+        return _agreed(probe[0])
+    weights = next(model.parameters()).dtype
+    compute = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else torch.promote_types(weights,
+                                                                                                  torch.float32)
+    eps = torch.finfo(compute).eps
+    logp, grad = _gaps(probe, reference)
+    why = ""
+    if not logp <= 4 * noise[0] + 2 * eps * (1 + reference[0].abs().max().item()):  # (NaN fails too)
+        why = f"log-probs off by {logp:.3g}"
+    elif not grad <= 4 * noise[1] + 8 * max(eps, torch.finfo(torch.float32).eps):
+        why = f"gradient off by {grad:.3g} of itself"
+    return _agreed(why)
+
+
 @torch.no_grad()
 def check_chunked_logprobs(model, dtype: str = "float32"):
-    """Exit 2 unless token_logprobs' chunks compute what the model's forward does, under the trainer's
-    autocast (the same on every rank): head_logits of the output layer's input must give back the forward's
+    """Exit 2 (every rank) unless the model's output layer is one token_logprobs' chunks can stand in for,
+    under the trainer's autocast: head_logits of the output layer's input must give back the forward's
     logits to one rounding of the compute dtype (the same elementwise operations on the same numbers; a
-    missing soft-cap or scale is far more), and chunks of one position must run and match their log-probs to
-    1e-3 of the logits' scale (a log-softmax over a large vocabulary rounds to a few 1e-4 in float32)."""
+    missing soft-cap or scale is far more). check_logprob_paths then compares the chunks' log-probs and
+    gradient with the whole logits'."""
     head = model.get_output_embeddings()
-
-    def refuse(why: str):
+    why = "" if head is not None else "it has no output layer"
+    if head is not None:
+        why = _head_refusal(model, head, dtype)
+    why = _agreed(why)
+    if why:
         die(f"--logprob_chunk: the chunked log-probs of {_model_name(model)} would not be its own ({why}); "
             "run with --logprob_chunk 0")
 
-    if head is None:
-        refuse("it has no output layer")
+
+def _head_refusal(model, head, dtype: str) -> str:
+    """'' if head_logits of the output layer's input give back the forward's logits, else why not."""
     embeddings = model.get_input_embeddings()
-    ids = (3 + torch.arange(8, device=embeddings.weight.device)[None] * 7
-           % (min(embeddings.num_embeddings, 64) - 3))
-    attn, inputs, forward = torch.ones_like(ids), [], head.forward  # ids (1, 8): 4 prompt + 4 completion
+    device = next(model.parameters()).device
+    ids = 3 + torch.arange(8, device=device)[None] * 7 % (min(embeddings.num_embeddings, 64) - 3)  # (1, 8)
+    inputs, forward = [], head.forward
 
     def spy(hidden):
         inputs.append(hidden)
         return forward(hidden)
 
-    with autocast(dtype, ids.device):
-        with _head_forward(head, spy):
-            logits = model(input_ids=ids, attention_mask=attn).logits  # (1, 8, V)
-        if len(inputs) != 1:
-            refuse(f"its forward called its output layer {len(inputs)} times, not once")
-        ours = head_logits(model, head, inputs[0])
-        try:
-            logp = token_logprobs(model, ids, attn, 4, 1.0, False, chunk_tokens=1)[0]  # chunks of 1 position
-        except Exception as e:  # e.g. a forward that needs its output layer's result to be logits
-            refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    try:
+        with autocast(dtype, device), _head_forward(head, spy):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits  # (1, 8, V)
+            if len(inputs) != 1:
+                return f"its forward called its output layer {len(inputs)} times, not once"
+            ours = head_logits(model, head, inputs[0])
+    except Exception as e:  # e.g. a forward that needs its output layer's result to be logits
+        return _error(e)
     dtypes = (logits.dtype, ours.dtype, head.weight.dtype, getattr(torch, dtype))
     eps = max(torch.finfo(t).eps for t in dtypes)
     scale = 1.0 + logits.abs().max().item()
     if ours.shape != logits.shape or not (ours - logits).abs().max().item() <= eps * scale:  # (NaN fails too)
-        refuse("its forward changes its output layer's result in a way modeling.head_logits does not know")
-    gap = (logp - _logprobs_of_logits(logits[:, 3:7], ids[:, 4:], 1.0, False)[0]).abs().max().item()
-    if not gap <= max(1e-3, 8 * eps) * scale:
-        refuse(f"chunked log-probs off by {gap:.3g}")
+        return "its forward changes its output layer's result in a way modeling.head_logits does not know"
+    return ""
 
 
-@torch.no_grad()
-def check_logprob_paths(model, cfg):
-    """On the unsharded CPU model (a failure costs no collective); model.shares_prompts: whether two rows with
-    one prompt agree whole and sharing its KV cache (a hybrid or recurrent cache may not index out)."""
+def check_logprob_paths(model, cfg, device: torch.device | None = None):
+    """Start-up checks of the sharded model on `device`: each shortcut token_logprobs may take against each
+    row's own forward (and the padded rows' distance from it), in cfg.dtype under autocast, with a backward
+    (a model that trains): chunks of the output layer (--logprob_chunk > 0: exit 2 if off); a group's
+    prompt run once (padded rows, no checkpointing: model.shares_prompts; a hybrid or recurrent cache may not
+    index out); packed rows (--pack: model.pack_refusal, '' or why not, and a note). `device`: the
+    parameters'."""
+    device = device or next(model.parameters()).device
+    rows = _probe_rows(model, device)
+    alone = _probe(model, rows, cfg.dtype, device, alone=True)  # each row's own forward: what is right
+    padded = _probe(model, rows, cfg.dtype, device)  # the rows whole and padded, whole logits
+    why = _agreed(next((x for x in (alone[0], padded[0]) if isinstance(x, str)), ""))
+    if why:
+        die(f"--model: {_model_name(model)}'s forward fails on the start-up check's rows ({why})")
+    noise = _gaps(padded, alone)  # the kernels' rounding from one layout to another (no left padding)
+    check = lambda **path: _path_refusal(model, rows, cfg.dtype, device, alone, noise, **path)  # noqa
     if cfg.logprob_chunk > 0:
         check_chunked_logprobs(model, cfg.dtype)
-    ids = 3 + torch.arange(12).view(2, 6) % 5  # (2, 6): a shared prompt of 3 tokens, then 3 different each
-    ids[:, :3] = ids[0, :3]
-    attn, groups = torch.ones_like(ids), torch.zeros(2, dtype=torch.long)
-    was_training = model.training
-    model.eval()
-    try:
-        whole = token_logprobs(model, ids, attn, 3)[0]
-        model.shares_prompts = True
-        shared = token_logprobs(model, ids, attn, 3, groups=groups)[0]
-        model.shares_prompts = bool(torch.allclose(shared, whole, rtol=1e-4, atol=1e-4))
-    except (RuntimeError, AttributeError, TypeError, ValueError, IndexError):
-        model.shares_prompts = False  # the cache cannot be indexed out
+        why = check(chunk_tokens=2 * len(rows[0]))  # chunks of 2 positions, the last one shorter
+        if why:
+            die(f"--logprob_chunk: the chunked log-probs of {_model_name(model)} would not be its own "
+                f"({why}); run with --logprob_chunk 0")
+    model.shares_prompts = True
+    if _shares_prompts(model, rows[3]):
+        model.shares_prompts = not check(groups=rows[3])
     if getattr(cfg, "pack", False):
-        model.pack_refusal = pack_refusal(model)  # then packed as it would run: compared with padded
-        model.pack_refusal = model.pack_refusal or _check_packed(model)
+        model.pack_refusal = ""  # (so that the probe runs packed)
+        model.pack_refusal = pack_refusal(model) or check(pack=True)
         if model.pack_refusal:
             print0(f"note: --pack: {_model_name(model)} runs padded ({model.pack_refusal})")
-    model.train(was_training)
     if not model.shares_prompts:
         print0(f"note: {_model_name(model)}'s KV cache cannot be shared by a group's rows: "
                "each row runs its prompt")
 
 
-def _check_packed(model) -> str:
-    """'' if packed log-probs (both paths) agree with padded ones on two groups of uneven prompts and
-    completions, else why not (a family whose forward does not take a custom mask as it should)."""
-    ids = 3 + torch.arange(30).view(3, 10) % 7  # (3, 10): prompts of 4, 4, 2 tokens; completions of 5, 2, 6
-    attn = torch.ones_like(ids)
-    attn[2, :2] = 0
-    attn[0, 9] = attn[1, 6:] = 0
-    ids[1, :4] = ids[0, :4]
-    groups = torch.tensor([0, 0, 1])
-    try:
-        padded = token_logprobs(model, ids, attn, 6, groups=groups)[0] * attn[:, 4:]
-        gap = max((token_logprobs(model, ids, attn, 6, groups=g, pack=True)[0] - padded).abs().max().item()
-                  for g in (groups, None))  # a group's prompt once, and rows whole (a checkpointed model)
-    except (RuntimeError, AttributeError, TypeError, ValueError, IndexError) as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return "" if gap <= 1e-4 else f"packed log-probs off by {gap:.3g}"
+def set_attention(model, implementation: str):
+    """The model's attention implementation (--attn_implementation): transformers' own, set before sharding;
+    one it cannot use here (flash attention not installed, or on a CPU) exits 2."""
+    if implementation and implementation != model.config._attn_implementation:
+        try:
+            model.set_attn_implementation(implementation)
+        except (ImportError, ValueError, KeyError) as e:
+            die(f"--attn_implementation {implementation}: transformers cannot use it here "
+                f"({str(e).splitlines()[0]})")
 
 
 def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
-    """(model, ref_model), checked and sharded, the rollout engine calibrated against the model (vLLM: the
-    weight-sync probe's start-up gap); ref_model, the KL anchor, is the initial model even after a resume:
-    with LoRA the model itself, which token_losses runs with its adapters off (the base: no second copy)."""
-    check_logprob_paths(model, cfg)
+    """(model, ref_model), sharded and checked where they train, the rollout engine calibrated against the
+    model (vLLM: the weight-sync probe's start-up gap); ref_model, the KL anchor, is the initial model even
+    after a resume: with LoRA the model itself, which token_losses runs with its adapters off (the base: no
+    second copy)."""
+    set_attention(model, cfg.attn_implementation)
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    check_logprob_paths(model, cfg, dist_info.device)
     engine.calibrate(model)
     if cfg.kl_coef <= 0:
         return model, None
     if is_lora(model):
         return model, model
     ref_model = load_model(base_path)[0].requires_grad_(False)
-    check_logprob_paths(ref_model, cfg)
-    return model, shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
+    set_attention(ref_model, cfg.attn_implementation)
+    ref_model = shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
+    check_logprob_paths(ref_model, cfg, dist_info.device)
+    return model, ref_model

@@ -1,4 +1,4 @@
-"""Our sampler's decode steps with grouped key/value heads read in place (modeling._gqa_sdpa) against
+"""Our sampler's decode steps with grouped key/value heads read in place (engine._rollout_sdpa) against
 transformers' sdpa, which copies them for every query head (repeat_kv) at every token: seconds per rollout,
 alternating, in one process, and a check that both draw the same completions and log-probs.
 Usage: python bench/decode_heads.py [--demo reasoning|arith] [--threads 1] [--rounds 8] [--prompts 16]
@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 import bookkeeping  # noqa: E402
 import da3po  # noqa: E402
@@ -39,11 +40,11 @@ def main():
     tokenized = dataset.tokenize_problems(problems, tok, template, cfg.max_prompt_length, cfg.train_data)
     prompts = [x["prompt_ids"] for x in tokenized]
     rollout = engine.HFRollout(model, tok, DistInfo())
-    in_place = modeling._gqa_sdpa
-    sides = {"in place": in_place, "copied": modeling._SDPA}  # _SDPA: transformers' sdpa as it is
+    in_place = engine._rollout_sdpa
+    sides = {"in place": in_place, "copied": sdpa_attention_forward}  # transformers' sdpa as it is
 
     def run(side, seed):
-        modeling._gqa_sdpa = sides[side]
+        engine._rollout_sdpa = sides[side]
         torch.manual_seed(seed)
         t0 = time.perf_counter()
         out = rollout.generate(prompts, cfg.max_new_tokens, n=cfg.group_size)
@@ -58,7 +59,7 @@ def main():
             s, outs[side] = run(side, r)
             seconds[side].append(s)
         assert outs["in place"] == outs["copied"], f"round {r}: the sides drew different samples"
-    modeling._gqa_sdpa = in_place
+    engine._rollout_sdpa = in_place
     c = model.config
     print(f"--demo {args.demo}: {len(prompts)} prompts x {cfg.group_size}, <= {cfg.max_new_tokens} tokens, "
           f"{c.num_attention_heads} query heads on {c.num_key_value_heads} key/value heads, {args.threads} "

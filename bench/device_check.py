@@ -46,6 +46,7 @@ serving them (enable_lora, a new version per sync, sleep level 1), the update tr
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import math
 import os
 import platform
@@ -87,6 +88,9 @@ def parse_args(argv=None):
                    help="the device's dense bf16 peak, for MFU and HFU (989: H100/H200 SXM)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora_rank", type=int, default=0, help="> 0: LoRA adapters of this rank (see above)")
+    p.add_argument("--attn_implementation", default="",
+                   help="the trainer's attention ('': flash_attention_2 on a GPU when flash-attn is installed, "
+                        "else flex_attention; sdpa on the CPU)")
     for key, value in PROFILES["cuda"].items():  # every size, defaulted from the device's profile
         p.add_argument(f"--{key}", type=type(value), default=None, help=f"(GPU {value}, CPU {PROFILES['cpu'][key]})")
     args = p.parse_args(argv)
@@ -492,15 +496,18 @@ def main(argv=None):
     cfg = types.SimpleNamespace(dtype=dtype, logprob_chunk=a.logprob_chunk, temperature=1.0, top_p=1.0,
                                 micro_batch_size=a.logprob_micro_batch, micro_batch_tokens=0, rollout_is="token",
                                 rollout_is_cap=2.0, rollout_is_mask=False, clip_low=0.2, clip_high=0.28,
-                                clip_ratio_c=0.0, seq_ratio=False, kl_coef=0.0, pack=False)
+                                clip_ratio_c=0.0, seq_ratio=False, kl_coef=0.0, pack=True)
+    attention = a.attn_implementation or ("sdpa" if not on_gpu else "flash_attention_2"
+                                          if importlib.util.find_spec("flash_attn") else "flex_attention")
 
     def shard():
-        modeling.check_logprob_paths(st.model, cfg)  # the trainer's start-up checks (chunked log-probs, shared prompts)
         st.hf = eng.HFRollout(st.model, st.tok, d, dtype)  # under FSDP an unsharded copy, as --rollout hf keeps
+        modeling.set_attention(st.model, attention)
         st.model = modeling.shard_model(st.model, d, dtype, grad_checkpointing=True)
-        return (f"check_logprob_paths passed (shares_prompts={getattr(st.model, 'shares_prompts', '?')}); "
-                f"{'FSDP2 (fully_shard per layer and root)' if ranks.is_dist() else 'plain module'} on "
-                f"{d.device}, gradient checkpointing on")
+        modeling.check_logprob_paths(st.model, cfg, d.device)  # the trainer's start-up checks, as prepare_models
+        return (f"{'FSDP2 (fully_shard per layer and root)' if ranks.is_dist() else 'plain module'} on "
+                f"{d.device}, gradient checkpointing on, attention {attention}; check_logprob_paths passed: packed "
+                f"micro-batches {st.model.pack_refusal or 'yes'}")
 
     if not R.run(5, "trainer model: start-up checks and sharding", shard):
         st.model = None

@@ -66,24 +66,64 @@ def kv_bytes_per_token(m: dict, dtype_bytes: int = 2) -> int:
     return 2 * m["L"] * m["kv"] * m["hd"] * dtype_bytes
 
 
+# The attention the recipes name (--attn_implementation): packed micro-batches (--pack) as one row, no mask
+ATTENTION = "flash_attention_2"
+BLOCK = 128  # flex attention's block size (torch's _DEFAULT_SPARSE_BLOCK_SIZE)
+
+
+def attention_bytes(m: dict, tokens: int, kernel: str = ATTENTION) -> dict:
+    """Attention's own memory for one packed micro-batch of `tokens` tokens (one row, position_ids restarting at 0
+    for each sequence), beyond q, k, v and the output (in activation_bytes): `whole`, held through the whole forward
+    and backward (a mask built once per forward), and `layer`, in each layer's recomputation and backward.
+      flash_attention_2  its variable-length kernel takes the sequences' offsets from the position_ids: no mask;
+                         it keeps the softmax's log-sum-exp, heads x tokens float32, for the backward: linear
+      flex_attention     transformers builds a BlockMask: for each 128-token query block the key blocks it sees
+                         (and its transpose for the backward): 4 int32 tables of (T/128)^2: quadratic in blocks,
+                         16,384 times smaller than a dense mask; the log-sum-exp as flash's
+      sdpa, eager        a dense (1, 1, T, T) bool mask and sdpa's bf16 additive copy (eager: float32) in each
+                         layer: quadratic, why --pack sends them padded on a GPU (modeling.pack_refusal)"""
+    lse = m["heads"] * tokens * 4
+    if kernel == "flash_attention_2":
+        return dict(whole=4 * (tokens + 1), layer=lse)  # (cu_seqlens: int32, at most one sequence a token)
+    if kernel == "flex_attention":
+        blocks = -(-tokens // BLOCK)
+        return dict(whole=4 * 4 * blocks * blocks, layer=lse)
+    return dict(whole=tokens * tokens, layer=2 * tokens * tokens)
+
+
+def attention_lines(m: dict, recipe: dict, micro_batch_tokens: int) -> list[str]:
+    """The recipe's attention memory, packed, with the kernel it assumes (and the others for comparison)."""
+    T = max(micro_batch_tokens, recipe["prompt"] + recipe["completion"])
+    lines = [f"  attention, packed micro-batch of {T:,} tokens in one row (--attn_implementation):"]
+    for kernel in ("flash_attention_2", "flex_attention", "sdpa"):
+        a = attention_bytes(m, T, kernel)
+        size = lambda x: f"{x / 2**20:,.1f} MiB" if x < GiB else f"{x / GiB:,.1f} GiB"  # noqa: E731
+        shape = {"flash_attention_2": "linear in tokens", "flex_attention": "128-token blocks",
+                 "sdpa": "dense T x T: refused on GPUs"}[kernel]
+        mark = " (the recipes')" if kernel == ATTENTION else ""
+        lines.append(f"    {kernel:<18} {size(a['whole'])} per forward + {size(a['layer'])} per layer "
+                     f"({(a['whole'] + a['layer']) / T:,.0f} B a token; {shape}){mark}")
+    return lines
+
+
 def activation_bytes(m: dict, micro_batch_tokens: int, max_len: int, chunk: int) -> dict:
     """ESTIMATE of one micro-batch's forward + backward with per-layer checkpointing (non-reentrant), bf16 compute
-    under FSDP2 (the residual stream is bf16), SDPA attention, chunked log-probs. A row longer than the budget gets a
-    micro-batch of its own (common._packed_rows), so T = max(budget, longest row)."""
+    under FSDP2 (the residual stream is bf16), packed rows under the recipes' attention (attention_bytes), chunked
+    log-probs. A row longer than the budget gets a micro-batch of its own (common._packed_rows), so T = max(budget,
+    longest row)."""
     H, I, L, V = m["H"], m["I"], m["L"], m["V"]
     q, kv, T = m["heads"] * m["hd"], m["kv"] * m["hd"], max(micro_batch_tokens, max_len)
+    attention = attention_bytes(m, T)
     inputs = L * T * H * 2  # the input hidden state of every checkpointed layer, kept until its backward
-    S = min(max_len, T // 2)  # padded micro-batches have >= 2 rows, each <= T/2: SDPA gets a (B, 1, S, S) bool mask
-    inputs += T * S  # ... held for the whole forward + backward (B x S^2 = T x S bytes)
+    inputs += attention["whole"]  # ... and what the attention builds once per forward
     root = T * H * (2 + 2 + 4)  # final hidden state and its grad (bf16), the final norm's float32 input
     per_token = (2 * (q + 2 * kv) + 2 * (q + kv) + 2 * q  # q, k, v; q, k after RoPE; attention output (bf16)
                  + (6 * (q + kv) if m["qk_norm"] else 0)  # Qwen3's q/k norms: float32 input + bf16 output
                  + 2 * (4 * H + 2 * H)  # the layer's two RMSNorms: float32 input + bf16 output
                  + 4 * 2 * I  # MLP: gate, up, silu(gate), their product (bf16)
                  + 3 * 2 * I + 2 * 2 * H)  # its backward: grads of the MLP intermediates and of the hidden state
-    mask = 2 * T * S  # and SDPA's bf16 additive copy of it inside each layer
     logits = 5 * chunk * V * 4  # ~5 (chunk, V) float32 tensors, measured in bench/results/logprob_memory.md
-    layer = T * per_token + mask  # one layer's recompute + backward; the log-prob chunks run at another moment
+    layer = T * per_token + attention["layer"]  # one layer's recompute + backward; the log-prob chunks run apart
     return dict(tokens=T, inputs=inputs, root=root, layer=layer, logits=logits,
                 total=ACT_MARGIN * (inputs + root + max(layer, logits)))
 
@@ -191,6 +231,7 @@ def report(name: str, gpus: int, total: float, label: str) -> tuple[list[str], l
     if p["offload"]:
         lines.append(f"    host RAM for the offloaded state: 16N = {upd['host'] / GiB:.0f} GiB per node "
                      f"(+4N = {4 * N / GiB:.0f} GiB on rank 0 while a checkpoint is written)")
+    lines += attention_lines(m, recipe, p["mbt"])
     kept = "none with --cpu_offload" if p["offload"] else f"+{4 * N / gpus / GiB:.1f} GiB if gradients were kept"
     need = (p["engine_len"] + 16) * p["kvb"]
     lines += [f"  rollout, per GPU: trainer resident {g(p['resident'])}  (weights + AdamW sharded, gradients freed: "
@@ -329,6 +370,7 @@ def lora_report(name: str, total: float, label: str, rank: int = LORA_RANK) -> t
              f"{(p['engine_len'] + 16) * p['kvb'] / GiB:.1f} GiB: {'ok' if p['start_ok'] else 'FAILS'}",
              f"  host RAM: {p['host'] / GiB:.0f} GiB (vLLM's sleeping base 2N"
              + (" + the offloaded base and adapters" if p["offload"] else "") + ")"]
+    lines += attention_lines(m, recipe, p["mbt"])
     launch = "torchrun --standalone --nproc_per_node=1" if p["offload"] else "python"
     flags = [f"--lora_rank {rank}", f"--vllm_gpu_memory {p['u']:.2f}"] + \
         (["--cpu_offload"] if p["offload"] else []) + \

@@ -1,6 +1,7 @@
 """The reference harness's long sweep: many random update batches and flag combinations through the real pipeline,
 each compared with the plain reference update (tests/reference.py, tests/harness.py), in float64, in one process.
 Usage: python bench/reference_sweep.py [--seeds 500] [--start 0] [--script da3po|daro] [--tol 1e-10]
+                                      [--family demo|llama|mistral|...]   (tests/harness.py FAMILIES)
 
 Prints one line per failing case (its seed, flags and the checks over the tolerance), then a table: per flag
 combination (harness.describe) the cases run and passed and the worst error of the loss, the gradient and the
@@ -26,17 +27,24 @@ def main():
     p.add_argument("--seeds", type=int, default=500, help="how many cases")
     p.add_argument("--start", type=int, default=0, help="the first seed")
     p.add_argument("--script", default=None, choices=["da3po", "daro"], help="only this script's cases")
-    p.add_argument("--tol", type=float, default=harness.TOL, help="relative tolerance of every check")
+    p.add_argument("--tol", type=float, default=0.0,
+                   help="relative tolerance of every check (default: harness.TOL, or the family's FAMILY_TOL)")
+    p.add_argument("--family", default="demo", choices=["demo", *harness.FAMILIES],
+                   help="the demo model, or a tiny random model of another family (float64 norms)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    float64_norms()  # the whole model in float64 (the exactness the tolerance assumes)
-    model, tok = modeling.load_model(modeling.model_path("demo"))
-    model = model.double()
+    args.tol = args.tol or harness.FAMILY_TOL.get(args.family, harness.TOL)
+    if args.family == "demo":
+        float64_norms()  # the whole model in float64 (the exactness the tolerance assumes)
+        model, tok = modeling.load_model(modeling.model_path("demo"))
+        model, pad_id = model.double(), tok.pad_token_id
+    else:
+        model, pad_id = harness.family_model(args.family), 0
     ref_model = harness.ref_model_of(model)
     table, failed, start = {}, 0, time.time()
     for seed in range(args.start, args.start + args.seeds):
-        case, errors = harness.check_case(model, ref_model, tok.pad_token_id, seed, args.script)
+        case, errors = harness.check_case(model, ref_model, pad_id, seed, args.script)
         key, bad = harness.describe(case), harness.failures(errors, args.tol)
         row = table.setdefault(key, {"cases": 0, "passed": 0, "loss": 0.0, "grad": 0.0, "carried": 0.0})
         row["cases"] += 1

@@ -8,7 +8,8 @@ schedule, clip epsilons 0.2/0.28, no KL, and the same number of optimizer update
 --updates_per_step; TRL: steps_per_generation with num_iterations=1), each update one forward/backward over its
 mini-batch, and pi_old for the later updates (TRL: one extra no-grad pass; ours: the rollout's own log-probs, which in
 float32 are the trainer's, see common.old_logprobs; the same values to ~1e-6). How each side gets there is its own:
-ours samples G completions of one prefill and runs each group's prompt once in training. Dynamic sampling is off
+ours samples G completions of one prefill, and packs the rows in training (--padded: rows padded, each group's
+prompt once). Dynamic sampling is off
 on our side because TRL has none: both generate and train on exactly prompts_per_step groups per step. Activation
 checkpointing is off on both (TRL's GRPOConfig turns it on by default, which recomputes every forward in the backward;
 --grad_checkpointing turns it on for both).
@@ -61,7 +62,6 @@ import bookkeeping  # noqa: E402
 import da3po  # noqa: E402
 from common import (group_advantages, loss_weights, make_batch, policy_loss, roll_groups,  # noqa: E402
                     shaped_reward)
-import modeling  # noqa: E402
 from modeling import load_model, model_path, token_logprobs  # noqa: E402
 from dataset import format_prompt, load_data, resolve_template, tokenize_problems  # noqa: E402
 from ranks import DistInfo  # noqa: E402
@@ -193,19 +193,6 @@ def run_ours(args, seed: int, pack: bool = True) -> list[float]:
     return [r["time/step_s"] for r in records if "time/step_s" in r]
 
 
-@contextlib.contextmanager
-def stock_attention():
-    """transformers' own sdpa for TRL's side: importing modeling.py registers ours in its place
-    (modeling._rows_sdpa: packed rows, and decode steps that read grouped key/value heads in place), which
-    would speed up TRL's generate too, where a TRL user has transformers' copy of the heads."""
-    from transformers import AttentionInterface
-    AttentionInterface.register("sdpa", modeling._SDPA)
-    try:
-        yield
-    finally:
-        AttentionInterface.register("sdpa", modeling._rows_sdpa)
-
-
 def run_trl(args, path: str, seed: int) -> list[float]:
     """GRPOTrainer.train() for args.steps RL steps; returns the seconds of each RL step."""
     from transformers import PrinterCallback, TrainerCallback
@@ -218,7 +205,7 @@ def run_trl(args, path: str, seed: int) -> list[float]:
             self.t.append(time.perf_counter())
 
     clock = StepClock()
-    with tempfile.TemporaryDirectory() as out_dir, stock_attention():
+    with tempfile.TemporaryDirectory() as out_dir:
         trainer = trl_trainer(args, path, out_dir, seed, args.updates, [clock])
         trainer.remove_callback(PrinterCallback)  # its per-step dict goes to the log, not the console
         torch.set_num_threads(args.threads)

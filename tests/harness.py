@@ -14,6 +14,7 @@ a few thousand of them, so the results agree to about 1e-12 of their scale (meas
 3.8e-13 for the gradient over 1000 cases). 1e-10 leaves a margin of 50 and is far below anything a wrong weight, a
 lost token or a wrong clip makes (at least a token's share: above 1e-3 here).
 """
+import contextlib
 import copy
 import random
 
@@ -102,6 +103,74 @@ def describe(case: dict) -> str:
     parts += [name for name, on in [("gspo", f["seq_ratio"]), ("dual", f["clip_ratio_c"] > 1), ("kl", f["kl_coef"]),
                                     ("packed", f["micro_batch_tokens"]), ("pack", f.get("pack"))] if on]
     return " ".join(parts)
+
+
+# Tiny random models of other families, for the packed path against the padded one on the harness's cases:
+# config class and settings; a window of `window` tokens where the family has one (the cases' rows run up to 14
+# tokens, the windows 6). Keys are families, or a family with its window on (Qwen2, Qwen3-MoE: off by default).
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),  # biases on q, k and v
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5)),  # partial rotary, parallel residual
+    "mistral": ("MistralConfig", dict(sliding_window="window")),  # the window in config.sliding_window
+    "mixtral": ("MixtralConfig", dict(sliding_window="window", num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", dict(sliding_window="window")),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window="window")),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(use_sliding_window=True, sliding_window="window", num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16)),
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window="window", max_window_layers=1)),
+    "gemma2": ("Gemma2Config", dict(sliding_window="window", query_pre_attn_scalar=8, final_logit_softcapping=2.0)),
+}
+WINDOWED = [f for f, (_, settings) in FAMILIES.items() if settings.get("sliding_window") == "window"]
+# Mixtral's and Qwen3-MoE's routers compute their softmax in float32: each routing weight is rounded to 6e-8 of itself,
+# and every expert output is weighed by one, so their losses and gradients agree to about 1e-7, not TOL; 1e-6 bounds it
+FAMILY_TOL = {"mixtral": 1e-6, "qwen3_moe": 1e-6}
+
+
+def family_model(family: str, window: int = 6, seed: int = 0):
+    """A tiny random causal LM of `family` (FAMILIES) in float64, in training mode: vocabulary 64 (the cases' tokens
+    are 10-40), 2 layers, grouped-query heads; `window` where the family has one."""
+    import transformers
+    config_cls, settings = FAMILIES[family]
+    settings = {k: window if v == "window" else v for k, v in settings.items()}
+    config = getattr(transformers, config_cls)(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, **settings)
+    config._experts_implementation = "eager"  # the grouped-matmul experts take no float64
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).double().train()
+    for module in model.modules():  # float64 norms, as conftest.float64_norms makes the demo model's
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = _float64_rms_norm.__get__(module)
+    return model
+
+
+def _float64_rms_norm(self, x):
+    """An RMSNorm in its input's dtype: transformers' compute in float32 (for bf16), so a float64 model's gradient
+    is rounded to float32 there, 1e-7 of its scale, at points that depend on the batch's layout. Gemma's scale is
+    1 + weight."""
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+    scale = 1.0 + self.weight if "Gemma" in type(self).__name__ else self.weight
+    return scale * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@contextlib.contextmanager
+def every_micro_batch_packed(*models):
+    """Inside, --pack packs every micro-batch: the models run as ones whose KV cache cannot serve a group's prompt
+    once (model.shares_prompts False, as the start-up check leaves a hybrid model), so the padded path would run
+    rows whole and packing always runs fewer positions (modeling._packs)."""
+    saved = [m.__dict__.get("shares_prompts") for m in models]
+    for m in models:
+        m.shares_prompts = False
+    try:
+        yield
+    finally:
+        for m, value in zip(models, saved):
+            if value is None:
+                del m.shares_prompts
+            else:
+                m.shares_prompts = value
 
 
 def ref_model_of(model, seed: int = 1):

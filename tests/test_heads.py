@@ -285,3 +285,41 @@ def test_probe_under_fsdp2(tmp_path):
     for rank in (0, 1):
         assert f"rank {rank}: gemma2 accepted" in r.stdout, r.stdout + r.stderr[-3000:]
     assert r.stderr.count("error: --logprob_chunk") == 2 and "SinQwen3" in r.stderr, r.stderr[-3000:]
+
+
+# Families whose packed forward mixes its sequences: their recurrent (RecurrentGemma's RG-LRU) or Mamba layers carry a
+# state from one packed sequence into the next (transformers' padding-free guide: such layers ignore position_ids);
+# the start-up check finds them and they run padded.
+PACK_REFUSED = {"recurrent_gemma", "granitemoehybrid", "falcon_h1", "inkling_text"}
+
+
+def _own_logprobs(model, batch):
+    """Each row's completion log-probs from its own forward (no padding), at the batch's (B, T) places."""
+    T = batch["mask"].shape[1]
+    out = torch.zeros(batch["mask"].shape, dtype=torch.float64)
+    for i, (ids, attn) in enumerate(zip(batch["input_ids"], batch["attention_mask"])):
+        n = int(batch["mask"][i].sum())
+        if n:
+            out[i, :n] = modeling.token_logprobs(model, ids[attn.bool()][None], attn[attn.bool()][None], n)[0][0]
+    return out * batch["mask"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_start_up_check_packs_a_family_or_refuses_it(family, capsys):
+    """--pack: the start-up check lets every family with attention layers only pack, and then its packed log-probs
+    are each row's own (float64); the families whose layers carry a state across sequences (PACK_REFUSED) are
+    refused with one line and run padded."""
+    model, batch = build(family, family not in UNTIED_ONLY), grouped_batch()
+    modeling.check_logprob_paths(model, types.SimpleNamespace(logprob_chunk=13, dtype="float32", pack=True))
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --pack:")]
+    assert bool(model.pack_refusal) == (family in PACK_REFUSED) == (len(notes) == 1), (model.pack_refusal, notes)
+    if family in PACK_REFUSED:
+        return
+    T = batch["mask"].shape[1]
+    with torch.no_grad():  # (the batch's second group is left padded)
+        own = _own_logprobs(model, batch)
+        packed = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, pack=True)[0]
+        padded = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] * batch["mask"]
+    tol = 1e-10 if own.dtype == packed.dtype else 1e-5  # (Mllama: float32 logits)
+    assert (packed - own).abs().max().item() <= tol * own.abs().max().item()
+    assert (packed - padded).abs().max().item() <= tol * own.abs().max().item()

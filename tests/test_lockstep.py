@@ -22,12 +22,14 @@ FACTORS = {  # the flags that choose code paths: (off, on)
     "chunked": (["--logprob_chunk", "0"], ["--logprob_chunk", "8"]),
     "bf16": ([], ["--dtype", "bfloat16"]),
     "one_update": ([], ["--updates_per_step", "1"]),  # with packing and a recomputed pi_old: an empty micro-batch
-    "pack": (["--no-pack"], ["--pack"]),  # completions in one row: two forwards per micro-batch, whatever the data
+    "pack": (["--no-pack"], ["--pack"]),  # packed rows, or a group's prompt once where that runs fewer positions:
+    #                                       the micro-batch's layout is agreed by an all-reduce of the counts
 }
 # An orthogonal array: every pair of levels of any two factors appears twice in these 8 rows, plus the issue's own
 # repro (checkpointing, KL and packing together, which the array never combines).
 # --pack (the last factor) on in three more rows: with token-budget micro-batches, KL and chunks on skewed lengths;
-# bf16 on one-token completions (the packed forward's placeholder); checkpointing (which runs rows whole) and NaN.
+# bf16 on one-token completions (nothing of theirs to pack but their prompts); checkpointing (which runs rows whole,
+# so every micro-batch packs) and NaN.
 ROWS = [(0, 0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 1, 1, 1, 1, 0), (0, 1, 1, 0, 0, 1, 1, 0), (0, 1, 1, 1, 1, 0, 0, 0),
         (1, 0, 1, 0, 1, 0, 1, 0), (1, 0, 1, 1, 0, 1, 0, 0), (1, 1, 0, 0, 1, 1, 0, 0), (1, 1, 0, 1, 0, 0, 1, 0),
         (1, 1, 1, 0, 0, 0, 0, 0), (0, 1, 1, 1, 1, 0, 1, 1), (0, 0, 0, 0, 0, 1, 0, 1), (1, 0, 1, 0, 0, 0, 0, 1)]

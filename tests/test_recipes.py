@@ -62,6 +62,8 @@ def test_every_command_parses_and_passes_the_checks(recipes):
     assert len(recipes) == 11 + 3 + 4 and all(w in (1, 8) for _, w, _, _ in recipes)
     assert len({c.out_dir for _, _, c, _ in recipes}) == len(recipes)  # no two runs write into one folder
     assert all(c.demo == "" for _, _, c, _ in recipes)  # a model of the user's own: no demo's value applies
+    # packed micro-batches on a GPU need an attention that takes them without a dense mask (modeling.pack_refusal)
+    assert all(c.pack and c.attn_implementation == "flash_attention_2" for _, _, c, _ in recipes)
 
 
 def test_a_recipe_without_a_flag_the_demos_size_stops_naming_it(capsys, monkeypatch):

@@ -5,6 +5,7 @@ Longer sweep: python bench/reference_sweep.py --seeds 500
 Every check compares float64 numbers computed two ways to harness.TOL = 1e-10 (derived in tests/harness.py); a wrong
 weight, a lost token or a wrong clip is off by far more. One exception: DAA's --adaptive_lam factor is computed in
 float32 (test_daa_advantages_and_token_weights says why it gets 1e-6), so the random cases leave it off."""
+import contextlib
 import math
 import random
 
@@ -69,6 +70,22 @@ def test_ci_cases_cover_every_flag(float64_model):
               "updates2", "chunk0", "chunk7", "chunk1024", "gspo", "dual", "kl", "packed", "pack", "dr_grpo",
               "scope_all", "literal", "running"}
     assert wanted <= seen, wanted - seen
+
+
+@pytest.mark.parametrize("family", list(harness.FAMILIES))
+def test_other_families_packed_and_padded_match_reference(family):
+    """The harness's random cases on other families (tiny random Llama, Qwen2 with its q/k/v biases, GPT-NeoX, and the
+    sliding-window families with a window of 6 tokens against rows of up to 14): each case through the real pipeline
+    padded and with every micro-batch packed, both equal to the reference, so packed == padded, in float64
+    (harness.FAMILY_TOL: MoE)."""
+    model = harness.family_model(family)
+    ref_model = harness.ref_model_of(model)
+    for seed in range(4):
+        for pack in (False, True):
+            with harness.every_micro_batch_packed(model, ref_model) if pack else contextlib.nullcontext():
+                case, errors = harness.check_case(model, ref_model, 0, seed, pack=pack)
+            bad = harness.failures(errors, harness.FAMILY_TOL.get(family, harness.TOL))
+            assert not bad, (seed, harness.describe(case), bad)
 
 
 def _hand_case(model, lengths, rejected, **flags):

@@ -70,11 +70,13 @@ def test_sampled_frequencies_follow_softmax():
 
 
 def test_decode_attention_reads_grouped_heads_in_place_with_the_same_samples(model_tok, monkeypatch):
-    """modeling._gqa_sdpa: on a CPU without gradients, grouped-query attention under a mask (the demo model: 4
-    query heads on 2 key/value heads) runs sdpa's enable_gqa instead of copying the heads (transformers'
+    """engine._rollout_sdpa: in our sampler on a CPU (no gradients), grouped-query attention under a mask (the demo
+    model: 4 query heads on 2 key/value heads) runs sdpa's enable_gqa instead of copying the heads (transformers'
     repeat_kv). Sampled completions and their log-probs equal transformers' path bit for bit, on prompts of
-    different lengths (left padding: a mask at every step); with gradients, transformers' path runs."""
+    different lengths (left padding: a mask at every step). The sampler switches the model to it and back: after,
+    the model runs transformers' sdpa, which copies the heads, and transformers' own sdpa entry is untouched."""
     import transformers.integrations.sdpa_attention as hf_sdpa
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     model, tok = model_tok
     prompts = arith_prompts(tok)
     assert len(set(map(len, prompts))) > 1 and model.config.num_key_value_heads < model.config.num_attention_heads
@@ -85,14 +87,16 @@ def test_decode_attention_reads_grouped_heads_in_place_with_the_same_samples(mod
         torch.manual_seed(0)
         return eng.hf_generate(model, tok, prompts, 12, n=4)
     in_place = sample()
-    assert copies == []
+    assert copies == [] and model.config._attn_implementation == "sdpa"
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is hf_sdpa.sdpa_attention_forward
     with monkeypatch.context() as m:  # transformers' sdpa as it is
-        m.setattr(modeling, "_gqa_sdpa", modeling._SDPA)
+        m.setattr(eng, "_rollout_sdpa", hf_sdpa.sdpa_attention_forward)
         copied = sample()
     assert copies and copied == in_place  # completions, truncation flags and log-probs, exactly
     copies.clear()
     ids, attn, _ = common.pad_prompt_completion(prompts, [[]] * len(prompts), tok.pad_token_id)
-    model(input_ids=ids, attention_mask=attn)  # with gradients (training): the heads are copied as before
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=attn)  # outside the sampler: the heads are copied as before
     assert copies
 
 
