@@ -16,7 +16,7 @@ torch.set_num_threads(1)  # the machine is shared: one thread keeps tests predic
 
 @pytest.fixture(scope="session")
 def demo_dir():
-    """The shipped demo model's folder (demo/model, built by demo/build.py): what `--model demo` loads."""
+    """The shipped demo model's folder (demo/arith/model, built by demo/build.py): what `--model demo` loads."""
     import modeling
     return modeling.model_path("demo")
 

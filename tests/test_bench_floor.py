@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conftest import ROOT
 
-# The script puts bench/ first on sys.path to find vs_trl.py; put it back, or `demo` would then name bench/demo.py
+# The script puts bench/ first on sys.path to find vs_trl.py; put it back, or `demo` would then name experiments/demo_table.py
 # for the test modules collected after this one, not the demo/ package.
 path = list(sys.path)
 spec = importlib.util.spec_from_file_location("vs_trl_floor", os.path.join(ROOT, "bench", "vs_trl_floor.py"))

@@ -385,7 +385,7 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
 
 
 def test_mechanism_trace_records_every_update_and_bin(tmp_path):
-    """bench/daro_mechanism.py on one step of the hard task: a record per update with every present bin; Adam's first
+    """experiments/daro_mechanism.py on one step of the hard task: a record per update with every present bin; Adam's first
     step moves each bin's ln w by lr exactly (then its gradient's size no longer matters), the loss and gradient
     shares sum to 1 over the bins, and every w sits at or below its fixed point at the start."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))

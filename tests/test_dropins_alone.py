@@ -117,7 +117,7 @@ for Trainer, Config in [(DA3POTrainer, DA3POConfig), (DAROTrainer, DAROConfig)]:
     assert "DA3POTrainer steps 2" in out and "DAROTrainer steps 2" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is optional: see requirements-verl.txt")
+@pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is optional: see requirements/verl.txt")
 def test_verl_drop_in_in_a_users_project(tmp_path):
     """As verl runs it: VERL_USE_EXTERNAL_MODULES names the copied file, which `import verl` imports; the
     estimators and the loss are in verl's registries and DARO's worker is verl's actor worker."""

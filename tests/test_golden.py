@@ -15,7 +15,7 @@ import golden_port
 
 def test_file_is_what_the_script_writes():
     with open(golden.DEFAULT_PATH) as f:
-        assert f.read() == make_golden.dumps(make_golden.build()), "run python integrations/make_golden.py"
+        assert f.read() == make_golden.dumps(make_golden.build()), "run python -m integrations.make_golden"
 
 
 def test_project_functions_pass_the_checker():

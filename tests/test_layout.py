@@ -1,5 +1,5 @@
 """The layout by role (issue 31): common.py holds the step, the files that keep a run going hold the rest, and
-imports point one way. Source checks only (no torch needed); bench/layout.py prints the size figures."""
+imports point one way. Source checks only (no torch needed); tools/layout.py prints the size figures."""
 import ast
 import glob
 import os

@@ -3,7 +3,7 @@ with no second copy of the weights (float64, against an explicit frozen copy); c
 format (PeftModel and vLLM load it, tools/merge_lora.py merges it) and resume exactly; vLLM serves each new adapter
 version, or the merged weights, and the sync probe checks either; the demos learn with it in one process and on 2
 gloo ranks; bad input stops with one line.
-Run: python -m pytest -q tests/test_lora.py   (skipped without peft: pip install -r requirements-lora.txt)"""
+Run: python -m pytest -q tests/test_lora.py   (skipped without peft: pip install -r requirements/lora.txt)"""
 import contextlib
 import copy
 import json
@@ -95,7 +95,7 @@ def test_without_peft_it_says_what_to_install(demo_dir, capsys, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "peft", None)
     model, _ = modeling.load_model(demo_dir)
-    assert "pip install -r requirements-lora.txt" in one_line_exit(capsys, lambda: modeling.add_lora(model, lora_cfg()))
+    assert "pip install -r requirements/lora.txt" in one_line_exit(capsys, lambda: modeling.add_lora(model, lora_cfg()))
 
 
 # -----------------------------------------------------------------------------------------------------------------

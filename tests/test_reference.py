@@ -1,6 +1,6 @@
 """The update pipeline against the plain reference (tests/reference.py), and the scripts' classes against it.
 Run: python -m pytest -q tests/test_reference.py           (about a minute on one core)
-Longer sweep: python bench/reference_sweep.py --seeds 500
+Longer sweep: python -m tools.reference_sweep --seeds 500
 
 Every check compares float64 numbers computed two ways to harness.TOL = 1e-10 (derived in tests/harness.py); a wrong
 weight, a lost token or a wrong clip is off by far more. One exception: DAA's --adaptive_lam factor is computed in

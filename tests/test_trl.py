@@ -3,7 +3,7 @@ vectors; real GRPOTrainer runs on the shipped demo model, CPU: DA3PO's advantage
 advantages and each update is a token mean over its own tokens; DARO's two updates per generation batch equal
 daro.py's two updates on the same rows (loss, gradient, weights, float64); DARO's weights and their Adam state resume
 exactly; TRL's peft_config works with both trainers; the README's snippet runs as written and clip-higher binds; two
-processes (torchrun, gloo) with a group split across them. Skips without TRL (pip install -r requirements-trl.txt).
+processes (torchrun, gloo) with a group split across them. Skips without TRL (pip install -r requirements/trl.txt).
 Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_trl.py"""
 import copy
 import json
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements-trl.txt")
+pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements/trl.txt")
 
 import common  # noqa: E402
 import da3po  # noqa: E402
@@ -430,7 +430,7 @@ def test_clear_errors(demo_dir, tmp_path):
 def test_peft_config_trains_only_the_adapter(demo_dir, tmp_path):
     """TRL's peft_config (a tiny LoRA) with both trainers: they train, DARO's weights step, and only the adapter's
     parameters change."""
-    peft = pytest.importorskip("peft", reason="peft is optional: pip install -r requirements-trl.txt")
+    peft = pytest.importorskip("peft", reason="peft is optional: pip install -r requirements/trl.txt")
     for cls, args_cls, knobs in ((DA3POTrainer, DA3POConfig, {}), (DAROTrainer, DAROConfig, {"weight_lr": 0.05})):
         model, tok = modeling.load_model(demo_dir)
         base = {k: v.clone() for k, v in model.state_dict().items()}

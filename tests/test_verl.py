@@ -1,10 +1,10 @@
 """The verl drop-in (integrations/verl_da3po_daro.py, verl==0.9.1) on the CPU, in verl's own install
-(requirements-verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
+(requirements/verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
 registry lookup equals the golden vectors and, with lam 1, verl's own grpo; the default counts a correct answer at
 the length cap as correct; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c = 1e9); DARO's estimator
 and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its weights saved with the actor's
 checkpoint and loaded back; the two recipe scripts compose on verl's config and pass verl's checks. Skips without
-verl (pip install -r requirements-verl.txt, in a venv of its own).
+verl (pip install -r requirements/verl.txt, in a venv of its own).
 Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_verl.py"""
 import json
 import os
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos",
-                                 reason="verl is optional: pip install -r requirements-verl.txt")
+                                 reason="verl is optional: pip install -r requirements/verl.txt")
 for _module in ("verl.workers.engine_workers", "hydra"):  # verl's trainer stack: in verl's own install only
-    pytest.importorskip(_module, reason="the drop-in needs verl's own install: pip install -r requirements-verl.txt")
+    pytest.importorskip(_module, reason="the drop-in needs verl's own install: pip install -r requirements/verl.txt")
 
 import common  # noqa: E402
 import da3po  # noqa: E402

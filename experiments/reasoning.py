@@ -1,19 +1,19 @@
-"""Measures the reasoning demo (demo/reasoning/, built by `python demo/build.py --task reasoning`) before any DARO
+"""Measures the reasoning demo (demo/reasoning/, built by `python -m demo.build --task reasoning`) before any DARO
 claim: does completion length carry difficulty, as DARO's premise needs?
 
-  python bench/reasoning.py lengths [--model M] [--data D] [--samples 8]     # the model as it is, no training
+  python -m experiments.reasoning lengths [--model M] [--data D] [--samples 8]     # the model as it is, no training
       per level: pass rate, mean length of right and wrong completions, truncated share, redos ("wait") per
       completion; the within-group gap (wrong minus right, mixed groups only); and each DARO bin's L_mu at ratio 1,
       -sum_i A_i |o_i| / sum_i |o_i| over the bin's groups, with DAPO's shaped reward: the size of the per-bin loss
       the bins start from (it is 0 in every bin when right and wrong completions have the same length).
-  python bench/reasoning.py compare [--algos daro,uniform,var,dapo] [--seeds 0,1,2] [--jobs 2] [daro.py flags]
+  python -m experiments.reasoning compare [--algos daro,uniform,var,dapo] [--seeds 0,1,2] [--jobs 2] [daro.py flags]
       runs daro.py per algo x seed (one thread each, --jobs at a time) on the reasoning demo with RUN_FLAGS, and
       prints eval/acc at the start and end, the gain, wall seconds, mean response length and truncated share over
       the steps, and per bin the mean |L_mu| over the steps (and max/min over bins). Under `dapo` (no bins in its
       loss) daro.py's daro/L_<mu> is the bin's share of the token-mean loss, not L_mu: `uniform` is the DAPO loss
       split by bin, whose L_mu these are.
 
-Every run writes to bench/results/runs/reasoning/<algo><tag>-s<seed>/ (git-ignored), which is reused while its
+Every run writes to experiments/results/runs/reasoning/<algo><tag>-s<seed>/ (git-ignored), which is reused while its
 command is the same and redone when it is not (give runs with other flags a --tag)."""
 import argparse
 import json
@@ -36,7 +36,6 @@ RUN_FLAGS = ["--model", "demo/reasoning/model", "--train_data", "demo/reasoning/
 
 def lengths(args):
     import torch
-    sys.path.insert(0, ROOT)
     import common
     import modeling
     import dataset
@@ -94,7 +93,7 @@ def lengths(args):
 
 
 def run_one(algo: str, seed: int, extra: list[str], threads: int, tag: str = "") -> dict:
-    out = os.path.join(ROOT, "bench", "results", "runs", "reasoning", f"{algo}{tag}-s{seed}")
+    out = os.path.join(ROOT, "experiments", "results", "runs", "reasoning", f"{algo}{tag}-s{seed}")
     cmd = [sys.executable, "daro.py", "--algo", algo, "--seed", str(seed), *RUN_FLAGS, *extra, "--out_dir", out]
     stamp = os.path.join(out, "command.json")
     if not (os.path.isfile(stamp) and json.load(open(stamp)) == cmd[1:] and

@@ -16,8 +16,8 @@ each rule keeps and the output's sha256, so two people who ran it can compare; f
 
 Usage (download the parquet files yourself, e.g. `huggingface-cli download open-r1/OpenR1-Math-220k --repo-type
 dataset --local-dir openr1`; the "default" split's files are data/train-*.parquet):
-  python bench/openr1_subset.py openr1/data/train-*.parquet --out openr1_45k.jsonl
-  python bench/openr1_subset.py rows.jsonl --rows 100 --out small.jsonl      # any .parquet / .jsonl of its rows
+  python -m tools.openr1_subset openr1/data/train-*.parquet --out openr1_45k.jsonl
+  python -m tools.openr1_subset rows.jsonl --rows 100 --out small.jsonl      # any .parquet / .jsonl of its rows
 """
 import argparse
 import hashlib
@@ -25,8 +25,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from verifier import close_verifier_pool, verify_batch  # noqa: E402  (the repository root, found above)
+from verifier import close_verifier_pool, verify_batch
 
 FIELDS = ("problem", "answer", "question_type", "uuid", "generations", "correctness_math_verify")
 

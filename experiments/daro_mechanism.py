@@ -1,6 +1,6 @@
 """DARO's mechanism, measured: where do its weights go, and do they reweight the bins or only scale the loss?
 
-For each task of bench/learning.py that DARO runs on (hard, reasoning), the real daro.py (`--algo daro`, the
+For each task of experiments/learning.py that DARO runs on (hard, reasoning), the real daro.py (`--algo daro`, the
 benchmark's flags) trains with its class DARO wrapped to record, at every update and for every difficulty bin mu
 present: |L_mu| (the bin's token-mean clipped surrogate over all its tokens), w_mu (the weight the update used), its
 fixed point 1 / (|L_mu| + delta) clamped to [w_min, w_max], the bin's share of the weighted loss
@@ -11,25 +11,24 @@ The reading this checks (issue 32): Adam moves each s_mu by about --weight_lr pe
 size, so while every w_mu is below its fixed point all bins rise together at the same rate: at the paper's rate
 DARO is, for its first hundreds of updates, a global loss-scale ramp, not a reweighting between bins.
 
-Usage: python bench/daro_mechanism.py                         # both tasks, seeds 0 and 1 (~10 CPU-minutes)
-       python bench/daro_mechanism.py --tasks reasoning --seeds 0 --steps 4 --out /tmp/m    # a smoke run
+Usage: python -m experiments.daro_mechanism                         # both tasks, seeds 0 and 1 (~10 CPU-minutes)
+       python -m experiments.daro_mechanism --tasks reasoning --seeds 0 --steps 4 --out /tmp/m    # a smoke run
 Writes <out>.json (every update's record), <out>.md (the summary) and, with matplotlib, <out>.png; --replot
 writes the last two again from the first."""
 import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import torch
 
+import bookkeeping
+import daro
+import ranks
+from experiments.learning import ARMS, PROTOCOL, TASKS  # the benchmark's own task definitions
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-import bookkeeping  # noqa: E402
-import ranks  # noqa: E402
-import daro  # noqa: E402
-from learning import ARMS, PROTOCOL, TASKS  # noqa: E402  (the benchmark's own task definitions)
 
 
 class TracedDARO(daro.DARO):
@@ -109,7 +108,7 @@ def spread(values: list[float]) -> str:
 
 def summary(runs: dict) -> str:
     """The markdown report: per task, at a few steps, the range over bins (seeds pooled) of each traced quantity."""
-    lines = ["# DARO's mechanism, measured (`python bench/daro_mechanism.py`)", "",
+    lines = ["# DARO's mechanism, measured (`python -m experiments.daro_mechanism`)", "",
              "Per task, at each listed step (its updates pooled over seeds): the range over the bins present of |L_mu|,",
              "w_mu, the fixed point 1/(|L_mu| + delta) (clamped to [w_min, w_max]), each bin's share of the weighted",
              "loss and of the gradient norm, and the step of ln w_mu per update in units of --weight_lr.", ""]
@@ -156,7 +155,7 @@ def plot(runs: dict, path: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install -r bench/requirements.txt): no figure")
+        print("matplotlib is not installed (pip install -r requirements/bench.txt): no figure")
         return
     fig, axes = plt.subplots(len(runs), 3, figsize=(15, 4 * len(runs)), squeeze=False)
     for row, (task, seeds) in zip(axes, runs.items()):
@@ -180,10 +179,10 @@ def plot(runs: dict, path: str):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="hard,reasoning", help="comma-separated tasks of bench/learning.py")
+    p.add_argument("--tasks", default="hard,reasoning", help="comma-separated tasks of experiments/learning.py")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds")
-    p.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the task's own, as bench/learning.py)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "daro_mechanism"),
+    p.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the task's own, as experiments/learning.py)")
+    p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "daro_mechanism"),
                    help="output path without extension (.json, .md, .png)")
     p.add_argument("--replot", action="store_true", help="no runs: <out>.md and <out>.png again from <out>.json")
     a = p.parse_args(argv)

@@ -2,7 +2,7 @@
 in the loss mask, token-budget micro-batches that split groups, chunks, KL, both scripts) through the real update
 pipeline twice, packed and padded, and the largest gaps of the update's loss and gradient: on the demo model, or on
 tiny random models of other families (tests/harness.py FAMILIES: sliding windows of 6 tokens where they have one).
-Usage: python bench/pack_equality.py [--seeds 30] [--family demo|all|llama,mistral,...]
+Usage: python -m tools.pack_equality [--seeds 30] [--family demo|all|llama,mistral,...]
 (one thread; one line per model)"""
 import argparse
 import contextlib

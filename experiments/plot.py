@@ -3,10 +3,10 @@ Plot the metrics.jsonl of one or more runs (da3po.py / daro.py out_dir folders) 
 step, runs overlaid, each labelled by its folder name and, from its config.json, algo and seed.
 
 Run:
-  python bench/plot.py out/da3po out/dapo                           # -> plot.png
-  python bench/plot.py /tmp/p1 /tmp/p2 --out curves.png --smooth 5  # moving average over 5 steps (train metrics)
-  python bench/plot.py out/* --metrics train/acc,eval/acc,train/clipfrac_high
-Needs matplotlib (pip install -r bench/requirements.txt).
+  python -m experiments.plot out/da3po out/dapo                           # -> plot.png
+  python -m experiments.plot /tmp/p1 /tmp/p2 --out curves.png --smooth 5  # moving average over 5 steps (train metrics)
+  python -m experiments.plot out/* --metrics train/acc,eval/acc,train/clipfrac_high
+Needs matplotlib (pip install -r requirements/bench.txt).
 """
 import argparse
 import json

@@ -1,9 +1,9 @@
 """The "same numbers" guard of a restructuring: run the reference runs and save, or compare, their metrics.jsonl
 (every key but time/*), record by record.
 
-  python bench/same_numbers.py --save /tmp/before      # on the old code
-  python bench/same_numbers.py --compare /tmp/before   # on the new code: prints each run's first difference, exit 1
-  python bench/same_numbers.py --compare /tmp/before --flags=--no-pack   # with extra flags
+  python -m tools.same_numbers --save /tmp/before      # on the old code
+  python -m tools.same_numbers --compare /tmp/before   # on the new code: prints each run's first difference, exit 1
+  python -m tools.same_numbers --compare /tmp/before --flags=--no-pack   # with extra flags
 Keys the new code adds (a new metric) are listed but are not a difference; every old key must keep its value.
 
 The reference runs: da3po.py and daro.py, 12 steps, seed 3; a 2-rank torchrun of da3po.py (FSDP2 on gloo); a

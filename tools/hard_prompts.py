@@ -1,12 +1,12 @@
 """Hard-prompt training sets and a calibrated hard eval set for the shipped demo model (`--model demo`), where
-DA3PO's amplification has something to act on: bench/learning.py trains on them.
+DA3PO's amplification has something to act on: experiments/learning.py trains on them.
 
 Why: on the demo's own training mix dynamic sampling keeps mostly easy groups (of 32 kept a step, 16 have 7 of 8
 correct) and DAA touches ~4% of the completions, so DA3PO's effect cannot show there. Here most prompts are hard but
 learnable for the shipped model: start pass rate in [5%, 40%), where the demo's own levels 3-4 learned +30 points in
-100 steps (bench/results/learning.md), while its level 5 (< 5%) stayed out of reach.
+100 steps (experiments/results/learning.md), while its level 5 (< 5%) stayed out of reach.
 
-What it writes (bench/data/, small files, committed):
+What it writes (experiments/data/, small files, committed):
   hard_train.jsonl            2,000 hard prompts (calibrated start pass rate in [5%, 40%))
   mix_easy{25,50,75}_train.jsonl  the same 2,000-row size with 25 / 50 / 75% easy prompts (start pass rate in
                               [60%, 95%): above DA3PO's tau = 0.5 and still mixed at G = 8, so dynamic sampling keeps
@@ -16,7 +16,7 @@ What it writes (bench/data/, small files, committed):
                               2 [20%, 30%), 3 [12%, 20%), 4 [5%, 12%); disjoint from every training row
   manifest.json               the command, the versions and machine it ran on, the model's sha256, every file's
                               sha256, and the calibration numbers printed below
-The demo's eval set (demo/arith_eval.jsonl) is evaluated alongside, to watch forgetting; nothing here overlaps it.
+The demo's eval set (demo/arith/eval.jsonl) is evaluated alongside, to watch forgetting; nothing here overlaps it.
 
 How: candidate sums with 3+3 and 2+2 digit operands (the demo model's own shapes that hold hard prompts: 27% of 3+3
 and 9% of 2+2 sums are in [5%, 40%); 2+1 sums are mostly above 90%, and reversed or longer shapes, 1+2, 3+2, 2+3,
@@ -28,16 +28,16 @@ selected problem is measured again with fresh samples (seed + 1; 128 for the eva
 those are the start pass rates this script prints, and the eval levels' standard errors come from them.
 
 Reproducibility: a rerun writes the same bytes (`--check` regenerates into a temporary folder and compares sha256s)
-given the same shipped weights (demo/model/model.safetensors, sha256 in the manifest), torch and transformers versions,
+given the same shipped weights (demo/arith/model/model.safetensors, sha256 in the manifest), torch and transformers versions,
 the same CPU kernels (ATEN_CPU_CAPABILITY) and one thread: the sampler draws from float32 softmaxes whose rounding
 depends on all four, and a different draw changes a measured rate and so which candidates land in a band. The
 candidate sums themselves depend only on Python's random module and the seed. Checked: three generations on this
 machine (AMD EPYC, torch 2.13.0+cpu, transformers 5.19.0) wrote the same bytes.
 
-Run: python bench/hard_prompts.py [--out bench/data]     (about 4 CPU-minutes on one thread; 8 min of wall time on
+Run: python -m tools.hard_prompts [--out experiments/data]     (about 4 CPU-minutes on one thread; 8 min of wall time on
                                                           a busy 2-core machine)
-     python bench/hard_prompts.py --check                 (regenerate and compare with the committed files)
-     python bench/hard_prompts.py --survey                (pass rates of other operand shapes; writes nothing)
+     python -m tools.hard_prompts --check                 (regenerate and compare with the committed files)
+     python -m tools.hard_prompts --survey                (pass rates of other operand shapes; writes nothing)
 """
 import argparse
 import hashlib
@@ -53,7 +53,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 SEED = 2025
 POOL = {(3, 3): 9000, (2, 2): 3000}  # operand digits -> candidate sums drawn
@@ -61,7 +60,7 @@ CAL_SAMPLES, CHECK_SAMPLES, CHECK_EVAL_SAMPLES = 64, 64, 128
 HARD_BAND, EASY_BAND = (0.05, 0.40), (0.60, 0.95)  # [low, high) of the calibrated start pass rate
 EVAL_LEVELS = {1: (0.30, 0.40), 2: (0.20, 0.30), 3: (0.12, 0.20), 4: (0.05, 0.12)}  # level -> [low, high)
 EVAL_PER_LEVEL, TRAIN_SIZE, EASY_SHARES = 80, 2000, (25, 50, 75)
-EVAL_K = 16  # samples per eval problem in bench/learning.py: the standard errors printed assume it
+EVAL_K = 16  # samples per eval problem in experiments/learning.py: the standard errors printed assume it
 FILES = ["hard_train.jsonl", *[f"mix_easy{e}_train.jsonl" for e in EASY_SHARES], "hard_eval.jsonl"]
 
 
@@ -101,10 +100,7 @@ def candidates(seed: int, pool: dict) -> list[dict]:
 def pass_rates(model, tok, problems: list[dict], samples: int, seed: int) -> list[float]:
     """Each problem's pass rate: demo/build.py's calibration (`samples` completions at temperature 1 through the real
     rollout and verifier, the demo's 12-token limit, 128 problems per call, seeded once)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("demo_build", os.path.join(ROOT, "demo", "build.py"))
-    build = importlib.util.module_from_spec(spec)  # by path: from bench/, `import demo` finds bench/demo.py
-    spec.loader.exec_module(build)
+    from demo import build
     return build.pass_rates(model, tok, [{**p, "level": 0} for p in problems], samples, seed)
 
 
@@ -214,7 +210,7 @@ def generate(out: str, seed: int) -> dict:
         levels[level] = {"band": EVAL_LEVELS[level], "at_build": statistics.mean(
             r["pass_rate_at_build"] for r in eval_rows if r["level"] == level), **level_stats(check, EVAL_K)}
     manifest = {
-        "command": "python bench/hard_prompts.py", "seed": seed, "pool": {f"{a}+{b}": n for (a, b), n in POOL.items()},
+        "command": "python -m tools.hard_prompts", "seed": seed, "pool": {f"{a}+{b}": n for (a, b), n in POOL.items()},
         "samples": {"calibration": CAL_SAMPLES, "check_train": CHECK_SAMPLES, "check_eval": CHECK_EVAL_SAMPLES},
         "bands": {"hard": HARD_BAND, "easy": EASY_BAND, "eval_levels": EVAL_LEVELS},
         "depends_on": {"model.safetensors sha256": sha256(os.path.join(modeling.model_path("demo"),
@@ -259,7 +255,7 @@ def print_summary(m: dict):
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "data"), help="folder for the files")
+    p.add_argument("--out", default=os.path.join(ROOT, "experiments", "data"), help="folder for the files")
     p.add_argument("--seed", type=int, default=SEED, help="candidate draw and calibration seed")
     p.add_argument("--check", action="store_true", help="regenerate into a temporary folder and compare sha256s "
                                                         "with --out's files (exit 1 on a difference)")

@@ -3,19 +3,19 @@ weights? Every arm x seed trains from the same model on a task (a table entry: m
 extra flags), and the claims are tested on endpoints fixed in this file before any run (ENDPOINTS), paired by
 seed, with t-intervals for any number of seeds and Holm's correction across the primary family.
 
-Tasks (TASKS; bench/hard_prompts.py writes the data): `hard` (2,000 prompts the shipped demo model solves 5-40% of
+Tasks (TASKS; tools/hard_prompts.py writes the data): `hard` (2,000 prompts the shipped demo model solves 5-40% of
 the time) with every arm; `mix_easy25/50/75` (25 / 50 / 75% of the rows easy, start pass rate 60-95%) with DAPO and
-DA3PO lam 2, to vary the hard share of an update; each evaluated on bench/data/hard_eval.jsonl (320 problems, 4
-levels by start pass rate) and demo/arith_eval.jsonl (the demo's own eval set, to watch forgetting); `reasoning`, the
+DA3PO lam 2, to vary the hard share of an update; each evaluated on experiments/data/hard_eval.jsonl (320 problems, 4
+levels by start pass rate) and demo/arith/eval.jsonl (the demo's own eval set, to watch forgetting); `reasoning`, the
 reasoning demo (demo/reasoning/: wrong answers run longer, so DARO's bins differ in loss scale) with DAPO, DARO,
 uniform and var, evaluated on its own calibrated set; `arith`, the demo's own training mix (optional).
 
-Usage: python bench/learning.py --plan                       # the runs and their estimated CPU time; runs nothing
-       python bench/learning.py                              # the full benchmark (see the plan for its cost)
-       python bench/learning.py --tasks hard --arms dapo,da3po_lam2 --seeds 0,1 --steps 10 --eval_every 2 --name smoke
-Runs are cached in bench/results/runs/learning/<task>/<arm>-s<seed>-<steps>steps/ and reused while their command is
+Usage: python -m experiments.learning --plan                       # the runs and their estimated CPU time; runs nothing
+       python -m experiments.learning                              # the full benchmark (see the plan for its cost)
+       python -m experiments.learning --tasks hard --arms dapo,da3po_lam2 --seeds 0,1 --steps 10 --eval_every 2 --name smoke
+Runs are cached in experiments/results/runs/learning/<task>/<arm>-s<seed>-<steps>steps/ and reused while their command is
 the same (delete a folder to redo it); the report goes to bench/results/<name>.md and the figures to <name>_*.png
-(matplotlib: bench/requirements.txt). --jobs 2 runs two at a time, one thread each."""
+(matplotlib: requirements/bench.txt). --jobs 2 runs two at a time, one thread each."""
 import argparse
 import json
 import math
@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+RESULTS = os.path.join(ROOT, "experiments", "results")
 
 # -----------------------------------------------------------------------------------------------------------------
 # The protocol, as data. Everything below this section only reads it.
@@ -50,7 +50,7 @@ ARMS = {
     "daro": ("daro.py", ["--algo", "daro"]),  # the paper's weight lr 1e-3
     "uniform": ("daro.py", ["--algo", "uniform"]),
     "var": ("daro.py", ["--algo", "var"]),
-    # The DARO study (issue 32; bench/daro_study.py runs it): DARO where its weights move. "{travel}" stands for the
+    # The DARO study (issue 32; experiments/daro_study.py runs it): DARO where its weights move. "{travel}" stands for the
     # weight lr at which ln w can travel TRAVEL in the run: TRAVEL / (steps x updates per step) (command() fills it
     # in), the paper's 600 updates x 1e-3; the closed form w_mu = 1 / (|L_mu| + delta) is DARO's fixed point at every
     # update; --shared_weight gives every bin the mean of those weights: the same overall loss scale, no reweighting.
@@ -63,7 +63,8 @@ TRAVEL = 600 * 1e-3  # the paper's weight updates (300 steps x 2) x its weight l
 DARO_STUDY_ARMS = ["daro_travel", "daro_travel_shared", "daro_closed", "daro_closed_shared"]
 DA3PO_ARMS = ["dapo", "da3po_lam1.5", "da3po_lam2", "da3po_lam4", "da3po_adaptive", "da3po_all", "grpo", "daro",
               "uniform", "var"]
-HARD_EVAL, DEMO_EVAL = "bench/data/hard_eval.jsonl", "demo/arith_eval.jsonl"
+HARD_EVAL = "experiments/data/hard_eval.jsonl"
+DEMO_EVAL = "arith"  # the built-in name of demo/arith/eval.jsonl: its keys read eval/arith/...
 # Task: model, training data, eval sets, extra flags, arms; "hard_set" names the eval set whose accuracy and pass@k
 # are the hard-prompt endpoints, "forget_set" the one that watches forgetting, "hard_share" the share of hard rows in
 # the training set (the x-axis of the mix trend). Optional "steps", "eval_every", "eval_samples" replace the protocol
@@ -73,11 +74,11 @@ HARD_EVAL, DEMO_EVAL = "bench/data/hard_eval.jsonl", "demo/arith_eval.jsonl"
 # dapo 42.7, da3po_lam2 44.0, grpo 41.6, daro 46.5 s; dapo on mix_easy75 54.7 s (more all-correct groups to refill);
 # the other mixes interpolated.
 HARD_TASK = {"model": "demo", "eval": [HARD_EVAL, DEMO_EVAL], "flags": ["--demo", "arith"],
-             "hard_set": "hard_eval", "forget_set": "arith_eval", "cpu_s": {"start": 7.0, "step": 0.25, "eval": 3.2}}
+             "hard_set": "hard_eval", "forget_set": "arith", "cpu_s": {"start": 7.0, "step": 0.25, "eval": 3.2}}
 TASKS = {
-    "hard": {**HARD_TASK, "train": "bench/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0,
+    "hard": {**HARD_TASK, "train": "experiments/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0,
              "study_arms": DARO_STUDY_ARMS},  # run only when --arms names them (the default benchmark stays as it was)
-    **{f"mix_easy{e}": {**HARD_TASK, "train": f"bench/data/mix_easy{e}_train.jsonl", "arms": ["dapo", "da3po_lam2"],
+    **{f"mix_easy{e}": {**HARD_TASK, "train": f"experiments/data/mix_easy{e}_train.jsonl", "arms": ["dapo", "da3po_lam2"],
                         "hard_share": 1 - e / 100, "cpu_s": {"start": 7.0, "step": step, "eval": 3.2}}
        for e, step in ((25, 0.30), (50, 0.36), (75, 0.42))},
     # The reasoning demo (`--demo reasoning`; demo/reasoning/README.md): its flags, 20 steps (it nears its ceiling by
@@ -89,7 +90,7 @@ TASKS = {
                   "flags": ["--max_new_tokens", "72", "--overlong_buffer", "16", "--prompts_per_step", "16"],
                   "steps": 20, "eval_every": 5, "eval_samples": 4, "hard_set": None, "forget_set": None,
                   "cpu_s": {"start": 7.0, "step": 1.9, "eval": 13.6}, "study_arms": DARO_STUDY_ARMS},
-    # The demo's own training mix (bench/results/learning.md's task), on the same eval sets: few hard prompts.
+    # The demo's own training mix (experiments/results/learning.md's task), on the same eval sets: few hard prompts.
     "arith": {**HARD_TASK, "train": "arith", "arms": ["dapo", "da3po_lam2"], "hard_share": None,
               "cpu_s": {"start": 7.0, "step": 0.45, "eval": 3.2}},
 }
@@ -103,7 +104,7 @@ ALPHA = 0.05
 # the largest k evaluated); kind "last3" = mean of the last 3 evaluations, "steps_to" = the first step at which the
 # curve reaches `target` (linear between evaluations; a seed that never does counts as steps + eval_every).
 # better: +1 when larger is better, -1 when smaller is (steps). Targets come from a pilot DAPO run at seed 100, not
-# a benchmark seed: eval/acc (the mean of hard_eval and arith_eval) 0.32 at step 0, 0.54 at 30, 0.56 at 40, 0.61 at 60.
+# a benchmark seed: eval/acc (the mean of hard_eval and arith) 0.32 at step 0, 0.54 at 30, 0.56 at 40, 0.61 at 60.
 ENDPOINTS = [
     {"id": "P1", "claim": "DA3PO learns more on hard prompts than DAPO", "task": "hard", "arm": "da3po_lam2",
      "vs": "dapo", "metric": "eval/{hard}/acc", "kind": "last3", "better": 1},
@@ -123,15 +124,15 @@ ENDPOINTS = [
      "arm": "daro", "vs": "uniform", "metric": "eval/acc", "kind": "last3", "better": 1},
 ]
 # The DARO study (issue 32, item 2), fixed before its runs: DARO where its weights move, a family of its own (Holm
-# across these 7; bench/daro_study.py). `hard` at 60 steps (240 weight updates: --weight_lr 2.5e-3 for the matched
+# across these 7; experiments/daro_study.py). `hard` at 60 steps (240 weight updates: --weight_lr 2.5e-3 for the matched
 # travel), `reasoning` at 20 (80 updates: 7.5e-3), 8 seeds. On `hard` every bin's fixed point sits at the w_max clamp
-# (bench/results/daro_mechanism.md), so there the closed form is one global scale of 10 and the shared control of the
+# (experiments/results/daro_mechanism.md), so there the closed form is one global scale of 10 and the shared control of the
 # matched-travel arm is the informative one; on `reasoning` the bins' loss scales differ, so the closed form really
 # reweighs and its shared control asks whether a gain is reweighting or a larger step. DAPO is not run on `reasoning`
 # (the CPU budget of the study, ~100 CPU-minutes): there the weights are tested against uniform weights, whose loss
 # differs from DARO's only by w. Cut before any `reasoning` run, when the hard runs showed the machine's wall time
 # (shared, ~2x the CPU time): daro_travel on `reasoning` (D6, vs uniform; its id stays unused). There ln w can
-# travel 0.6 in 80 updates, below ln 3.4 = 1.22, the smallest fixed point measured (bench/results/daro_mechanism.md):
+# travel 0.6 in 80 updates, below ln 3.4 = 1.22, the smallest fixed point measured (experiments/results/daro_mechanism.md):
 # its weights would still rise together, the loss-scale ramp that D1-D3 test on `hard`.
 DARO_STUDY = [
     {"id": "D1", "claim": "DARO at the paper's weight travel beats DAPO", "task": "hard", "arm": "daro_travel",
@@ -455,7 +456,7 @@ def report(stats: dict, sets: dict, args, costs: dict, wall: float) -> str:
               "for steps-to-target).", ""]
     prim = primaries(stats, sets)
     done = {r["id"] for r in prim}
-    lines += ["## Endpoints, fixed in bench/learning.py before the runs", "",
+    lines += ["## Endpoints, fixed in experiments/learning.py before the runs", "",
               f"Primary, one per claim: two-sided paired t-test, Holm's correction across the {len(prim)} primaries "
               f"run here ({', '.join(sorted(done)) or 'none'}):", ""]
     lines += [f"- {e['id']} ({e['claim']}): {endpoint_text(e, sets.get(e['task']))}" +
@@ -492,7 +493,7 @@ def report(stats: dict, sets: dict, args, costs: dict, wall: float) -> str:
               f"estimated beforehand {sum(estimate_cpu_s(t, sets[t]) or 0 for t, *_ in costs) / 3600:.2f}), "
               f"{sum(w for _, w in costs.values()) / 3600:.2f} hours of run wall time, {args.jobs} at a time; this "
               f"invocation {wall / 60:.0f} min (cached runs reused). Command: "
-              f"`{' '.join(['python bench/learning.py', *sys.argv[1:]])}`"]
+              f"`{' '.join(['python -m experiments.learning', *sys.argv[1:]])}`"]
     return "\n".join(lines)
 
 
@@ -588,7 +589,7 @@ def task_tables(stats: dict, task: str, s: dict) -> list[str]:
                         if k.startswith(f"eval/{hard}/acc_level"))
         def level_start(lv):
             return statistics.mean(value(r, f"eval/{hard}/acc_level{lv}", "start") for r in runs)
-        lines += ["", f"Per level of {hard} (levels by the start pass rate: bench/data/manifest.json); accuracy at "
+        lines += ["", f"Per level of {hard} (levels by the start pass rate: experiments/data/manifest.json); accuracy at "
                   f"the start, then each arm's difference against DAPO (points, [95% interval], unadjusted):", "",
                   "| arm | " + " | ".join(f"L{lv} (start {level_start(lv):.2f})" for lv in levels) + " |",
                   "|---" * (len(levels) + 1) + "|"]
@@ -742,7 +743,7 @@ def parse_args(argv=None):
     p.add_argument("--eval_samples", type=int, default=None, help=f"samples per eval problem, a power of 2 "
                                                                     f"(default {PROTOCOL['eval_samples']})")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (threads per run: 2 // jobs, at least 1)")
-    p.add_argument("--name", default="learning_hard", help="bench/results/<name>.md and <name>_*.png")
+    p.add_argument("--name", default="learning_hard", help="experiments/results/<name>.md and <name>_*.png")
     p.add_argument("--plan", action="store_true", help="print the runs and the estimated CPU time, run nothing")
     args = p.parse_args(argv)
     args.task_list = [t for t in args.tasks.split(",") if t]
@@ -830,7 +831,7 @@ def main(argv=None):
         written = plots(stats, args.sets, args.name)
         print(f"wrote {RESULTS}/{args.name}.md and {', '.join(written)}")
     except ImportError:
-        print("matplotlib not installed: report written, figures skipped (pip install -r bench/requirements.txt)")
+        print("matplotlib not installed: report written, figures skipped (pip install -r requirements/bench.txt)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The reference harness's long sweep: many random update batches and flag combinations through the real pipeline,
 each compared with the plain reference update (tests/reference.py, tests/harness.py), in float64, in one process.
-Usage: python bench/reference_sweep.py [--seeds 500] [--start 0] [--script da3po|daro] [--tol 1e-10]
+Usage: python -m tools.reference_sweep [--seeds 500] [--start 0] [--script da3po|daro] [--tol 1e-10]
                                       [--family demo|llama|mistral|...]   (tests/harness.py FAMILIES)
 
 Prints one line per failing case (its seed, flags and the checks over the tolerance), then a table: per flag

@@ -1,16 +1,16 @@
 """The DARO study (issue 32, item 2): DARO where its weights move, against uniform weights, DAPO and a global
-loss-scale control, on the endpoints fixed in bench/learning.py before the runs (ENDPOINTS, family "daro_study").
+loss-scale control, on the endpoints fixed in experiments/learning.py before the runs (ENDPOINTS, family "daro_study").
 
-Arms (bench/learning.py's ARMS): daro_travel (the paper's weight travel: --weight_lr = 0.6 / the run's weight
+Arms (experiments/learning.py's ARMS): daro_travel (the paper's weight travel: --weight_lr = 0.6 / the run's weight
 updates), daro_closed (--weighting closed: every bin at its fixed point 1 / (|L_mu| + delta) each update), their
 --shared_weight controls (every bin weighs the mean of those weights: the same overall loss scale, no reweighting),
-uniform (w = 1) and DAPO. Every run is bench/learning.py's run of that arm, task and seed, reused from
-bench/results/runs/learning/ when its command is the same (so `python bench/learning.py --tasks hard --arms ...` and
+uniform (w = 1) and DAPO. Every run is experiments/learning.py's run of that arm, task and seed, reused from
+experiments/results/runs/learning/ when its command is the same (so `python -m experiments.learning --tasks hard --arms ...` and
 this script share their runs).
 
-Usage: python bench/daro_study.py                    # runs what is not cached (~60-90 CPU-minutes), then the report
-       python bench/daro_study.py --jobs 2 --seeds 0-7
-Writes bench/results/daro_study.md, .json and, with matplotlib, daro_study.png (each bin's weight over the weight
+Usage: python -m experiments.daro_study                    # runs what is not cached (~60-90 CPU-minutes), then the report
+       python -m experiments.daro_study --jobs 2 --seeds 0-7
+Writes experiments/results/daro_study.md, .json and, with matplotlib, daro_study.png (each bin's weight over the weight
 updates per arm, and the primaries' differences with their intervals)."""
 import argparse
 import json
@@ -21,9 +21,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from experiments import learning  # the benchmark's protocol, runs and statistics
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import learning  # noqa: E402  (the benchmark's protocol, runs and statistics)
 
 FAMILY = "daro_study"
 # the global control of each DARO arm: the same weights' mean on every bin
@@ -121,10 +121,10 @@ def run_all(arms: dict, sets: dict, seeds: dict, jobs: int) -> tuple[dict, dict]
 
 def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: dict, argv: list[str]) -> tuple[str, dict]:
     rows = learning.primaries(stats, sets, FAMILY)
-    cmd = " ".join(["python bench/daro_study.py", *argv])
+    cmd = " ".join(["python -m experiments.daro_study", *argv])
     lines = ["# DARO where its weights move: the study (issue 32, item 2)", "",
-             f"Command: `{cmd}` (every number below; the runs are bench/learning.py's, cached in "
-             "bench/results/runs/learning/). Endpoints fixed in bench/learning.py (ENDPOINTS, family daro_study) "
+             f"Command: `{cmd}` (every number below; the runs are experiments/learning.py's, cached in "
+             "experiments/results/runs/learning/). Endpoints fixed in experiments/learning.py (ENDPOINTS, family daro_study) "
              "before any run of the study (see git log). Seeds: " + "; ".join(
                  f"`{t}` {','.join(map(str, seeds[t]))} ({len(seeds[t])})" for t in arms) +
              ", paired by seed; 95% Student-t intervals; two-sided paired t-tests, Holm across the "
@@ -187,7 +187,7 @@ def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: dict, argv: 
                      for key, n in clip["equal_to_uniform"].items()]
     total = sum(sum(c) for c in costs.values())
     lines += ["", "## Cost", "", f"{sum(len(c) for c in costs.values())} runs, {total / 60:.0f} CPU-minutes "
-              f"measured (each run's own user + system time; runs made by bench/learning.py with the same command "
+              f"measured (each run's own user + system time; runs made by experiments/learning.py with the same command "
               f"count here too)."]
     data = {"command": cmd, "seeds": seeds, "sets": sets, "arms": arms,
             "primaries": [{k: r[k] for k in ("id", "claim", "task", "arm", "vs", "metric", "kind", "d", "p_adj")}
