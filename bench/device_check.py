@@ -1,4 +1,4 @@
-"""One prepared device check for the day a GPU machine is lent (issue 22): every GPU-only path of the trainer and
+"""One prepared device check for the day a GPU machine is lent: every GPU-only path of the trainer and
 of vLLM, in one command of a few minutes on one GPU, with no network, into ONE markdown report of every figure and
 every failure (each item in its own try/except: one failure never hides the others; the report is rewritten after
 every item, so a run killed at its time limit still leaves what it measured).

@@ -7,7 +7,7 @@ fixed point 1 / (|L_mu| + delta) clamped to [w_min, w_max], the bin's share of t
 w_mu |L_mu| / sum_nu w_nu |L_nu| and of the gradient, ||grad w_mu L_mu|| / sum_nu ||grad w_nu L_nu|| (one extra
 autograd pass per bin and micro-batch), and how far s_mu = -ln w_mu moved in the weight step, in units of --weight_lr.
 
-The reading this checks (issue 32): Adam moves each s_mu by about --weight_lr per update whatever the gradient's
+The reading this checks: Adam moves each s_mu by about --weight_lr per update whatever the gradient's
 size, so while every w_mu is below its fixed point all bins rise together at the same rate: at the paper's rate
 DARO is, for its first hundreds of updates, a global loss-scale ramp, not a reweighting between bins.
 

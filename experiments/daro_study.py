@@ -1,4 +1,4 @@
-"""The DARO study (issue 32, item 2): DARO where its weights move, against uniform weights, DAPO and a global
+"""The DARO study: DARO where its weights move, against uniform weights, DAPO and a global
 loss-scale control, on the endpoints fixed in experiments/learning.py before the runs (ENDPOINTS, family "daro_study").
 
 Arms (experiments/learning.py's ARMS): daro_travel (the paper's weight travel: --weight_lr = 0.6 / the run's weight
@@ -122,7 +122,7 @@ def run_all(arms: dict, sets: dict, seeds: dict, jobs: int) -> tuple[dict, dict]
 def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: dict, argv: list[str]) -> tuple[str, dict]:
     rows = learning.primaries(stats, sets, FAMILY)
     cmd = " ".join(["python -m experiments.daro_study", *argv])
-    lines = ["# DARO where its weights move: the study (issue 32, item 2)", "",
+    lines = ["# DARO where its weights move: the study", "",
              f"Command: `{cmd}` (every number below; the runs are experiments/learning.py's, cached in "
              "experiments/results/runs/learning/). Endpoints fixed in experiments/learning.py (ENDPOINTS, family daro_study) "
              "before any run of the study (see git log). Seeds: " + "; ".join(

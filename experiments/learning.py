@@ -50,7 +50,7 @@ ARMS = {
     "daro": ("daro.py", ["--algo", "daro"]),  # the paper's weight lr 1e-3
     "uniform": ("daro.py", ["--algo", "uniform"]),
     "var": ("daro.py", ["--algo", "var"]),
-    # The DARO study (issue 32; experiments/daro_study.py runs it): DARO where its weights move. "{travel}" stands for the
+    # The DARO study (experiments/daro_study.py runs it): DARO where its weights move. "{travel}" stands for the
     # weight lr at which ln w can travel TRAVEL in the run: TRAVEL / (steps x updates per step) (command() fills it
     # in), the paper's 600 updates x 1e-3; the closed form w_mu = 1 / (|L_mu| + delta) is DARO's fixed point at every
     # update; --shared_weight gives every bin the mean of those weights: the same overall loss scale, no reweighting.
@@ -123,7 +123,7 @@ ENDPOINTS = [
     {"id": "R3", "claim": "DARO's learned weights beat static ones (reasoning demo)", "task": "reasoning",
      "arm": "daro", "vs": "uniform", "metric": "eval/acc", "kind": "last3", "better": 1},
 ]
-# The DARO study (issue 32, item 2), fixed before its runs: DARO where its weights move, a family of its own (Holm
+# The DARO study, fixed before its runs: DARO where its weights move, a family of its own (Holm
 # across these 7; experiments/daro_study.py). `hard` at 60 steps (240 weight updates: --weight_lr 2.5e-3 for the matched
 # travel), `reasoning` at 20 (80 updates: 7.5e-3), 8 seeds. On `hard` every bin's fixed point sits at the w_max clamp
 # (experiments/results/daro_mechanism.md), so there the closed form is one global scale of 10 and the shared control of the

@@ -26,7 +26,7 @@ import ranks
 import da3po
 import daro
 import engine
-from reference import Adam, Flags, Seq, gradient, sequence_logprobs, update, weight_objective
+from tests.reference import Adam, Flags, Seq, gradient, sequence_logprobs, update, weight_objective
 
 TOL = 1e-10
 CHECKS = ("advantage", "mask", "weight", "carried", "loss", "grad", "bin_loss", "s")

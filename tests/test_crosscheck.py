@@ -9,7 +9,7 @@ import pytest
 
 import common
 import crosscheck
-from conftest import run_script
+from tests.conftest import run_script
 from da3po import Config
 
 

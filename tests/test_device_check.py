@@ -6,7 +6,7 @@ MFU and HFU are the formulas' for the tiny model, recomputed here by hand from t
 Without a GPU and without --device cpu it refuses to start: exit 2, one line."""
 import re
 
-from conftest import run_script
+from tests.conftest import run_script
 
 # the CPU profile's model (bench/device_check.py PROFILES["cpu"]), written out again for the hand count
 V, H, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1000, 64, 2, 2, 1, 32, 128
@@ -29,7 +29,7 @@ def parse(report: str):
 
 def test_cpu_smoke_run_passes_every_check(tmp_path):
     out = tmp_path / "r.md"
-    r = run_script(["bench/device_check.py", "--device", "cpu", "--out", str(out)], timeout=240)
+    r = run_script(["-m", "bench.device_check", "--device", "cpu", "--out", str(out)], timeout=240)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "device_check: " in r.stdout and "0 failed" in r.stdout, r.stdout[-2000:]
     report = out.read_text()
@@ -75,7 +75,7 @@ def test_cpu_smoke_run_passes_every_check(tmp_path):
 def test_refuses_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, also on a machine that has one
     out = tmp_path / "r.md"
-    r = run_script(["bench/device_check.py", "--out", str(out)], timeout=120)
+    r = run_script(["-m", "bench.device_check", "--out", str(out)], timeout=120)
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, (r.returncode, lines)
     assert "no GPU" in lines[0] and "--device cpu" in lines[0]

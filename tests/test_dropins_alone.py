@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 USERS_COMMON = '''"""The user's own common.py: a verifier of sums."""
 def is_correct(completions, answer, **kwargs):

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import common
 import modeling
-from conftest import ROOT
+from tests.conftest import ROOT
 
 V, H = 64, 32
 BASE = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -241,14 +241,11 @@ def test_chunked_path_raises_when_the_head_is_not_called():
 
 
 DIST_PROBE = r"""
-import sys
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {tests!r})
 import torch
 import common
 import modeling
 import ranks
-import test_heads
+from tests import test_heads
 
 d = ranks.setup_dist("cpu")
 model = test_heads.build("gemma2", tied=True).float()  # the same seed, so the same weights, on every rank
@@ -277,10 +274,10 @@ def test_probe_under_fsdp2(tmp_path):
     """Under torchrun (2 CPU ranks, FSDP2): the probe runs on every rank, accepts Gemma 2 (whose chunked log-probs and
     gradients then match the whole logits) and refuses an unknown head on every rank."""
     script = tmp_path / "probe.py"
-    script.write_text(DIST_PROBE.format(root=ROOT, tests=f"{ROOT}/tests"))
+    script.write_text(DIST_PROBE)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT})
     assert r.returncode != 0 and "not refused" not in r.stdout, r.stdout + r.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: gemma2 accepted" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The layout by role (issue 31): common.py holds the step, the files that keep a run going hold the rest, and
+"""The layout by role: common.py holds the step, the files that keep a run going hold the rest, and
 imports point one way. Source checks only (no torch needed); tools/layout.py prints the size figures."""
 import ast
 import glob

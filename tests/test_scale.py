@@ -15,7 +15,7 @@ import modeling
 import ranks
 import engine as eng
 import da3po
-from conftest import ROOT, weighted_loss
+from tests.conftest import ROOT, weighted_loss
 
 
 def random_batch(tok, n, seed=0, skew=False):

@@ -20,7 +20,7 @@ import common  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
 import modeling  # noqa: E402
-from conftest import ROOT, readme_block, run_script  # noqa: E402
+from tests.conftest import ROOT, readme_block, run_script  # noqa: E402
 from integrations import golden  # noqa: E402
 from integrations import trl_da3po_daro as drop_in  # noqa: E402
 from integrations.trl_da3po_daro import (ALGO_STATE, DA3POConfig, DA3POTrainer, DAROConfig,  # noqa: E402
@@ -473,7 +473,7 @@ def test_two_processes_group_split_across_them(tmp_path):
     processes and equal to daro.update_weights on the gathered L_mu (tests/trl_two_processes.py checks, rank 0
     reports)."""
     out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      os.path.join(ROOT, "tests", "trl_two_processes.py"), str(tmp_path)], timeout=600)
+                      "-m", "tests.trl_two_processes", str(tmp_path)], timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["split_groups"] > 0 and report["da3po_updates"] == 2 and report["daro_updates"] == 2

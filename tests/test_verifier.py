@@ -8,7 +8,6 @@ import logging
 import os
 import random
 import re
-import sys
 import threading
 import time
 import tracemalloc
@@ -16,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, also under --noconftest
-import verifier as vmod  # noqa: E402
-from verifier import close_verifier_pool, extract_answer, math_equal, verify_batch  # noqa: E402
+import verifier as vmod
+from verifier import close_verifier_pool, extract_answer, math_equal, verify_batch
 
 
 # Correctness cases get a generous deadline: on a loaded shared machine a legitimate comparison (e.g. an inequality

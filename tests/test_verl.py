@@ -23,7 +23,7 @@ for _module in ("verl.workers.engine_workers", "hydra"):  # verl's trainer stack
 import common  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
-from conftest import ROOT, run_script  # noqa: E402
+from tests.conftest import ROOT, run_script  # noqa: E402
 from integrations import golden  # noqa: E402
 from integrations import verl_da3po_daro as drop_in  # noqa: E402
 from integrations.verl_da3po_daro import register_da3po, register_daro  # noqa: E402
@@ -253,7 +253,7 @@ def test_daro_in_verls_actor_update(tmp_path):
         out = tmp_path / f"ranks{n}"
         out.mkdir()
         run = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                          os.path.join(ROOT, "tests", "verl_actor_update.py"), str(out)], timeout=600)
+                          "-m", "tests.verl_actor_update", str(out)], timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         reports[n] = json.loads((out / "report.json").read_text())
         assert len(reports[n]) == n

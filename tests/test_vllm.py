@@ -12,7 +12,7 @@ import common
 import modeling
 import ranks
 import engine as eng
-from conftest import run_script
+from tests.conftest import run_script
 
 
 def test_auto_falls_back_to_hf_without_vllm(monkeypatch, capsys):

@@ -7,16 +7,12 @@ Usage: python -m tools.pack_equality [--seeds 30] [--family demo|all|llama,mistr
 import argparse
 import contextlib
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 
-import conftest  # noqa: E402
-import harness  # noqa: E402
 import modeling  # noqa: E402
+from tests import conftest, harness  # noqa: E402
 
 
 def models(names: str):

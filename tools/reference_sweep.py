@@ -12,14 +12,12 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import modeling  # noqa: E402
-import harness  # noqa: E402
-from conftest import float64_norms  # noqa: E402
+from tests import harness  # noqa: E402
+from tests.conftest import float64_norms  # noqa: E402
 
 
 def main():
