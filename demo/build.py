@@ -30,15 +30,15 @@ start ends. The previous recipe (800 steps, built on each machine) gave, on one 
 kernels torch picks, a demo model at eval/acc 0.36 (ATEN_CPU_CAPABILITY=avx2), 0.49 (avx512) or 0.55 (default); on
 another 2-core machine (AMD EPYC) its own kernels gave 0.17. So a model built on each machine would differ by
 machine, and with it the README's numbers. Training from these shipped files, every machine starts from the same
-weights, and RL from fixed weights turned out stable across kernels (README, experiments/demo_table.py). On the machine that
-built them (Intel Xeon with AVX-512, torch 2.13.0+cpu, transformers 5.19.0, one thread) this script reproduces them
+weights, and RL from fixed weights turned out stable across kernels (README, experiments/demo_table.py). On the machine
+that built them (Intel Xeon with AVX-512, torch 2.13.0+cpu, transformers 5.19.0, one thread) this script reproduces them
 bit for bit; it prints the weights' sha256 to check (9d215e51... for the shipped model.safetensors).
 
 Why calibrated levels: the papers' notion of a hard prompt is its pass rate (DA3PO amplifies correct answers where
 p < tau; DARO bins by mu = #correct / G). Levels defined by pass rate make that visible: the demo model starts with
-levels at about 97%, 70%, 37%, 14% and 1%, so per-level accuracy shows where each method learns (experiments/learning.py).
-The sums come from the same distribution as the training rows (1+1, 2+1, 2+2 and 3+3 digits) and none is a training
-row; the digit level of each is kept in the file as `digits`.
+levels at about 97%, 70%, 37%, 14% and 1%, so per-level accuracy shows where each method learns
+(experiments/learning.py). The sums come from the same distribution as the training rows (1+1, 2+1, 2+2 and 3+3 digits)
+and none is a training row; the digit level of each is kept in the file as `digits`.
 """
 import argparse
 import hashlib

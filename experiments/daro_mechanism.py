@@ -181,7 +181,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="hard,reasoning", help="comma-separated tasks of experiments/learning.py")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds")
-    p.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the task's own, as experiments/learning.py)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="RL steps per run (0: the task's own, as experiments/learning.py)")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "daro_mechanism"),
                    help="output path without extension (.json, .md, .png)")
     p.add_argument("--replot", action="store_true", help="no runs: <out>.md and <out>.png again from <out>.json")

@@ -5,10 +5,10 @@ Arms (experiments/learning.py's ARMS): daro_travel (the paper's weight travel: -
 updates), daro_closed (--weighting closed: every bin at its fixed point 1 / (|L_mu| + delta) each update), their
 --shared_weight controls (every bin weighs the mean of those weights: the same overall loss scale, no reweighting),
 uniform (w = 1) and DAPO. Every run is experiments/learning.py's run of that arm, task and seed, reused from
-experiments/results/runs/learning/ when its command is the same (so `python -m experiments.learning --tasks hard --arms ...` and
-this script share their runs).
+experiments/results/runs/learning/ when its command is the same (so `python -m experiments.learning --tasks hard --arms
+...` and this script share their runs).
 
-Usage: python -m experiments.daro_study                    # runs what is not cached (~60-90 CPU-minutes), then the report
+Usage: python -m experiments.daro_study          # runs what is not cached (~60-90 CPU-minutes), then the report
        python -m experiments.daro_study --jobs 2 --seeds 0-7
 Writes experiments/results/daro_study.md, .json and, with matplotlib, daro_study.png (each bin's weight over the weight
 updates per arm, and the primaries' differences with their intervals)."""
@@ -124,8 +124,8 @@ def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: dict, argv: 
     cmd = " ".join(["python -m experiments.daro_study", *argv])
     lines = ["# DARO where its weights move: the study", "",
              f"Command: `{cmd}` (every number below; the runs are experiments/learning.py's, cached in "
-             "experiments/results/runs/learning/). Endpoints fixed in experiments/learning.py (ENDPOINTS, family daro_study) "
-             "before any run of the study (see git log). Seeds: " + "; ".join(
+             "experiments/results/runs/learning/). Endpoints fixed in experiments/learning.py (ENDPOINTS, "
+             "family daro_study) before any run of the study (see git log). Seeds: " + "; ".join(
                  f"`{t}` {','.join(map(str, seeds[t]))} ({len(seeds[t])})" for t in arms) +
              ", paired by seed; 95% Student-t intervals; two-sided paired t-tests, Holm across the "
              f"{len(rows)} primaries. Differences in points of eval/acc (mean of the last {learning.LAST} evals).",
@@ -187,8 +187,8 @@ def report(stats: dict, costs: dict, sets: dict, arms: dict, seeds: dict, argv: 
                      for key, n in clip["equal_to_uniform"].items()]
     total = sum(sum(c) for c in costs.values())
     lines += ["", "## Cost", "", f"{sum(len(c) for c in costs.values())} runs, {total / 60:.0f} CPU-minutes "
-              f"measured (each run's own user + system time; runs made by experiments/learning.py with the same command "
-              f"count here too)."]
+              "measured (each run's own user + system time; runs made by experiments/learning.py with the same "
+              "command count here too)."]
     data = {"command": cmd, "seeds": seeds, "sets": sets, "arms": arms,
             "primaries": [{k: r[k] for k in ("id", "claim", "task", "arm", "vs", "metric", "kind", "d", "p_adj")}
                           for r in rows],

@@ -1,5 +1,6 @@
 """The demo's learning and wall time over seeds and CPU kernel paths: what a new user sees from `python da3po.py`.
-Usage: python -m experiments.demo_table [--script da3po.py] [--seeds 0,1,2] [--kernels native,avx2,default] [extra script flags]
+Usage: python -m experiments.demo_table [--script da3po.py] [--seeds 0,1,2] [--kernels native,avx2,default]
+       [extra script flags]
 
 Each run is the real script in a fresh output folder. --kernels sets ATEN_CPU_CAPABILITY per run (native = unset):
 torch then uses other CPU kernels, whose float rounding differs, which is how another machine's result can be seen on

@@ -12,10 +12,11 @@ uniform and var, evaluated on its own calibrated set; `arith`, the demo's own tr
 
 Usage: python -m experiments.learning --plan                       # the runs and their estimated CPU time; runs nothing
        python -m experiments.learning                              # the full benchmark (see the plan for its cost)
-       python -m experiments.learning --tasks hard --arms dapo,da3po_lam2 --seeds 0,1 --steps 10 --eval_every 2 --name smoke
-Runs are cached in experiments/results/runs/learning/<task>/<arm>-s<seed>-<steps>steps/ and reused while their command is
-the same (delete a folder to redo it); the report goes to bench/results/<name>.md and the figures to <name>_*.png
-(matplotlib: requirements/bench.txt). --jobs 2 runs two at a time, one thread each."""
+       python -m experiments.learning --tasks hard --arms dapo,da3po_lam2 --seeds 0,1 --steps 10 --eval_every 2 \\
+           --name smoke
+Runs are cached in experiments/results/runs/learning/<task>/<arm>-s<seed>-<steps>steps/ and reused while their command
+is the same (delete a folder to redo it); the report goes to experiments/results/<name>.md and the figures to
+<name>_*.png (matplotlib: requirements/bench.txt). --jobs 2 runs two at a time, one thread each."""
 import argparse
 import json
 import math
@@ -78,8 +79,9 @@ HARD_TASK = {"model": "demo", "eval": [HARD_EVAL, DEMO_EVAL], "flags": ["--demo"
 TASKS = {
     "hard": {**HARD_TASK, "train": "experiments/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0,
              "study_arms": DARO_STUDY_ARMS},  # run only when --arms names them (the default benchmark stays as it was)
-    **{f"mix_easy{e}": {**HARD_TASK, "train": f"experiments/data/mix_easy{e}_train.jsonl", "arms": ["dapo", "da3po_lam2"],
-                        "hard_share": 1 - e / 100, "cpu_s": {"start": 7.0, "step": step, "eval": 3.2}}
+    **{f"mix_easy{e}": {**HARD_TASK, "train": f"experiments/data/mix_easy{e}_train.jsonl",
+                        "arms": ["dapo", "da3po_lam2"], "hard_share": 1 - e / 100,
+                        "cpu_s": {"start": 7.0, "step": step, "eval": 3.2}}
        for e, step in ((25, 0.30), (50, 0.36), (75, 0.42))},
     # The reasoning demo (`--demo reasoning`; demo/reasoning/README.md): its flags, 20 steps (it nears its ceiling by
     # then), an eval every 5 steps at 4 samples per problem (an eval of 200 problems x 16 samples of up to 72 tokens
@@ -126,14 +128,15 @@ ENDPOINTS = [
 # The DARO study, fixed before its runs: DARO where its weights move, a family of its own (Holm
 # across these 7; experiments/daro_study.py). `hard` at 60 steps (240 weight updates: --weight_lr 2.5e-3 for the matched
 # travel), `reasoning` at 20 (80 updates: 7.5e-3), 8 seeds. On `hard` every bin's fixed point sits at the w_max clamp
-# (experiments/results/daro_mechanism.md), so there the closed form is one global scale of 10 and the shared control of the
-# matched-travel arm is the informative one; on `reasoning` the bins' loss scales differ, so the closed form really
+# (experiments/results/daro_mechanism.md), so there the closed form is one global scale of 10 and the shared control of
+# the matched-travel arm is the informative one; on `reasoning` the bins' loss scales differ, so the closed form really
 # reweighs and its shared control asks whether a gain is reweighting or a larger step. DAPO is not run on `reasoning`
 # (the CPU budget of the study, ~100 CPU-minutes): there the weights are tested against uniform weights, whose loss
 # differs from DARO's only by w. Cut before any `reasoning` run, when the hard runs showed the machine's wall time
 # (shared, ~2x the CPU time): daro_travel on `reasoning` (D6, vs uniform; its id stays unused). There ln w can
-# travel 0.6 in 80 updates, below ln 3.4 = 1.22, the smallest fixed point measured (experiments/results/daro_mechanism.md):
-# its weights would still rise together, the loss-scale ramp that D1-D3 test on `hard`.
+# travel 0.6 in 80 updates, below ln 3.4 = 1.22, the smallest fixed point measured
+# (experiments/results/daro_mechanism.md): its weights would still rise together, the loss-scale ramp that D1-D3 test
+# on `hard`.
 DARO_STUDY = [
     {"id": "D1", "claim": "DARO at the paper's weight travel beats DAPO", "task": "hard", "arm": "daro_travel",
      "vs": "dapo"},
@@ -589,8 +592,9 @@ def task_tables(stats: dict, task: str, s: dict) -> list[str]:
                         if k.startswith(f"eval/{hard}/acc_level"))
         def level_start(lv):
             return statistics.mean(value(r, f"eval/{hard}/acc_level{lv}", "start") for r in runs)
-        lines += ["", f"Per level of {hard} (levels by the start pass rate: experiments/data/manifest.json); accuracy at "
-                  f"the start, then each arm's difference against DAPO (points, [95% interval], unadjusted):", "",
+        lines += ["", f"Per level of {hard} (levels by the start pass rate: experiments/data/manifest.json); "
+                  "accuracy at the start, then each arm's difference against DAPO (points, [95% interval], "
+                  "unadjusted):", "",
                   "| arm | " + " | ".join(f"L{lv} (start {level_start(lv):.2f})" for lv in levels) + " |",
                   "|---" * (len(levels) + 1) + "|"]
         for a in arms:

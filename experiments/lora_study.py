@@ -1,11 +1,12 @@
 """Does low rank cost accuracy in RL? DA3PO with LoRA adapters of rank 1, 8 and 32 on every linear layer of the
 blocks against full fine-tuning, each at the learning rate a sweep picked for it, on the two tasks of
-experiments/learning.py: the reasoning demo (wrong answers run long) and the hard sums (experiments/data/hard_*.jsonl). The
-published claim: LoRA of rank 1-32 on all linear layers matched full fine-tuning in RL on math reasoning, at about
+experiments/learning.py: the reasoning demo (wrong answers run long) and the hard sums (experiments/data/hard_*.jsonl).
+The published claim: LoRA of rank 1-32 on all linear layers matched full fine-tuning in RL on math reasoning, at about
 10x full fine-tuning's learning rate (Schulman et al., "LoRA Without Regret", Thinking Machines Lab, 2025).
 
-The protocol is fixed in this file before any run (see git log): the arms, the tasks and their settings (those of
-experiments/learning.py), the sweep and its selection rule, the seeds, the endpoints, the equivalence margin and the tests.
+The protocol is fixed in this file before any run (see git log): the arms, the tasks and their settings (those
+of experiments/learning.py), the sweep and its selection rule, the seeds, the endpoints, the equivalence margin and
+the tests.
   1. Sweep (seeds SWEEP_SEEDS, outside the test seeds): every arm at every learning rate of its grid, on each task.
      Each arm takes, per task, the rate with the best mean accuracy endpoint over the sweep seeds (a tie: the
      smaller). A best rate at an end of its grid extends the grid by one x3 step that way, once, and reselects.

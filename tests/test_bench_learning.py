@@ -1,6 +1,6 @@
-"""experiments/learning.py's statistics by hand (t quantiles for any number of seeds, paired tests, Holm's adjustment, the
-mean-of-the-last-three endpoint, the bounds, the mix trend), the protocol tables' consistency, its bad-flag exits, and
-the committed data of tools/hard_prompts.py against its manifest."""
+"""experiments/learning.py's statistics by hand (t quantiles for any number of seeds, paired tests, Holm's adjustment,
+the mean-of-the-last-three endpoint, the bounds, the mix trend), the protocol tables' consistency, its bad-flag exits,
+and the committed data of tools/hard_prompts.py against its manifest."""
 import hashlib
 import json
 import math
@@ -177,8 +177,8 @@ def test_committed_data_match_the_manifest():
 
 
 def test_hard_prompts_survey_runs_the_real_calibration_as_a_script():
-    """tools/hard_prompts.py as a user runs it (from bench/, where `import demo` would find experiments/demo_table.py): the survey
-    measures pass rates through demo/build.py's calibration and shows why the pool is 3+3 and 2+2 sums."""
+    """tools/hard_prompts.py as a user runs it (python -m tools.hard_prompts): the survey measures pass rates through
+    demo/build.py's calibration and shows why the pool is 3+3 and 2+2 sums."""
     r = run_script(["-m", "tools.hard_prompts", "--survey"], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {line.split(":")[0].strip(): line for line in r.stdout.splitlines() if "mean pass rate" in line}
@@ -190,8 +190,8 @@ def test_hard_prompts_survey_runs_the_real_calibration_as_a_script():
 
 
 def test_daro_study_weight_summaries_by_hand():
-    """experiments/daro_study.py on two fake runs of G = 4 (bins 1/4, 2/4, 3/4): the design read from ENDPOINTS, the weights'
-    spread and clamp share, w over its fixed point, and the shared control's distance to DARO's mean weight."""
+    """experiments/daro_study.py on two fake runs of G = 4 (bins 1/4, 2/4, 3/4): the design read from ENDPOINTS, the
+    weights' spread and clamp share, w over its fixed point, and the shared control's distance to DARO's mean weight."""
     study = daro_study
     arms = study.design()
     assert arms["hard"] == ["daro_travel", "dapo", "uniform", "daro_travel_shared", "daro_closed"]

@@ -385,8 +385,8 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
 
 
 def test_mechanism_trace_records_every_update_and_bin(tmp_path):
-    """experiments/daro_mechanism.py on one step of the hard task: a record per update with every present bin; Adam's first
-    step moves each bin's ln w by lr exactly (then its gradient's size no longer matters), the loss and gradient
+    """experiments/daro_mechanism.py on one step of the hard task: a record per update with every present bin; Adam's
+    first step moves each bin's ln w by lr exactly (then its gradient's size no longer matters), the loss and gradient
     shares sum to 1 over the bins, and every w sits at or below its fixed point at the start."""
     from experiments import daro_mechanism
     out = str(tmp_path / "m")

@@ -93,7 +93,7 @@ def run_in(folder, code: str, timeout=600, **env):
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is optional: pip install trl==1.16.0")
 def test_trl_drop_in_in_a_users_project(tmp_path):
     folder = project(tmp_path, "trl_da3po_daro.py")
-    model = os.path.join(ROOT, "demo", "model")
+    model = os.path.join(ROOT, "demo", "arith", "model")
     out = run_in(folder, f'''
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,7 +101,7 @@ import common
 from dataset import load_rows
 from trl_da3po_daro import DA3POConfig, DA3POTrainer, DAROConfig, DAROTrainer
 
-rows = load_rows({os.path.join(ROOT, "demo", "arith_eval.jsonl")!r}, 80, 160)
+rows = load_rows({os.path.join(ROOT, "demo", "arith", "eval.jsonl")!r}, 80, 160)
 data = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": r["problem"]}}] for r in rows],
                           "answer": [r["answer"] for r in rows]}})
 shared = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=8, max_steps=2,

@@ -36,7 +36,7 @@ def arith_dataset(level: int):
     """The demo eval set's sums of one difficulty level, as TRL conversational prompts (the demo model's chat
     template then gives the prompt da3po.py trains on)."""
     from datasets import Dataset
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "demo", "arith_eval.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "demo", "arith", "eval.jsonl"))]
     rows = [r for r in rows if r["level"] == level]
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": r["problem"]}] for r in rows],
                               "answer": [r["answer"] for r in rows]})

@@ -123,7 +123,7 @@ G, N, P, R = 4, 8, 6, 7  # 8 groups of 4, prompts up to 6 tokens, responses up t
 rows_per_rank, mini_batches, clip_c = N * G // world, 2, 1e9
 with initialize_config_dir(config_dir=os.path.join(os.path.dirname(main_ppo.__file__), "config"), version_base=None):
     config = compose(config_name="ppo_trainer", overrides=[
-        f"actor_rollout_ref.model.path={os.path.join(ROOT, 'demo', 'model')}",
+        f"actor_rollout_ref.model.path={os.path.join(ROOT, 'demo', 'arith', 'model')}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # no flash-attn on a CPU
         f"actor_rollout_ref.rollout.n={G}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={N // mini_batches}",  # prompts: 2 updates

@@ -28,9 +28,9 @@ selected problem is measured again with fresh samples (seed + 1; 128 for the eva
 those are the start pass rates this script prints, and the eval levels' standard errors come from them.
 
 Reproducibility: a rerun writes the same bytes (`--check` regenerates into a temporary folder and compares sha256s)
-given the same shipped weights (demo/arith/model/model.safetensors, sha256 in the manifest), torch and transformers versions,
-the same CPU kernels (ATEN_CPU_CAPABILITY) and one thread: the sampler draws from float32 softmaxes whose rounding
-depends on all four, and a different draw changes a measured rate and so which candidates land in a band. The
+given the same shipped weights (demo/arith/model/model.safetensors, sha256 in the manifest), torch and transformers
+versions, the same CPU kernels (ATEN_CPU_CAPABILITY) and one thread: the sampler draws from float32 softmaxes whose
+rounding depends on all four, and a different draw changes a measured rate and so which candidates land in a band. The
 candidate sums themselves depend only on Python's random module and the seed. Checked: three generations on this
 machine (AMD EPYC, torch 2.13.0+cpu, transformers 5.19.0) wrote the same bytes.
 
