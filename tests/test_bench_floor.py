@@ -1,5 +1,4 @@
-"""python -m pytest -q tests/test_bench_floor.py
-bench/vs_trl_floor.py's accounting checked by hand on a profiled block of known work: the GEMMs' FLOPs
+"""bench/vs_trl_floor.py's accounting checked by hand on a profiled block of known work: the GEMMs' FLOPs
 (2 M N K each), their self time, and sdpa's kernels kept apart from them. No TRL needed (it is imported only
 to run)."""
 import sys

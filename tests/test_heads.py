@@ -1,5 +1,4 @@
-"""Run: python -m pytest -q tests/test_heads.py
-Every causal-LM family's output layer through the chunked log-probs (token_logprobs with chunk_tokens > 0, the
+"""Every causal-LM family's output layer through the chunked log-probs (token_logprobs with chunk_tokens > 0, the
 default --logprob_chunk): the chunks must compute what the model's own forward computes, including what that
 forward does around its output layer (Gemma's final logit soft-cap, Cohere's logit_scale, Granite's logits_scaling,
 Falcon-H1's lm_head_multiplier, MiniCPM3's scaled hidden state, ...), and the start-up probe

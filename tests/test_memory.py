@@ -1,5 +1,4 @@
-"""python -m pytest -q tests/test_memory.py
-bench/memory.py's arithmetic checked by hand: parameter counts from the config.json shapes, KV bytes per token, the
+"""bench/memory.py's arithmetic checked by hand: parameter counts from the config.json shapes, KV bytes per token, the
 vLLM share, the figures it prints, and its bad-flag exits. No GPU, no torch in the script: a few seconds."""
 import re
 

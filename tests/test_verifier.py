@@ -1,5 +1,4 @@
-"""Run: python -m pytest -q tests/test_verifier.py
-The math answer verifier (verifier.py: extract_answer / math_equal / verify_batch) on the peer projects' cases in
+"""The math answer verifier (verifier.py: extract_answer / math_equal / verify_batch) on the peer projects' cases in
 tests/data (see its README), our own normalisation and near-miss cases, and adversarial inputs with a time bound.
 Needs no torch and no conftest fixtures: test_verifier_cli.py also runs this file with torch made unimportable."""
 import itertools

@@ -1,5 +1,5 @@
-"""What real-scale runs need: chunked log-probs, the rollout/trainer mismatch correction, token-budget micro-batches,
-experiment tracking. Run: python -m pytest -q tests/test_scale.py"""
+"""The rollout/trainer mismatch correction (--rollout_is, token or sequence level, truncated or masked) by hand, its
+metrics, holes in the loss mask, and our sampler's own log-probs as the engine side."""
 import json
 import math
 import os
@@ -9,58 +9,13 @@ import sys
 import pytest
 import torch
 
-import common
 import bookkeeping
+import common
+import da3po
+import engine as eng
 import modeling
 import ranks
-import engine as eng
-import da3po
-from tests.conftest import ROOT, weighted_loss
-
-
-def random_batch(tok, n, seed=0, skew=False):
-    """n rows of random prompts and completions; skew: completions of 1 to 40 tokens, most of them short."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 8, (n,), generator=g)]
-    lengths = (torch.rand(n, generator=g) ** 4 * 39 + 1).long() if skew else torch.randint(1, 12, (n,), generator=g)
-    completions = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in lengths]
-    ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
-    return {"input_ids": ids, "attention_mask": attn, "mask": mask,
-            "advantage": torch.randn(n, generator=g)}
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# Log-probs in chunks of positions
-
-
-@pytest.mark.parametrize("chunk", [5, 13, 40])
-def test_chunked_logprobs_equal_the_plain_ones(demo_dir, chunk):
-    """Values, entropies and gradients of token_logprobs with the output layer applied a chunk at a time (and
-    recomputed in the backward) against the whole (B, T, V) logits at once; the demo model ties its output layer
-    to its embedding, so both paths of the shared weight's gradient are exercised. In float64, so that 1e-6 measures
-    the method, not float32's summation order."""
-    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
-    model.double().train()
-    batch = random_batch(tok, 6)
-    T = batch["mask"].shape[1]
-    out = []
-    for chunk_tokens in (0, chunk):
-        model.zero_grad()
-        logp, entropy = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
-                                              chunk_tokens)
-        (logp * batch["mask"] * torch.linspace(-1, 1, T)).sum().backward()
-        out.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
-    (lp0, ent0, grads0), (lp1, ent1, grads1) = out
-    assert torch.allclose(lp0, lp1, atol=1e-6, rtol=0) and torch.allclose(ent0, ent1, atol=1e-6, rtol=0)
-    for a, b in zip(grads0, grads1):
-        assert (a - b).abs().max() <= 1e-6 * max(1.0, a.abs().max().item())
-    with torch.no_grad():  # the no-grad path (old log-probs) too
-        again, _ = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, False, chunk)
-    assert torch.allclose(again, lp0, atol=1e-6, rtol=0)
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# Rollout/trainer mismatch correction
+from tests.conftest import ROOT, random_batch, weighted_loss
 
 
 def correction_batch():
@@ -156,7 +111,7 @@ def test_mismatch_metrics_do_not_depend_on_rollout_is_mask(demo_dir, level):
 
 @pytest.mark.parametrize("max_tokens", [0, 64], ids=["fixed", "token-budget"])
 def test_a_hole_in_the_mask_keeps_the_tokens_after_it(max_tokens):
-    """Issue 28, defect 1: rows of 6 and 3 completion tokens, the 3rd token of the first rejected (a hole in the loss
+    """Rows of 6 and 3 completion tokens, the 3rd token of the first rejected (a hole in the loss
     mask, as --rollout_is_mask makes). Its 4th-6th tokens are still trained, so every micro-batch keeps the row's 6
     columns: the micro-batches carry the update's whole token weight, 1.000 (trimming on the mask's row sums kept 5
     columns and carried 0.875)."""
@@ -173,7 +128,7 @@ def test_a_hole_in_the_mask_keeps_the_tokens_after_it(max_tokens):
 
 
 def test_mismatch_metrics_leave_nucleus_boundary_tokens_out():
-    """Issue 28, defect 4: 1,000 trained tokens with a small engine/trainer gap (log r ~ N(0, 0.0187^2): KL ~ 1.75e-4)
+    """1,000 trained tokens with a small engine/trainer gap (log r ~ N(0, 0.0187^2): KL ~ 1.75e-4)
     and one more the engine drew from its top_p nucleus but outside pi_old's (OUTSIDE_NUCLEUS): the gap is measured on
     the 1,000 (kl_k3 ~ 1.75e-4, not ~10.5) and the boundary token is a share of its own, 1/1001."""
     g = torch.Generator().manual_seed(0)
@@ -274,142 +229,3 @@ def test_clip_fractions_count_only_the_tokens_the_loss_counts(demo_dir):
     m = common.train_metrics(sums.reduce(), 1, 1e-4, True)
     assert m["train/clipfrac_high"] == 1.0 and m["train/clipfrac_low"] == 0.0
     assert sums.sums["tokens"] == sums.sums["clip_high"] == kept > 0
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# Token-budget micro-batches and rank balance
-
-
-def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir):
-    """Packed by length vs fixed micro-batches of 6 rows: the same loss and gradient (float64, so 1e-6 measures the
-    split, not float32's summation order), and far less padding on skewed lengths."""
-    model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
-    model.double().train()
-    batch = random_batch(tok, 24, seed=1, skew=True)
-    T = batch["mask"].shape[1]
-    with torch.no_grad():
-        batch["old_logp"] = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] - 0.05
-    batch["weight"] = common.loss_weights(batch["mask"].double(), "token-mean", 40)
-    batch["advantage"] = batch["advantage"].double()
-    rows = torch.arange(24)
-
-    def run(size, max_tokens):
-        model.zero_grad()
-        total, padded, real, seen = 0.0, 0, 0, []
-        for r, mb in common.micro_batches(batch, rows, size, max_tokens):
-            seen += r.tolist()
-            padded += mb["attention_mask"].numel()
-            real += mb["attention_mask"].sum().item()
-            assert len(r) <= size and (max_tokens == 0 or len(r) == 1 or mb["attention_mask"].numel() <= max_tokens)
-            logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
-            loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
-            loss.backward()
-            total += loss.item()
-        assert sorted(seen) == rows.tolist()  # every row once
-        return total, [p.grad.clone() for p in model.parameters()], 1 - real / padded
-
-    loss_fixed, grads_fixed, pad_fixed = run(6, 0)
-    loss_packed, grads_packed, pad_packed = run(64, 160)
-    assert loss_packed == pytest.approx(loss_fixed, abs=1e-6)
-    for a, b in zip(grads_fixed, grads_packed):
-        assert (a - b).abs().max() <= 1e-6 * max(1.0, a.abs().max().item())
-    assert pad_packed < pad_fixed / 2, (pad_packed, pad_fixed)
-
-
-def test_plan_updates_balances_tokens_over_ranks():
-    groups = [{"prompt_len": 3, "lengths": [n] * 2, "correct": [True, False]}
-              for n in (40, 1, 1, 30, 2, 2, 25, 3, 1, 1, 1, 1)]  # kept summaries (dynamic_sampling)
-    plans = [common.plan_updates(groups, 2, ranks.DistInfo(rank=r, world_size=2), balance=True) for r in (0, 1)]
-    for u in range(2):  # each update: the 6 groups shared 3 and 3, heavy ones on different ranks
-        shares = [[id(g) for g in plan[0][u * 3:(u + 1) * 3]] for plan in plans]
-        assert len(set(shares[0]) | set(shares[1])) == 6
-        loads = [sum(common.group_tokens(g) for g in plan[0][u * 3:(u + 1) * 3]) for plan in plans]
-        assert max(loads) - min(loads) <= max(common.group_tokens(g) for g in groups[u * 6:(u + 1) * 6])
-    strided = common.plan_updates(groups, 2, ranks.DistInfo(rank=0, world_size=2))
-    loads = [sum(common.group_tokens(g) for g in strided[0][:3])]
-    assert loads[0] > sum(common.group_tokens(g) for g in plans[0][0][:3])  # without balance rank 0 gets 40, 30 (+2)
-    mine, updates = common.plan_updates(groups, 5, ranks.DistInfo(rank=1, world_size=2))
-    assert [len(u) for u in updates] == [4, 2, 2, 2, 2] and len(mine) == 6  # 6 groups per rank in 5 updates
-
-
-def test_token_budget_run_logs_padding(tmp_path):
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "1", "--out_dir", str(tmp_path),
-                                                  "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
-                                                  "--micro_batch_tokens", "120"], da3po.PRESETS)
-    da3po.main(cfg)
-    train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
-    assert 0 <= train[0]["perf/pad_frac"] < 0.5 and math.isfinite(train[0]["train/loss"])
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# Experiment tracking
-
-
-def test_tensorboard_gets_the_metrics(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
-                                                  "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
-                                                  "--report_to", "tensorboard"], da3po.PRESETS)
-    da3po.main(cfg)
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    for key in ("train/loss", "train/reward", "eval/acc", "daa/amplified_frac"):
-        logged = [(e.step, e.value) for e in events.Scalars(key)]
-        expected = [(r["step"], r[key]) for r in records if key in r]
-        assert [s for s, _ in logged] == [s for s, _ in expected]
-        assert all(v == pytest.approx(x, rel=1e-6) for (_, v), (_, x) in zip(logged, expected)), key
-    assert "config" in events.Tags()["tensors"] or "config/text_summary" in events.Tags()["tensors"]
-
-
-def wandb_history(path: str) -> list[dict]:
-    """The history records of an offline wandb run, read back from its run-<id>.wandb transaction log: a 7-byte file
-    header, then LevelDB-style log records in 32 KiB blocks (each with a 7-byte header: crc32c, length, type; type 1
-    = a whole record, 2/3/4 = its first/middle/last piece), each record a wandb_internal_pb2.Record."""
-    import struct
-    from wandb.proto import wandb_internal_pb2
-    data = open(path, "rb").read()
-    assert data[:4] == b":W&B"
-    pos, piece, history = 7, b"", []
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
-        if left < 7 or (length == 0 and kind == 0):  # the zero-filled tail of a block
-            pos += left
-            continue
-        piece += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(piece)
-            piece = b""
-            if record.WhichOneof("record_type") == "history":
-                history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return history
-
-
-def test_wandb_offline_gets_the_metrics(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
-                                                  "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
-                                                  "--report_to", "wandb"], da3po.PRESETS)
-    da3po.main(cfg)
-    import wandb
-    wandb.finish()  # what the exit hook does at the end of a real run
-    # finish() can return before wandb's service process has written the transaction log (3 of 16 tries here found
-    # only its 7-byte header); teardown() waits for the service to exit, as a real run's exit does (32 of 32 complete).
-    wandb.teardown()
-    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
-    assert len(runs) == 1
-    log = next(f for f in os.listdir(tmp_path / "wandb" / runs[0]) if f.endswith(".wandb"))
-    path = str(tmp_path / "wandb" / runs[0] / log)
-    history = wandb_history(path)
-    keys = sorted({k for h in history for k in h})
-    seen = f"{os.path.getsize(path)} bytes, {len(history)} history records, keys {keys}"
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    for key in ("train/loss", "eval/acc", "daa/lam_mean"):
-        logged = [(h["_step"], h[key]) for h in history if key in h]
-        assert logged == [(r["step"], pytest.approx(r[key])) for r in records if key in r], f"{key}; the log: {seen}"
