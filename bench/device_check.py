@@ -10,7 +10,7 @@ Usage (repository root):
   torchrun --standalone --nproc_per_node=1 -m bench.device_check --lora_rank 32   # the same checks with LoRA
 On a lent machine, one call (the report and the full log come back from $OUT; the run should take 2-5 minutes):
   set -o pipefail; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m torch.distributed.run --standalone \
-      --nproc_per_node=1 bench/device_check.py 2>&1 | tee $OUT/device_check.log
+      --nproc_per_node=1 -m bench.device_check 2>&1 | tee $OUT/device_check.log
 Checks 2 and 3 need vLLM for the GPU (requirements/vllm-gpu.txt); without it they SKIP with the reason, and check 4
 measures the HF sampler's bf16 log-probs instead. The optional parts (check 6) are skipped once --budget_s is spent.
 Report: --out, default $OUT/device_check.md when $OUT is set, else bench/results/device_check.md (device_check_cpu.md
