@@ -261,7 +261,7 @@ for chunk_tokens in (0, 13):
     out.append((logp.detach(), [modeling.full_tensor(p.grad) for p in model.parameters()]))
 gap = max([(out[0][0] - out[1][0]).abs().max().item()]
           + [((a - b).abs().max() / a.abs().max()).item() for a, b in zip(out[0][1], out[1][1])])
-print(f"rank {{d.rank}}: gemma2 accepted, chunked gap {{gap:.1e}}", flush=True)
+print(f"rank {d.rank}: gemma2 accepted, chunked gap {gap:.1e}", flush=True)
 assert gap < 1e-5, gap
 refused = modeling.shard_model(test_heads.SinQwen3(test_heads.transformers.Qwen3Config(**test_heads.BASE)), d)
 modeling.check_chunked_logprobs(refused)  # exits 2 on every rank
