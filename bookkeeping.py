@@ -50,7 +50,7 @@ DEMOS = {"arith": {},
                        "train_data": os.path.join(_REASONING, "train.jsonl"),
                        "eval_data": os.path.join(_REASONING, "eval.jsonl"),
                        "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
-DEMO_MODELS = ("demo", os.path.join(DEMO_DIR, "model"), os.path.join(_REASONING, "model"))
+DEMO_MODELS = ("demo", os.path.join(DEMO_DIR, "arith", "model"), os.path.join(_REASONING, "model"))
 # The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch, the tiny
 # model's learning rate): a real run sets each (docs/gpu.md's recipes do); an --eval_only run the first two.
 DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step",
@@ -291,7 +291,7 @@ class Tracker:
                 self.run = wandb.init(project=wandb_project, dir=out_dir, config=config,
                                       name=os.path.basename(os.path.normpath(out_dir)))
         except ImportError as e:
-            die(f"--report_to {kind}: {e.name} is not installed (pip install -r requirements-tracking.txt)")
+            die(f"--report_to {kind}: {e.name} is not installed (pip install -r requirements/tracking.txt)")
         atexit.register(self.close)
 
     def log(self, record: dict):

@@ -24,7 +24,7 @@ import torch
 import verifier
 from ranks import all_gather_list, all_reduce_sum
 
-MATH_VERIFY_HINT = "pip install -r requirements-crosscheck.txt (Math-Verify)"
+MATH_VERIFY_HINT = "pip install -r requirements/crosscheck.txt (Math-Verify)"
 
 
 def math_verify_judge(completion: str, gold: str) -> bool:

@@ -14,7 +14,7 @@ from ranks import die, print0
 # ------------------------------------------------------------------------------------------------------------
 # Data files. A problem is a dict {"prompt": str, "answer": str, "level": int} (level 0 = unknown difficulty).
 # the demo's eval set: 200 held-out sums, 5 levels of its own (the demo model's pass rate at start: 97% to 1%)
-DEMO_EVAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "arith_eval.jsonl")
+DEMO_EVAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "arith", "eval.jsonl")
 ARITH_LEVELS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 3)}  # level -> digits of the two operands of a sum
 
 

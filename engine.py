@@ -455,7 +455,7 @@ def resolve_rollout(kind: str, device: torch.device) -> str:
         return "hf"
     why_not = vllm_usable(device)
     if kind == "vllm" and why_not:
-        die(f"--rollout vllm: {why_not} (install requirements-vllm-{device.type}.txt, or use --rollout hf)")
+        die(f"--rollout vllm: {why_not} (install requirements/vllm-{device.type}.txt, or use --rollout hf)")
     if why_not:
         print0(f"rollout: hf, our sampler on the Hugging Face model ({why_not})")
     return "hf" if why_not else "vllm"

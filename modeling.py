@@ -18,7 +18,7 @@ from ranks import DistInfo, all_reduce_max, all_reduce_sum, die, is_dist, print0
 # ------------------------------------------------------------------------------------------------------------
 # Loading. `--model demo` is a tiny Qwen3 with a character-level tokenizer, warm-started on the arith task by
 # demo/build.py (which says why its weights are shipped), loaded as a hub model is: the demo runs real code.
-DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "model")
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "arith", "model")
 DEMO_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
 DEMO_CHARS = "0123456789+-*/=()[]., ?:;!'{}\\$^_|<>abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 DEMO_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
@@ -66,7 +66,7 @@ def model_path(name: str) -> str:
         return name
     if not os.path.isfile(os.path.join(DEMO_MODEL, "model.safetensors")):
         die(f"the demo model is missing from {DEMO_MODEL} "
-            "(restore it from git, or rebuild it: python demo/build.py)")
+            "(restore it from git, or rebuild it: python -m demo.build)")
     return DEMO_MODEL
 
 
@@ -525,7 +525,7 @@ def lora_config(model, cfg):
     try:
         from peft import LoraConfig
     except ImportError:
-        die("--lora_rank needs peft: pip install -r requirements-lora.txt")
+        die("--lora_rank needs peft: pip install -r requirements/lora.txt")
     available = block_linear_names(model)
     targets = [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()] or available
     missing = [t for t in targets if t not in available]

@@ -1,19 +1,16 @@
 """Our sampler's decode steps with grouped key/value heads read in place (engine._rollout_sdpa) against
 transformers' sdpa, which copies them for every query head (repeat_kv) at every token: seconds per rollout,
 alternating, in one process, and a check that both draw the same completions and log-probs.
-Usage: python bench/decode_heads.py [--demo reasoning|arith] [--threads 1] [--rounds 8] [--prompts 16]
+Usage: python -m bench.decode_heads [--demo reasoning|arith] [--threads 1] [--rounds 8] [--prompts 16]
 
 The rollout is a training step's: the demo's prompts, G = 8 completions each, its --max_new_tokens, through
 HFRollout (our sampler as the trainer calls it). Each round runs both sides from the same seed, in turns."""
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 

@@ -1,17 +1,17 @@
-"""One prepared device check for the day a GPU machine is lent (issue 22): every GPU-only path of the trainer and
+"""One prepared device check for the day a GPU machine is lent: every GPU-only path of the trainer and
 of vLLM, in one command of a few minutes on one GPU, with no network, into ONE markdown report of every figure and
 every failure (each item in its own try/except: one failure never hides the others; the report is rewritten after
 every item, so a run killed at its time limit still leaves what it measured).
 
 Usage (repository root):
-  torchrun --standalone --nproc_per_node=1 bench/device_check.py   # GPU, the trainer's FSDP2 path at world size 1
-  python bench/device_check.py                                     # GPU, a plain (unsharded) trainer model
-  python bench/device_check.py --device cpu                        # CPU smoke run: a tiny model, well under a minute
-  torchrun --standalone --nproc_per_node=1 bench/device_check.py --lora_rank 32   # the same checks with LoRA
+  torchrun --standalone --nproc_per_node=1 -m bench.device_check   # GPU, the trainer's FSDP2 path at world size 1
+  python -m bench.device_check                                     # GPU, a plain (unsharded) trainer model
+  python -m bench.device_check --device cpu                        # CPU smoke run: a tiny model, well under a minute
+  torchrun --standalone --nproc_per_node=1 -m bench.device_check --lora_rank 32   # the same checks with LoRA
 On a lent machine, one call (the report and the full log come back from $OUT; the run should take 2-5 minutes):
   set -o pipefail; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m torch.distributed.run --standalone \
-      --nproc_per_node=1 bench/device_check.py 2>&1 | tee $OUT/device_check.log
-Checks 2 and 3 need vLLM for the GPU (requirements-vllm-gpu.txt); without it they SKIP with the reason, and check 4
+      --nproc_per_node=1 -m bench.device_check 2>&1 | tee $OUT/device_check.log
+Checks 2 and 3 need vLLM for the GPU (requirements/vllm-gpu.txt); without it they SKIP with the reason, and check 4
 measures the HF sampler's bf16 log-probs instead. The optional parts (check 6) are skipped once --budget_s is spent.
 Report: --out, default $OUT/device_check.md when $OUT is set, else bench/results/device_check.md (device_check_cpu.md
 with --device cpu). Exit status 0 when nothing failed, 1 when an item failed, 2 (one line) when no GPU is there and
@@ -39,7 +39,7 @@ Checks (sections of the report):
  5. One training update (FSDP2 under torchrun): gradient checkpointing, chunked log-probs, the real loss path
     (common.token_losses, UpdateGuard, fused AdamW); time, tokens/s, peak memory, MFU and HFU.
  6. The memory of a no-grad log-prob pass with the whole logits vs --logprob_chunk chunks; HF sampler tokens/s.
-With --lora_rank r every check runs as a LoRA run does (requirements-lora.txt): the base frozen in the compute dtype
+With --lora_rank r every check runs as a LoRA run does (requirements/lora.txt): the base frozen in the compute dtype
 (modeling.load_policy), adapters on every linear layer of the blocks (their B set to a trained-looking size), vLLM
 serving them (enable_lora, a new version per sync, sleep level 1), the update training the adapters only.
 """
@@ -302,7 +302,6 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no network there: nothing to report to
     t_start = time.time()
-    sys.path.insert(0, ROOT)
     import common
     import modeling
     import dataset

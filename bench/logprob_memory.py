@@ -1,6 +1,6 @@
 """Peak memory and time of one forward + backward of token_logprobs (with the entropy) at Qwen's vocabulary, with
 the whole (B, T, V) logits at once vs chunks of positions (--logprob_chunk), on the CPU.
-Usage: python bench/logprob_memory.py [--lengths 1024,2048,4096,8192] [--chunk 2048] [--hidden 64] [--out FILE]
+Usage: python -m bench.logprob_memory [--lengths 1024,2048,4096,8192] [--chunk 2048] [--hidden 64] [--out FILE]
 
 The model is Qwen3-shaped with V = 151,936 and a small hidden size (64, 2 layers: 10M parameters, nearly all of them
 the tied embedding), so the logits dominate memory as they do at real scale; B = 1, prompts of 64 tokens. Each
@@ -22,7 +22,6 @@ V = 151_936
 def child(T: int, chunk: int, hidden: int, threads: int):
     """One measurement, printed as JSON: peak RSS growth (MiB) and seconds of a forward + backward."""
     import torch
-    sys.path.insert(0, ROOT)
     import modeling
     from transformers import AutoModelForCausalLM, Qwen3Config
     torch.set_num_threads(threads)
@@ -67,8 +66,9 @@ def main():
             if need > 0.8 * free_mib():
                 result[name] = {"skipped": f"needs ~{need / 1024:.0f} GiB, {free_mib() / 1024:.0f} GiB free"}
                 continue
-            r = subprocess.run([sys.executable, __file__, "--child", f"{T},{chunk}", "--hidden", str(args.hidden),
-                                "--threads", str(args.threads)], capture_output=True, text=True,
+            child_args = ["--child", f"{T},{chunk}", "--hidden", str(args.hidden), "--threads", str(args.threads)]
+            r = subprocess.run([sys.executable, "-m", "bench.logprob_memory", *child_args],
+                               capture_output=True, text=True, cwd=ROOT,
                                env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
             result[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {
                 "skipped": f"failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1][:80]}"}
@@ -88,7 +88,7 @@ def main():
                      f"{cell(r['chunked'], 'peak_mib', ',.0f')} | {cell(r['chunked'], 'seconds', '.2f')} | "
                      f"{T * V * 4 / 2**20:,.0f} |")
     lines.append("")
-    command = " ".join(["python bench/logprob_memory.py", *sys.argv[1:]])
+    command = " ".join(["python -m bench.logprob_memory", *sys.argv[1:]])
     lines.append(f"Command: `{command}`")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     open(args.out, "w").write("\n".join(lines) + "\n")

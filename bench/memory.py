@@ -1,5 +1,5 @@
 """Per-GPU memory arithmetic behind docs/gpu.md's recipes: why a recipe fits, or which flag to change.
-Usage: python bench/memory.py [--model all|Qwen3-4B-Base|Qwen3-8B-Base|Qwen2.5-Math-7B|Llama-3.1-8B]
+Usage: python -m bench.memory [--model all|Qwen3-4B-Base|Qwen3-8B-Base|Qwen2.5-Math-7B|Llama-3.1-8B]
        [--gpus 8 --gpu_gb 79.6] [--lora_rank 32] [--markdown]   (writes bench/results/memory.md)
 Full fine-tuning on 8 x 80 GB, 1 x 80 GB and 1 x 141 GB; LoRA (rank 32) on one GPU of 24, 48, 80 and 141 GB.
 
@@ -423,7 +423,7 @@ def main():
         lora_table = ["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *(r for _, r in lora)]]
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory.md")
         with open(path, "w") as fh:
-            fh.write(f"Per-GPU memory of docs/gpu.md's recipes (`python bench/memory.py {' '.join(sys.argv[1:])}`): "
+            fh.write(f"Per-GPU memory of docs/gpu.md's recipes (`python -m bench.memory {' '.join(sys.argv[1:])}`): "
                      f"arithmetic, "
                      f"not a measurement; activations, vLLM's workspace, CUDA graphs and context are estimates with "
                      f"the margins stated in the script. G = {DAPO['G']} (DA3PO/DAPO/GRPO) and {DARO['G']} (DARO), "

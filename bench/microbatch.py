@@ -1,6 +1,6 @@
 """Padding and update time with fixed-size micro-batches vs micro-batches packed by length (--micro_batch_tokens), on
 a workload whose completion lengths are skewed the way reasoning RL's are (most short, a few 10x longer).
-Usage: python bench/microbatch.py [--rows 64] [--micro_batch_size 8] [--micro_batch_tokens 4096] [--repeats 3]
+Usage: python -m bench.microbatch [--rows 64] [--micro_batch_size 8] [--micro_batch_tokens 4096] [--repeats 3]
 
 One optimizer update's forward + backward over the same rows (common.micro_batches, token_logprobs, policy_loss with
 global token-mean weights, the real code path), alternating the two ways --repeats times; a Qwen3-shaped model with
@@ -15,10 +15,10 @@ import time
 
 import torch
 
+import common
+import modeling
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import common  # noqa: E402
-import modeling  # noqa: E402
 
 
 def main():
@@ -82,7 +82,7 @@ def main():
         lines.append(f"| {label} | {runs[0][4]} | {runs[0][2]:.3f} | {runs[0][3]:,} | "
                      f"{statistics.median(r[0] for r in runs):.2f} | {runs[0][1]:+.6f} |")
     speedup = statistics.median(r[0] for r in results["fixed"]) / statistics.median(r[0] for r in results["packed"])
-    command = " ".join(["python bench/microbatch.py", *sys.argv[1:]])
+    command = " ".join(["python -m bench.microbatch", *sys.argv[1:]])
     lines += ["", f"Packed / fixed time: 1 / {speedup:.2f}. Command: `{command}`"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     open(args.out, "w").write("\n".join(lines) + "\n")

@@ -6,7 +6,7 @@ logging and the rest, as seconds per step and shares, plus cProfile's top functi
          sampling, 4 updates)
   25M    a 25M-parameter Qwen3-shaped model built in code (hidden 512, 8 layers, the demo's tokenizer, untrained, so
          its completions run to the 128-token cap), 16 prompts x 8, no dynamic sampling, 4 updates per step
-Usage: python bench/profile_step.py [--workloads reasoning,demo,vs_trl,25M] [--steps 8] [--threads 2] [--out FILE]
+Usage: python -m bench.profile_step [--workloads reasoning,demo,vs_trl,25M] [--steps 8] [--threads 2] [--out FILE]
        [--flags=--no-pack]  (extra flags for every workload)
 
 da3po.main runs in this process with the phases' functions wrapped by timers (nothing in the training code is
@@ -24,7 +24,6 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
@@ -130,7 +129,7 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "profile.md"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    lines = [f"Seconds per RL step by phase (`{' '.join(['python bench/profile_step.py', *sys.argv[1:]])}`), "
+    lines = [f"Seconds per RL step by phase (`{' '.join(['python -m bench.profile_step', *sys.argv[1:]])}`), "
              f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs, load "
              f"{os.getloadavg()[0]:.1f} at the start.", ""]
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """Rollout throughput, the HF sampler (eng.hf_generate) vs vLLM, on the same model and prompts in one run, and what
 the vLLM path costs per RL step on top of generating (weight sync + sleep/wake) as a share of the step.
-Usage: python bench/rollout.py [--hidden 128 --layers 2] [--model <hf folder>] [--prompts 64 --group 8 --max_new 64]
+Usage: python -m bench.rollout [--hidden 128 --layers 2] [--model <hf folder>] [--prompts 64 --group 8 --max_new 64]
        [--dtype float32|bfloat16] [--threads 1] [--repeats 3]
 Without --model it builds an untrained model of the demo's architecture (random weights rarely emit eos, so almost
 every completion runs to --max_new). Numbers are wall times on a possibly shared machine: read them, never assert them.
@@ -12,8 +12,6 @@ import tempfile
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as in training
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 

@@ -11,7 +11,7 @@ fractions, intervals, sets, matrices, equations ...). Rows per number of cores c
   Math-Verify, c processes            parse + verify (crosscheck.math_verify_judge) in a pool of c processes
 `right`: the share of verdicts equal to the label (an integer answer equals its gold or not; a peer pair's label is
 its project's). Our cache is cleared before every timed round; pools are started and warmed up before the timings.
-Math-Verify (requirements-crosscheck.txt) is skipped if missing. Last, the huge outputs of docs/data.md: seconds for
+Math-Verify (requirements/crosscheck.txt) is skipped if missing. Last, the huge outputs of docs/data.md: seconds for
 one completion at the size limit (our worst inputs), and for an answer of 300,000 digits.
 Threads are pinned to one per process (OMP_NUM_THREADS etc.) before anything is imported."""
 import os

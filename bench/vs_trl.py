@@ -29,11 +29,11 @@ third side, ours with --no-pack, run right before ours in each round: the ratio 
 blocks.
 
 Run:
-  pip install -r bench/requirements.txt          # trl (pinned) and matplotlib; the installed torch is used as is
-  python bench/vs_trl.py                          # about 2 min on a quiet 2-core CPU
-  python bench/vs_trl.py --workload reasoning --padded --repeats 3  # about 10 min
-  python bench/vs_trl.py --repeats 1 --steps 3    # smoke test
-  python bench/vs_trl.py --profile ours           # cProfile one block of ours (or trl): the top functions
+  pip install -r requirements/bench.txt          # trl (pinned) and matplotlib; the installed torch is used as is
+  python -m bench.vs_trl                          # about 2 min on a quiet 2-core CPU
+  python -m bench.vs_trl --workload reasoning --padded --repeats 3  # about 10 min
+  python -m bench.vs_trl --repeats 1 --steps 3    # smoke test
+  python -m bench.vs_trl --profile ours           # cProfile one block of ours (or trl): the top functions
 """
 import argparse
 import contextlib
@@ -46,7 +46,6 @@ import os
 import pstats
 import re
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -54,7 +53,6 @@ import warnings
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported; --threads sets the count used
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is built locally
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 

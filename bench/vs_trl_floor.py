@@ -3,8 +3,8 @@ How low ours/TRL can go on bench/vs_trl.py's work: each side's step split into i
 the work needs, run by the BLAS kernels), its attention kernels, and the rest (every other op, autograd and
 Python), then the ratio each target would need and the ratio left if the rest cost nothing.
 
-  python bench/vs_trl_floor.py --workload arith                # about 4 min
-  python bench/vs_trl_floor.py --workload reasoning --compile  # about 10 min, with torch.compile's figures
+  python -m bench.vs_trl_floor --workload arith                # about 4 min
+  python -m bench.vs_trl_floor --workload reasoning --compile  # about 10 min, with torch.compile's figures
 
 Each side runs vs_trl.py's blocks (the same configs): a warm-up block, --repeats timed blocks alternating with
 the other side's (the median s/step of all their steps, no profiler), then one block under torch.profiler for
@@ -28,23 +28,20 @@ import contextlib
 import io
 import os
 import statistics
-import sys
 import time
 import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import vs_trl  # noqa: E402
+from bench import vs_trl  # noqa: E402
 from modeling import load_model, model_path  # noqa: E402
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 ATTENTION = "scaled_dot_product"  # sdpa's kernels, forward and backward (their names hold it)
-TARGETS = {"arith": 0.35, "reasoning": 0.30}  # issue 33's ours/TRL targets
+TARGETS = {"arith": 0.35, "reasoning": 0.30}  # the ours/TRL ratios this floor is measured against
 
 
 def parse_args():

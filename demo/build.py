@@ -1,11 +1,11 @@
 """
-Builds the two shipped demos. The sums demo (`python da3po.py --demo arith`, daro.py the same), in this folder:
-  demo/model/            a tiny Qwen3-style model (0.5M parameters, character-level tokenizer built with the
+Builds the two shipped demos. The sums demo (`python da3po.py --demo arith`, daro.py the same):
+  demo/arith/model/      a tiny Qwen3-style model (0.5M parameters, character-level tokenizer built with the
                          `tokenizers` library, a chat template), warm-started by a supervised pass on sums
-  demo/arith_eval.jsonl  200 held-out sums in 5 difficulty levels, calibrated on that model: level = the band of its
+  demo/arith/eval.jsonl  200 held-out sums in 5 difficulty levels, calibrated on that model: level = the band of its
                          pass rate at the start of RL (32 samples at temperature 1), easiest first
 
-Run: python demo/build.py [--out demo] [--sft_steps 1200]      (about 2 minutes on one CPU thread)
+Run: python -m demo.build [--out demo/arith] [--sft_steps 1200]   (about 2 minutes on one CPU thread)
 
 And, with --task reasoning, the reasoning demo, what `python da3po.py` runs with no flags (its measurements:
 demo/reasoning/README.md):
@@ -14,10 +14,10 @@ demo/reasoning/README.md):
                               347+86 -> 7+6=13,4+8+1=13,3+0+1=4 so 347+86=\\boxed{433}; some warm-start traces slip,
                               and a " wait " and a redo follow, so a model that errs tends to redo and run long
   demo/reasoning/train.jsonl  4,000 RL training rows (the warm start's first rows: 1+1 up to 4+4 digits)
-  demo/reasoning/eval.jsonl   200 sums, none a training row, in the same 5 levels of pass rate as arith_eval.jsonl,
+  demo/reasoning/eval.jsonl   200 sums, none a training row, in the same 5 levels of pass rate as arith/eval.jsonl,
                               calibrated with 16 samples of up to 72 tokens (the runs' --max_new_tokens) from a pool
                               of 8,000 sums of the same distribution
-Run: python demo/build.py --task reasoning [--calibrate_only]   (about 21 minutes of CPU on one thread, of which
+Run: python -m demo.build --task reasoning [--calibrate_only]   (about 21 minutes of CPU on one thread, of which
      16 in the warm start; --calibrate_only keeps model/ and rewrites the two data files)
 Train on it: python da3po.py, which stands for python da3po.py --model demo/reasoning/model --train_data
      demo/reasoning/train.jsonl --eval_data demo/reasoning/eval.jsonl --max_new_tokens 72 --overlong_buffer 16
@@ -30,34 +30,33 @@ start ends. The previous recipe (800 steps, built on each machine) gave, on one 
 kernels torch picks, a demo model at eval/acc 0.36 (ATEN_CPU_CAPABILITY=avx2), 0.49 (avx512) or 0.55 (default); on
 another 2-core machine (AMD EPYC) its own kernels gave 0.17. So a model built on each machine would differ by
 machine, and with it the README's numbers. Training from these shipped files, every machine starts from the same
-weights, and RL from fixed weights turned out stable across kernels (README, bench/demo.py). On the machine that
-built them (Intel Xeon with AVX-512, torch 2.13.0+cpu, transformers 5.19.0, one thread) this script reproduces them
+weights, and RL from fixed weights turned out stable across kernels (README, experiments/demo_table.py). On the machine
+that built them (Intel Xeon with AVX-512, torch 2.13.0+cpu, transformers 5.19.0, one thread) this script reproduces them
 bit for bit; it prints the weights' sha256 to check (9d215e51... for the shipped model.safetensors).
 
 Why calibrated levels: the papers' notion of a hard prompt is its pass rate (DA3PO amplifies correct answers where
 p < tau; DARO bins by mu = #correct / G). Levels defined by pass rate make that visible: the demo model starts with
-levels at about 97%, 70%, 37%, 14% and 1%, so per-level accuracy shows where each method learns (bench/learning.py).
-The sums come from the same distribution as the training rows (1+1, 2+1, 2+2 and 3+3 digits) and none is a training
-row; the digit level of each is kept in the file as `digits`.
+levels at about 97%, 70%, 37%, 14% and 1%, so per-level accuracy shows where each method learns
+(experiments/learning.py). The sums come from the same distribution as the training rows (1+1, 2+1, 2+2 and 3+3 digits)
+and none is a training row; the digit level of each is kept in the file as `digits`.
 """
 import argparse
 import hashlib
 import json
 import os
 import random
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+import common
+import dataset
+import engine as eng
+import modeling
+import ranks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import common  # noqa: E402
-import modeling  # noqa: E402
-import dataset  # noqa: E402
-import ranks  # noqa: E402
-import engine as eng  # noqa: E402
 
 # level -> [low, high) band of the demo model's pass rate at build time; level 1 is the easiest
 LEVEL_BANDS = {1: (0.9, 1.01), 2: (0.5, 0.9), 3: (0.25, 0.5), 4: (0.05, 0.25), 5: (0.0, 0.05)}
@@ -189,7 +188,7 @@ def build_arith(args):
     pool = candidate_sums(train, held_out)
     rates = pass_rates(model, tok, pool, args.samples)
     print(f"calibration: {len(pool)} held-out sums x {args.samples} samples in {time.time() - t0:.0f} s")
-    write_levels(pool, rates, args.per_level, os.path.join(args.out, "arith_eval.jsonl"), ["1+1", "2+1", "2+2", "3+3"])
+    write_levels(pool, rates, args.per_level, os.path.join(args.out, "eval.jsonl"), ["1+1", "2+1", "2+2", "3+3"])
 
 
 def build_reasoning(args):
@@ -231,8 +230,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=("arith", "reasoning"), default="arith",
-                   help="arith: demo/model + demo/arith_eval.jsonl; reasoning: demo/reasoning/")
-    p.add_argument("--out", default="", help="folder for the outputs (default demo/, or demo/reasoning/)")
+                   help="arith: demo/arith/model + demo/arith/eval.jsonl; reasoning: demo/reasoning/")
+    p.add_argument("--out", default="", help="folder for the outputs (default demo/arith/, or demo/reasoning/)")
     p.add_argument("--sft_steps", type=int, default=0,
                    help=f"supervised warm-start steps (batch 64, lr 3e-3); default 1200 (arith), "
                         f"{REASONING['sft_steps']} (reasoning)")
@@ -245,7 +244,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.task == "arith":
-        args.out, args.sft_steps = args.out or os.path.join(ROOT, "demo"), args.sft_steps or 1200
+        args.out, args.sft_steps = args.out or os.path.join(ROOT, "demo", "arith"), args.sft_steps or 1200
         args.samples = args.samples or 32
         build_arith(args)
     else:

@@ -1,17 +1,18 @@
 """Does low rank cost accuracy in RL? DA3PO with LoRA adapters of rank 1, 8 and 32 on every linear layer of the
 blocks against full fine-tuning, each at the learning rate a sweep picked for it, on the two tasks of
-bench/learning.py: the reasoning demo (wrong answers run long) and the hard sums (bench/data/hard_*.jsonl). The
-published claim: LoRA of rank 1-32 on all linear layers matched full fine-tuning in RL on math reasoning, at about
+experiments/learning.py: the reasoning demo (wrong answers run long) and the hard sums (experiments/data/hard_*.jsonl).
+The published claim: LoRA of rank 1-32 on all linear layers matched full fine-tuning in RL on math reasoning, at about
 10x full fine-tuning's learning rate (Schulman et al., "LoRA Without Regret", Thinking Machines Lab, 2025).
 
-The protocol is fixed in this file before any run (see git log): the arms, the tasks and their settings (those of
-bench/learning.py), the sweep and its selection rule, the seeds, the endpoints, the equivalence margin and the tests.
+The protocol is fixed in this file before any run (see git log): the arms, the tasks and their settings (those
+of experiments/learning.py), the sweep and its selection rule, the seeds, the endpoints, the equivalence margin and
+the tests.
   1. Sweep (seeds SWEEP_SEEDS, outside the test seeds): every arm at every learning rate of its grid, on each task.
      Each arm takes, per task, the rate with the best mean accuracy endpoint over the sweep seeds (a tie: the
      smaller). A best rate at an end of its grid extends the grid by one x3 step that way, once, and reselects.
   2. Test (seeds TEST_SEEDS): every arm at its rate, paired by seed (same prompts, sampling stream and start).
   3. Endpoints (ENDPOINTS, 12): LoRA rank r - full fine-tuning, on each task, in final accuracy and pass@k (the
-     mean of the last 3 evaluations, as bench/learning.py). Each is tested two ways, Holm across the 12 in each:
+     mean of the last 3 evaluations, as experiments/learning.py). Each is tested two ways, Holm across the 12 in each:
      equivalence within +-MARGIN points (two one-sided paired t-tests, TOST: "matches"), and a difference (two-sided
      paired t-test: "worse" or "better").
 
@@ -31,27 +32,27 @@ import subprocess
 import sys
 import time
 
-from bench import learning  # the tasks, their settings, summaries and the statistics (Student's t, Holm)
+from experiments import learning  # the tasks, their settings, summaries and the statistics (Student's t, Holm)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 
 # ------------------------------------------------------------------------------------------------------------
 # The protocol, as data: fixed before any run.
-ALGO = ["--algo", "da3po", "--lam", "2"]  # DA3PO as bench/learning.py's da3po_lam2 arm
+ALGO = ["--algo", "da3po", "--lam", "2"]  # DA3PO as experiments/learning.py's da3po_lam2 arm
 RANKS = [1, 8, 32]  # LoRA ranks, every linear layer of the blocks (da3po.py's default targets)
 ALPHA = 32  # --lora_alpha (the default; as "LoRA Without Regret": alpha 32, the adapter scaled by alpha / r)
 ARMS = {"full": [], **{f"lora_r{r}": ["--lora_rank", str(r), "--lora_alpha", str(ALPHA)] for r in RANKS}}
 # The sweep's grids, x3 apart: full fine-tuning around the demos' --lr 1e-4; LoRA around 10x that, the claim's ratio
 GRIDS = {"full": [3e-5, 1e-4, 3e-4], **{f"lora_r{r}": [3e-4, 1e-3, 3e-3] for r in RANKS}}
-TASKS = ["reasoning", "hard"]  # bench/learning.py's tasks: model, data, eval sets, steps, evals, batch
+TASKS = ["reasoning", "hard"]  # experiments/learning.py's tasks: model, data, eval sets, steps, evals, batch
 SWEEP_SEEDS, TEST_SEEDS = [100, 101], list(range(8))
 # The accuracy endpoint (the sweep's criterion too) and the pass@k endpoint of each task: the hard task's on its hard
 # eval set, the reasoning demo's on its own; k = the task's eval samples (16 and 4)
 METRICS = {"reasoning": {"acc": "eval/acc", "pass@k": "eval/pass@4"},
            "hard": {"acc": "eval/hard_eval/acc", "pass@k": "eval/hard_eval/pass@16"}}
 MARGIN = 0.03  # equivalence margin: 3 points, under a tenth of what full fine-tuning gains on either task (+36
-#                and +39 points from step 0 in bench/results/learning_hard.md)
+#                and +39 points from step 0 in experiments/results/learning_hard.md)
 ENDPOINTS = [{"id": f"L{i + 1}", "task": t, "arm": f"lora_r{r}", "vs": "full", "metric": m}
              for i, (t, m, r) in enumerate((t, m, r) for t in TASKS for m in ("acc", "pass@k") for r in RANKS)]
 LEVEL = 0.05  # each family's alpha, Holm-adjusted
@@ -61,13 +62,13 @@ PUBLISHED = ("Schulman et al., \"LoRA Without Regret\" (Thinking Machines Lab, 2
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Runs: one subprocess each, cached with the command that made it (as bench/learning.run, in a folder of its own).
+# Runs: one subprocess each, cached with the command that made it (as experiments/learning.run, in a folder of its own).
 def run_dir(task: str, arm: str, lr: float, seed: int) -> str:
     return os.path.join(RESULTS, "runs", "lora_study", task, f"{arm}-lr{lr:g}-s{seed}")
 
 
 def command(task: str, arm: str, lr: float, seed: int, out: str) -> list[str]:
-    """da3po.py on bench/learning.py's task, as its da3po_lam2 arm, with the arm's LoRA flags and this lr."""
+    """da3po.py on experiments/learning.py's task, as its da3po_lam2 arm, with the arm's LoRA flags and this lr."""
     t, s = learning.TASKS[task], settings(task)
     return ["da3po.py", *ALGO, *ARMS[arm], "--lr", f"{lr:g}", "--model", t["model"], "--train_data", t["train"],
             "--eval_data", ",".join(t["eval"]), "--seed", str(seed), "--steps", str(s["steps"]),
@@ -77,7 +78,7 @@ def command(task: str, arm: str, lr: float, seed: int, out: str) -> list[str]:
 
 
 def settings(task: str) -> dict:
-    """bench/learning.py's steps, eval_every and eval_samples of the task."""
+    """experiments/learning.py's steps, eval_every and eval_samples of the task."""
     return learning.settings(task, argparse.Namespace(steps=None, eval_every=None, eval_samples=None))
 
 
@@ -108,7 +109,7 @@ def run(task: str, arm: str, lr: float, seed: int) -> dict:
 
 
 def endpoint(run_summary: dict, task: str, metric: str) -> float:
-    """The mean of the last 3 evaluations of a metric (bench/learning.py's `last3`)."""
+    """The mean of the last 3 evaluations of a metric (experiments/learning.py's `last3`)."""
     return learning.last_mean(run_summary["evals"], METRICS[task][metric])
 
 
@@ -199,7 +200,7 @@ def report(chosen: dict, rows: list[dict], runs: dict, argv: list[str]) -> tuple
              f"Command: `{' '.join(['python -m experiments.lora_study', *argv])}`. The protocol (arms, sweep, rule, "
              "seeds, "
              "endpoints, margin, tests) is fixed in experiments/lora_study.py before any run (see git log). DA3PO "
-             "(lam 2) from the shipped demo models on bench/learning.py's tasks: " + "; ".join(
+             "(lam 2) from the shipped demo models on experiments/learning.py's tasks: " + "; ".join(
                  f"`{t}`: {settings(t)['steps']} steps x {learning.PROTOCOL['updates_per_step']} updates, eval every "
                  f"{settings(t)['eval_every']} steps with {settings(t)['eval_samples']} samples per problem"
                  for t in TASKS) + f". LoRA on every linear layer of the blocks, alpha {ALPHA} (scale alpha / r).",

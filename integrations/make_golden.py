@@ -4,8 +4,8 @@ aggregations, computed in float64 by this project's own functions (the callables
 tests/test_golden.py checks against the file). Cases are fixed by hand or drawn from a seeded generator, so the
 file is the same on every machine; `--check` says whether the file on disk is what this script writes.
 
-Run:  python integrations/make_golden.py            # (re)write tests/data/golden.json
-      python integrations/make_golden.py --check    # exit 1 if the file differs from what would be written
+Run:  python -m integrations.make_golden            # (re)write tests/data/golden.json
+      python -m integrations.make_golden --check    # exit 1 if the file differs from what would be written
 """
 import argparse
 import json
@@ -13,15 +13,14 @@ import os
 import random
 import sys
 
+import torch
+
+import common
+import da3po
+import daro
+from integrations.golden import DEFAULT_PATH
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import torch  # noqa: E402
-
-import common  # noqa: E402
-import da3po  # noqa: E402
-import daro  # noqa: E402
-from integrations.golden import DEFAULT_PATH  # noqa: E402
 
 F64 = torch.float64
 
@@ -181,7 +180,7 @@ def cases() -> dict:
 
 def build() -> dict:
     """The golden file's content: every case's expected outputs from the project's functions, float64."""
-    golden = {"schema": "da3po-golden/1", "dtype": "float64", "generated_by": "python integrations/make_golden.py"}
+    golden = {"schema": "da3po-golden/1", "dtype": "float64", "generated_by": "python -m integrations.make_golden"}
     for section, section_cases in cases().items():
         for case in section_cases:
             out = PROJECT[section](case["inputs"])

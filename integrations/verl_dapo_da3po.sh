@@ -3,7 +3,7 @@
 # (DAPO's published recipe: Qwen3-4B-Base on DAPO-Math-17k, 512 prompts x 16, 16 updates of 32 prompts, 2,048 +
 # 20,480 tokens, overlong shaping over the last 4,096). Every override below is a key of verl's config:
 # tests/test_verl.py composes them on verl's ppo_trainer config. Needs verl's own install
-# (pip install -r requirements-verl.txt) and verl_da3po_daro.py in $DROPIN_DIR (by default this file's folder).
+# (pip install -r requirements/verl.txt) and verl_da3po_daro.py in $DROPIN_DIR (by default this file's folder).
 #   algorithm.adv_estimator=da3po        DAA (lam 2, tau 0.5) on GRPO's advantages; correct = score > -0.5,
 #                                        so a correct answer at the cap (1 - 1 = 0) counts as correct
 #   algorithm.filter_groups.metric=acc   DAPO's filter on correctness: verl's default `reward` would keep

@@ -3,7 +3,7 @@
 # (Qwen2.5-Math-7B on the 45k OpenR1-Math subset, K = 8, 128 prompts and 2 updates of 64 per step, 1,096 + 3,000
 # tokens, no overlong shaping, no dynamic sampling, weights' lr 1e-3). Every override below is a key of verl's
 # config: tests/test_verl.py composes them on verl's ppo_trainer config. Needs verl's own install
-# (pip install -r requirements-verl.txt) and verl_da3po_daro.py in $DROPIN_DIR (by default this file's folder).
+# (pip install -r requirements/verl.txt) and verl_da3po_daro.py in $DROPIN_DIR (by default this file's folder).
 #   algorithm.adv_estimator=daro                 GRPO's advantages, each row's bin (#correct of its group, correct =
 #                                                score > -0.5) for the loss
 #   actor.policy_loss.loss_mode=daro             sum_mu w_mu L_mu, L_mu a token mean within bin mu over each update;

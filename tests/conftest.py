@@ -16,7 +16,7 @@ torch.set_num_threads(1)  # the machine is shared: one thread keeps tests predic
 
 @pytest.fixture(scope="session")
 def demo_dir():
-    """The shipped demo model's folder (demo/model, built by demo/build.py): what `--model demo` loads."""
+    """The shipped demo model's folder (demo/arith/model, built by demo/build.py): what `--model demo` loads."""
     import modeling
     return modeling.model_path("demo")
 
@@ -65,3 +65,15 @@ def readme_block(marker: str) -> str:
     found = [b for b in blocks if marker in b]
     assert len(found) == 1, f"one README python block with {marker!r}, found {len(found)}"
     return found[0]
+
+
+def random_batch(tok, n, seed=0, skew=False):
+    """n rows of random prompts and completions; skew: completions of 1 to 40 tokens, most of them short."""
+    import common
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 8, (n,), generator=g)]
+    lengths = (torch.rand(n, generator=g) ** 4 * 39 + 1).long() if skew else torch.randint(1, 12, (n,), generator=g)
+    completions = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in lengths]
+    ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask,
+            "advantage": torch.randn(n, generator=g)}

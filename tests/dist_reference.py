@@ -1,20 +1,17 @@
 """Random reference cases (tests/harness.py) through the real pipeline on FSDP2 ranks (gloo, float64).
-Used by test_reference.py: torchrun --nproc_per_node=2 tests/dist_reference.py MODEL_DIR OUT.pt SEED[:KEY=VALUE...] ...
+Used by test_reference.py: torchrun --nproc_per_node=2 -m tests.dist_reference MODEL_DIR OUT.pt SEED[:KEY=VALUE...] ...
 Each SEED draws a case (KEY=VALUE fixes a flag; a value is read as a Python literal, e.g. 1:rollout_is='token').
 Rank 0 writes [(case, the pipeline's results per update)] to OUT.pt; the test computes the reference in its own
 process and compares."""
 import ast
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
-import torch  # noqa: E402
+import torch
 
-import modeling  # noqa: E402
-import ranks  # noqa: E402
-import harness  # noqa: E402
-from conftest import float64_norms  # noqa: E402
+import modeling
+import ranks
+from tests import harness
+from tests.conftest import float64_norms
 
 torch.use_deterministic_algorithms(True)
 model_dir, out, specs = sys.argv[1], sys.argv[2], sys.argv[3:]

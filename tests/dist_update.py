@@ -1,19 +1,17 @@
 """One optimizer update on a fixed global batch, in a plain process or under torchrun (FSDP2 on gloo).
-Used by test_dist.py: python tests/dist_update.py MODEL_DIR OUT.pt [CHUNK_TOKENS]
-                   | torchrun --nproc_per_node=2 tests/dist_update.py MODEL_DIR OUT.pt [CHUNK_TOKENS]
+Used by test_dist.py: python -m tests.dist_update MODEL_DIR OUT.pt [CHUNK_TOKENS]
+                   | torchrun --nproc_per_node=2 -m tests.dist_update MODEL_DIR OUT.pt [CHUNK_TOKENS]
 Rank 0 writes the summed loss, the gradient norm and the updated full parameters to OUT.pt."""
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-import common  # noqa: E402
-import modeling  # noqa: E402
-import ranks  # noqa: E402
-import engine as eng  # noqa: E402
+import common
+import modeling
+import ranks
+import engine as eng
 
-from conftest import float64_norms, weighted_loss  # noqa: E402
+from tests.conftest import float64_norms, weighted_loss
 
 torch.use_deterministic_algorithms(True)
 model_dir, out = sys.argv[1], sys.argv[2]

@@ -4,8 +4,8 @@ random_case(seed) draws an update batch and a flag combination; run_pipeline run
 path (plan_updates, make_batch, the script's advantages, rollout_correction, the script's token weights, micro_batches,
 token_losses, the script's loss, backward; DARO's weight step), in one process or as one rank under torchrun;
 compare() computes the reference of each update and returns the worst relative error of each check.
-Run: python -m pytest -q tests/test_reference.py  |  python bench/reference_sweep.py --seeds 500
-(its users: tests/test_reference.py, tests/dist_reference.py, bench/reference_sweep.py)
+Run: python -m pytest -q tests/test_reference.py  |  python -m tools.reference_sweep --seeds 500
+(its users: tests/test_reference.py, tests/dist_reference.py, tools/reference_sweep.py)
 
 Tolerance (TOL, derived): the pipeline and the reference compute the same float64 numbers in a different order
 (batched and padded vs one sequence alone, micro-batch sums vs one sum). Each rounding is at most 2^-53 = 1.1e-16
@@ -26,7 +26,7 @@ import ranks
 import da3po
 import daro
 import engine
-from reference import Adam, Flags, Seq, gradient, sequence_logprobs, update, weight_objective
+from tests.reference import Adam, Flags, Seq, gradient, sequence_logprobs, update, weight_objective
 
 TOL = 1e-10
 CHECKS = ("advantage", "mask", "weight", "carried", "loss", "grad", "bin_loss", "s")

@@ -1,11 +1,11 @@
 """da3po.py or daro.py under torchrun with a scripted rollout engine that skews the data across ranks on purpose, and
 a record of every collective each rank issues. Used by test_lockstep.py:
-  TORCH_FR_BUFFER_SIZE=100000 torchrun --nproc_per_node=2 tests/lockstep.py OUT SCRIPT SKEW [script flags ...]
-  python tests/lockstep.py OUT SCRIPT SKEW [script flags ...]            (one process: no collectives to record)
+  TORCH_FR_BUFFER_SIZE=100000 torchrun --nproc_per_node=2 -m tests.lockstep OUT SCRIPT SKEW [script flags ...]
+  python -m tests.lockstep OUT SCRIPT SKEW [script flags ...]            (one process: no collectives to record)
 and by test_stop.py, several runs in one process with the content skew (JOBS.json: a list of {"script", "out",
 "flags", "stop_at": k (a stop request at the run's k-th check for one)} or {"script", "out", "flags",
 "every_point": true} (OUT/straight uninterrupted, then OUT/stop<k> stopped at each of its checks in turn)):
-  torchrun --nproc_per_node=2 tests/lockstep.py --jobs DIR/JOBS.json     (the record of all of them in DIR)
+  torchrun --nproc_per_node=2 -m tests.lockstep --jobs DIR/JOBS.json     (the record of all of them in DIR)
 
 The record is torch's Flight Recorder, which logs every collective of every process group (gloo too) as the process
 group runs it, whoever called it (FSDP2's all-gathers and reduce-scatters, DTensor's, ours). Each rank writes
@@ -32,13 +32,12 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-import common  # noqa: E402
-import bookkeeping  # noqa: E402
-import modeling  # noqa: E402
-import ranks  # noqa: E402
+import common
+import bookkeeping
+import modeling
+import ranks
 
 out_dir, skew = "", "content"  # set at the bottom from the command line
 local = {"micro_batches": 0, "rows": 0, "tokens": 0, "widths": [], "generate_calls": 0, "root_unsharded_at_sync": 0}
@@ -147,7 +146,7 @@ def rank0_is_right(completion: str, gold: str) -> bool:
 
 
 if "--verifier_crosscheck" in sys.argv:
-    import crosscheck  # noqa: E402
+    import crosscheck
     crosscheck.use_checker(crosscheck.CrossCheck(rank0_is_right, num_workers=1))
 
 

@@ -4,7 +4,7 @@ Per sequence and per token, in float64, with no micro-batches, no packing, no pa
 sequence runs alone through the model's plain forward, and every formula is written out as the papers (and the
 README's algorithm section) state it. It shares no code with the trainer's files (da3po.py, daro.py,
 common.py, modeling.py, engine.py): it is what their fast, batched, split and distributed arithmetic must
-agree with (tests/test_reference.py, bench/reference_sweep.py).
+agree with (tests/test_reference.py, tools/reference_sweep.py).
 Run: python -m pytest -q tests/test_reference.py          (its users: tests/harness.py and the tests there)
 
 The update (one optimizer step) is a list of Seq, every G-sized group of one prompt complete, and the flags:

@@ -11,7 +11,7 @@ import common
 import modeling
 import ranks
 import da3po
-from conftest import ROOT, weighted_loss
+from tests.conftest import ROOT, weighted_loss
 from da3po import amplification_factors, daa, monte_carlo_factors
 
 

@@ -1,24 +1,13 @@
-"""python -m pytest -q tests/test_bench_floor.py
-bench/vs_trl_floor.py's accounting checked by hand on a profiled block of known work: the GEMMs' FLOPs
+"""bench/vs_trl_floor.py's accounting checked by hand on a profiled block of known work: the GEMMs' FLOPs
 (2 M N K each), their self time, and sdpa's kernels kept apart from them. No TRL needed (it is imported only
 to run)."""
-import importlib.util
-import os
 import sys
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import ROOT
-
-# The script puts bench/ first on sys.path to find vs_trl.py; put it back, or `demo` would then name bench/demo.py
-# for the test modules collected after this one, not the demo/ package.
-path = list(sys.path)
-spec = importlib.util.spec_from_file_location("vs_trl_floor", os.path.join(ROOT, "bench", "vs_trl_floor.py"))
-floor = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(floor)
-sys.path[:] = path
+from bench import vs_trl_floor as floor
 
 
 def test_kernel_seconds_counts_gemm_flops_per_step_and_keeps_attention_apart():

@@ -1,20 +1,17 @@
-"""bench/learning.py's statistics by hand (t quantiles for any number of seeds, paired tests, Holm's adjustment, the
-mean-of-the-last-three endpoint, the bounds, the mix trend), the protocol tables' consistency, its bad-flag exits, and
-the committed data of bench/hard_prompts.py against its manifest."""
+"""experiments/learning.py's statistics by hand (t quantiles for any number of seeds, paired tests, Holm's adjustment,
+the mean-of-the-last-three endpoint, the bounds, the mix trend), the protocol tables' consistency, its bad-flag exits,
+and the committed data of tools/hard_prompts.py against its manifest."""
 import hashlib
-import importlib.util
 import json
 import math
 import os
 
 import pytest
 
-from conftest import ROOT, run_script
+from experiments import daro_study, learning
+from tests.conftest import ROOT, run_script
 
-spec = importlib.util.spec_from_file_location("learning", os.path.join(ROOT, "bench", "learning.py"))
-learning = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(learning)
-DATA = os.path.join(ROOT, "bench", "data")
+DATA = os.path.join(ROOT, "experiments", "data")
 
 
 @pytest.mark.parametrize("df, t", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (11, 2.2010), (19, 2.0930),
@@ -139,7 +136,7 @@ def test_the_daro_study_is_its_own_holm_family_at_the_papers_travel():
     (["--steps", "20", "--eval_every", "10"], "--steps/--eval_every: task hard would evaluate at steps [0, 10, 20]"),
     (["--jobs", "0"], "--jobs: must be >= 1")])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
-    r = run_script(["bench/learning.py", *args], timeout=60)
+    r = run_script(["-m", "experiments.learning", *args], timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
@@ -158,7 +155,7 @@ def test_a_task_without_its_files_or_its_target_exits_2(monkeypatch, capsys):
 
 
 def test_plan_prints_the_estimate_and_runs_nothing():
-    r = run_script(["bench/learning.py", "--plan"], timeout=60)
+    r = run_script(["-m", "experiments.learning", "--plan"], timeout=60)
     assert r.returncode == 0, r.stderr
     assert "plan: 160 runs" in r.stdout and "estimate:" in r.stdout and "CPU-hours" in r.stdout
 
@@ -171,7 +168,7 @@ def test_committed_data_match_the_manifest():
     eval_rows = rows["hard_eval.jsonl"]
     assert sorted({r["level"] for r in eval_rows}) == [1, 2, 3, 4]
     assert all(sum(r["level"] == lv for r in eval_rows) == 80 for lv in (1, 2, 3, 4))
-    demo = {json.loads(x)["problem"] for x in open(os.path.join(ROOT, "demo", "arith_eval.jsonl"))}
+    demo = {json.loads(x)["problem"] for x in open(os.path.join(ROOT, "demo", "arith", "eval.jsonl"))}
     evals = {r["problem"] for r in eval_rows}
     for name, rs in rows.items():
         if name != "hard_eval.jsonl":
@@ -180,9 +177,9 @@ def test_committed_data_match_the_manifest():
 
 
 def test_hard_prompts_survey_runs_the_real_calibration_as_a_script():
-    """bench/hard_prompts.py as a user runs it (from bench/, where `import demo` would find bench/demo.py): the survey
-    measures pass rates through demo/build.py's calibration and shows why the pool is 3+3 and 2+2 sums."""
-    r = run_script(["bench/hard_prompts.py", "--survey"], timeout=300)
+    """tools/hard_prompts.py as a user runs it (python -m tools.hard_prompts): the survey measures pass rates through
+    demo/build.py's calibration and shows why the pool is 3+3 and 2+2 sums."""
+    r = run_script(["-m", "tools.hard_prompts", "--survey"], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {line.split(":")[0].strip(): line for line in r.stdout.splitlines() if "mean pass rate" in line}
     assert len(rows) == 9, r.stdout
@@ -193,11 +190,9 @@ def test_hard_prompts_survey_runs_the_real_calibration_as_a_script():
 
 
 def test_daro_study_weight_summaries_by_hand():
-    """bench/daro_study.py on two fake runs of G = 4 (bins 1/4, 2/4, 3/4): the design read from ENDPOINTS, the weights'
-    spread and clamp share, w over its fixed point, and the shared control's distance to DARO's mean weight."""
-    spec = importlib.util.spec_from_file_location("daro_study", os.path.join(ROOT, "bench", "daro_study.py"))
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    """experiments/daro_study.py on two fake runs of G = 4 (bins 1/4, 2/4, 3/4): the design read from ENDPOINTS, the
+    weights' spread and clamp share, w over its fixed point, and the shared control's distance to DARO's mean weight."""
+    study = daro_study
     arms = study.design()
     assert arms["hard"] == ["daro_travel", "dapo", "uniform", "daro_travel_shared", "daro_closed"]
     assert arms["reasoning"] == ["daro_closed", "uniform", "daro_closed_shared"]

@@ -2,7 +2,7 @@
 and the huge outputs judged. Run: python -m pytest -q tests/test_bench_verify.py"""
 import re
 
-from conftest import run_script
+from tests.conftest import run_script
 
 
 def test_verify_speed_runs(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 import common
 import crosscheck
-from conftest import run_script
+from tests.conftest import run_script
 from da3po import Config
 
 
@@ -165,7 +165,7 @@ def test_flags_are_checked(tmp_path):
                        timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert r.stderr.startswith("error: --verifier_crosscheck: Math-Verify is not installed: pip install -r "
-                               "requirements-crosscheck.txt")
+                               "requirements/crosscheck.txt")
 
 
 def test_run_with_math_verify_changes_no_training_number(tmp_path):

@@ -13,7 +13,7 @@ import common
 import bookkeeping
 import modeling
 import daro
-from conftest import ROOT, weighted_loss
+from tests.conftest import ROOT, weighted_loss
 from daro import (PRESETS, Config, bin_token_weights, bin_weights, check_algorithm_config, closed_form_weights,
                   update_weights, weight_objective)
 from demo.build import warm_start
@@ -385,11 +385,10 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
 
 
 def test_mechanism_trace_records_every_update_and_bin(tmp_path):
-    """bench/daro_mechanism.py on one step of the hard task: a record per update with every present bin; Adam's first
-    step moves each bin's ln w by lr exactly (then its gradient's size no longer matters), the loss and gradient
+    """experiments/daro_mechanism.py on one step of the hard task: a record per update with every present bin; Adam's
+    first step moves each bin's ln w by lr exactly (then its gradient's size no longer matters), the loss and gradient
     shares sum to 1 over the bins, and every w sits at or below its fixed point at the start."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import daro_mechanism
+    from experiments import daro_mechanism
     out = str(tmp_path / "m")
     daro_mechanism.main(["--tasks", "hard", "--seeds", "0", "--steps", "1", "--out", out])
     updates = json.load(open(out + ".json"))["hard"]["0"]

@@ -8,7 +8,7 @@ import pytest
 import common
 import modeling
 import dataset
-from conftest import run_script
+from tests.conftest import run_script
 
 # A few rows per published schema; every one must load into the same {prompt, answer} records.
 SCHEMAS = {

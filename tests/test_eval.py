@@ -9,7 +9,7 @@ import bookkeeping
 import modeling
 import dataset
 import verifier
-from conftest import run_script
+from tests.conftest import run_script
 from da3po import PRESETS, Config
 
 

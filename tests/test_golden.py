@@ -7,15 +7,15 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT
+from tests.conftest import ROOT
 from integrations import golden, make_golden
 
-import golden_port
+from tests import golden_port
 
 
 def test_file_is_what_the_script_writes():
     with open(golden.DEFAULT_PATH) as f:
-        assert f.read() == make_golden.dumps(make_golden.build()), "run python integrations/make_golden.py"
+        assert f.read() == make_golden.dumps(make_golden.build()), "run python -m integrations.make_golden"
 
 
 def test_project_functions_pass_the_checker():
@@ -92,8 +92,8 @@ def test_clear_error_on_g_mismatch():
 
 
 def test_checker_cli_needs_only_the_standard_library():
-    from conftest import run_script
-    out = run_script(["-S", "-c", "import sys; sys.path.insert(0, 'integrations'); import golden;"
+    from tests.conftest import run_script
+    out = run_script(["-S", "-c", "import sys; from integrations import golden;"
                       "assert 'torch' not in sys.modules; print(len(golden.load()['daro']))"])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(len(golden.load()["daro"]))

@@ -1,5 +1,4 @@
-"""Run: python -m pytest -q tests/test_heads.py
-Every causal-LM family's output layer through the chunked log-probs (token_logprobs with chunk_tokens > 0, the
+"""Every causal-LM family's output layer through the chunked log-probs (token_logprobs with chunk_tokens > 0, the
 default --logprob_chunk): the chunks must compute what the model's own forward computes, including what that
 forward does around its output layer (Gemma's final logit soft-cap, Cohere's logit_scale, Granite's logits_scaling,
 Falcon-H1's lm_head_multiplier, MiniCPM3's scaled hidden state, ...), and the start-up probe
@@ -19,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import common
 import modeling
-from conftest import ROOT
+from tests.conftest import ROOT
 
 V, H = 64, 32
 BASE = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -241,14 +240,11 @@ def test_chunked_path_raises_when_the_head_is_not_called():
 
 
 DIST_PROBE = r"""
-import sys
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {tests!r})
 import torch
 import common
 import modeling
 import ranks
-import test_heads
+from tests import test_heads
 
 d = ranks.setup_dist("cpu")
 model = test_heads.build("gemma2", tied=True).float()  # the same seed, so the same weights, on every rank
@@ -265,7 +261,7 @@ for chunk_tokens in (0, 13):
     out.append((logp.detach(), [modeling.full_tensor(p.grad) for p in model.parameters()]))
 gap = max([(out[0][0] - out[1][0]).abs().max().item()]
           + [((a - b).abs().max() / a.abs().max()).item() for a, b in zip(out[0][1], out[1][1])])
-print(f"rank {{d.rank}}: gemma2 accepted, chunked gap {{gap:.1e}}", flush=True)
+print(f"rank {d.rank}: gemma2 accepted, chunked gap {gap:.1e}", flush=True)
 assert gap < 1e-5, gap
 refused = modeling.shard_model(test_heads.SinQwen3(test_heads.transformers.Qwen3Config(**test_heads.BASE)), d)
 modeling.check_chunked_logprobs(refused)  # exits 2 on every rank
@@ -277,10 +273,10 @@ def test_probe_under_fsdp2(tmp_path):
     """Under torchrun (2 CPU ranks, FSDP2): the probe runs on every rank, accepts Gemma 2 (whose chunked log-probs and
     gradients then match the whole logits) and refuses an unknown head on every rank."""
     script = tmp_path / "probe.py"
-    script.write_text(DIST_PROBE.format(root=ROOT, tests=f"{ROOT}/tests"))
+    script.write_text(DIST_PROBE)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT})
     assert r.returncode != 0 and "not refused" not in r.stdout, r.stdout + r.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: gemma2 accepted" in r.stdout, r.stdout + r.stderr[-3000:]

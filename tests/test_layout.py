@@ -1,8 +1,9 @@
-"""The layout by role (issue 31): common.py holds the step, the files that keep a run going hold the rest, and
-imports point one way. Source checks only (no torch needed); bench/layout.py prints the size figures."""
+"""The layout by role: common.py holds the step, the files that keep a run going hold the rest, and
+imports point one way. Source checks only (no torch needed); tools/layout.py prints the size figures."""
 import ast
 import glob
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lower first: a file may import only the files before it (verifier.py stands alone: anyone may import it).
@@ -79,3 +80,116 @@ def test_every_core_file_opens_with_what_it_holds_and_no_line_is_over_120():
         with open(os.path.join(ROOT, f), encoding="utf-8") as fh:
             long = [i + 1 for i, line in enumerate(fh.read().splitlines()) if len(line) > 120]
         assert not long, f"{f}: lines over 120 characters: {long}"
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Roles: bench/ (speed and memory against peers), experiments/ (science studies), tools/ (data builders and developer
+# tools), each script run as a module from the root (`python -m bench.vs_trl`); the README's map matches the tree.
+ROLES = ("bench", "experiments", "tools")
+# Every file allowed to edit sys.path: the one conftest through which the tests import.
+SYS_PATH_EDITORS = {os.path.join("tests", "conftest.py")}
+
+
+def role_scripts() -> list[str]:
+    """Every script of bench/, experiments/ and tools/ as a module name, e.g. bench.vs_trl."""
+    return sorted(f"{role}.{os.path.basename(p)[:-3]}" for role in ROLES
+                  for p in glob.glob(os.path.join(ROOT, role, "*.py")) if not p.endswith("__init__.py"))
+
+
+def python_files() -> list[str]:
+    """Every .py file of the project (its folders and the top level; run folders and environments left out)."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        rel = os.path.relpath(folder, ROOT)
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__")) and d not in ("out", "runs")
+                   and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))]
+        found += [os.path.normpath(os.path.join(rel, f)) for f in files if f.endswith(".py")]
+    return sorted(found)
+
+
+def test_no_core_file_imports_from_bench_experiments_or_tools():
+    for f in core() + ["verifier.py"]:
+        assert not imports(f) & set(ROLES), f"{f} imports {sorted(imports(f) & set(ROLES))}"
+
+
+def test_only_the_tests_conftest_edits_sys_path():
+    from tools.layout import SYS_PATH_EDIT
+    editors = set()
+    for f in python_files():
+        with open(os.path.join(ROOT, f), encoding="utf-8") as fh:
+            if SYS_PATH_EDIT.search(fh.read()):
+                editors.add(f)
+    assert editors <= SYS_PATH_EDITORS, f"files that edit sys.path: {sorted(editors - SYS_PATH_EDITORS)}"
+
+
+def test_no_script_is_named_after_a_project_module_and_each_folder_is_a_package():
+    ours = {f[:-3] for f in core()} | {"verifier", "demo", "tests", "integrations", *ROLES}
+    for name in role_scripts():
+        assert name.split(".")[1] not in ours, f"{name} is named after the project's {name.split('.')[1]}"
+    for role in ROLES:
+        assert os.path.isfile(os.path.join(ROOT, role, "__init__.py")), f"{role}/ is not a package"
+
+
+# Each script as `python -m <name> --help` runs it, all in one interpreter (the imports are shared, so it takes
+# seconds): argparse's --help exits 0. A script whose optional package is missing (matplotlib, trl) is skipped;
+# one that cannot find a module of the project (a module run by path, or an import that needs sys.path edited) fails.
+HELP_RUNNER = r"""
+import contextlib, io, json, runpy, sys
+ours = set(sys.argv[2].split(","))
+results = {}
+for name in sys.argv[1].split(","):
+    sys.argv[:] = [name, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        results[name] = "no exit"
+    except SystemExit as e:
+        results[name] = "ok" if e.code in (0, None) and "usage" in out.getvalue().lower() else f"exit {e.code}"
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        results[name] = f"cannot import {e.name}" if missing in ours else "optional: " + missing
+    except Exception as e:
+        results[name] = f"{type(e).__name__}: {e}"
+print(json.dumps(results))
+"""
+
+
+def test_every_script_runs_as_a_module():
+    import json
+    import subprocess
+    import sys
+    scripts = [s for s in role_scripts() if "argparse" in open(os.path.join(ROOT, *s.split(".")) + ".py").read()]
+    assert len(scripts) >= 20, scripts  # the argparse scripts: every one but tools.layout
+    ours = {f[:-3] for f in core()} | {"verifier", "demo", "tests", "integrations", *ROLES}
+    ours |= {os.path.basename(f)[:-3] for f in python_files()}  # a sibling imported by its bare name is ours too
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", HELP_RUNNER, ",".join(scripts), ",".join(sorted(ours))], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.strip().splitlines()[-1])
+    bad = {k: v for k, v in results.items() if v != "ok" and not v.startswith("optional: ")}
+    assert not bad, bad
+
+
+def readme_map() -> tuple[list[str], str]:
+    """The README's file map (the names at the start of its lines) and its reading-order paragraph."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## Files, and where to start reading", 1)[1]
+    block = section.split("```", 2)[1]
+    names = [line.split()[0] for line in block.splitlines() if line and not line[0].isspace()]
+    reading = section.split("Reading order", 1)[1].split("\n\n", 1)[0]
+    return names, reading
+
+
+def test_the_readme_file_map_and_reading_order_match_the_tree():
+    names, reading = readme_map()
+    missing = [n for n in names if not os.path.exists(os.path.join(ROOT, n))]
+    assert not missing, f"the README's file map names what is not in the tree: {missing}"
+    top_py = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
+    assert not set(top_py) - set(names), f"top-level files the README's map leaves out: {set(top_py) - set(names)}"
+    packages = {os.path.basename(os.path.dirname(p)) + "/" for p in glob.glob(os.path.join(ROOT, "*", "__init__.py"))}
+    assert not packages - set(names), f"folders the README's map leaves out: {packages - set(names)}"
+    cited = set(re.findall(r"`(\w+\.py)`", reading))
+    assert cited and not cited - set(top_py), f"the reading order names files not at the top: {cited - set(top_py)}"

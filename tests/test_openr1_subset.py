@@ -1,4 +1,4 @@
-"""bench/openr1_subset.py, the DARO recipe's data, on a small synthetic OpenR1-Math-220k: each rule by hand, the
+"""tools/openr1_subset.py, the DARO recipe's data, on a small synthetic OpenR1-Math-220k: each rule by hand, the
 documented row counts, a pinned hash, and the same bytes whatever the input's order or format.
 Run: python -m pytest -q tests/test_openr1_subset.py"""
 import hashlib
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import run_script
+from tests.conftest import run_script
 
 
 def row(uuid, problem, answer, generations, verified, question_type="math-word-problem"):
@@ -54,7 +54,7 @@ def build(tmp_path, rows, name="rows.jsonl", *extra):
         import pyarrow.parquet as pq
         pq.write_table(pa.Table.from_pylist(rows), path)
     out = tmp_path / f"{name}.out.jsonl"
-    r = run_script(["bench/openr1_subset.py", str(path), "--rows", "20", "--out", str(out), *extra], timeout=120)
+    r = run_script(["-m", "tools.openr1_subset", str(path), "--rows", "20", "--out", str(out), *extra], timeout=120)
     return r, out
 
 

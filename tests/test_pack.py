@@ -15,9 +15,9 @@ import torch
 
 import common
 import da3po
-import harness
+from tests import harness
 import modeling
-from conftest import ROOT
+from tests.conftest import ROOT
 
 
 @pytest.fixture
@@ -325,8 +325,7 @@ def test_importing_the_project_leaves_transformers_attention_as_it_was():
 
 
 DIST_CHECKS = r"""
-import json, sys
-sys.path[:0] = [{root!r}, {tests!r}]
+import json
 import torch
 import common, engine, modeling, ranks
 d = ranks.setup_dist("cpu")
@@ -371,10 +370,10 @@ def test_start_up_checks_run_where_training_runs_and_agree(tmp_path):
     sees its log-probs off) rank 0 says it failed on another rank. The verdict is all-reduced before any rank acts on
     it, so the ranks' forward paths, and their collectives, stay the same."""
     script = tmp_path / "checks.py"
-    script.write_text(DIST_CHECKS.format(root=ROOT, tests=f"{ROOT}/tests", out=tmp_path))
+    script.write_text(DIST_CHECKS.format(out=tmp_path))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     results = {rank: json.load(open(tmp_path / f"rank{rank}.json")) for rank in (0, 1)}
     assert sorted(results) == [0, 1]

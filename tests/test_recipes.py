@@ -1,7 +1,6 @@
 """docs/gpu.md's recipe commands, taken from the doc itself: each parses and passes the config checks at its world
 size (no model or data loaded), each comparison changes what the doc says it changes, and the memory figures and
 bench/memory.py's recipe constants agree with the commands. Run: python -m pytest -q tests/test_recipes.py"""
-import importlib.util
 import os
 import re
 import subprocess
@@ -13,7 +12,7 @@ import dataset
 import ranks
 import da3po
 import daro
-from conftest import ROOT
+from tests.conftest import ROOT
 
 DOC = os.path.join(ROOT, "docs", "gpu.md")
 SCRIPTS = {"da3po.py": (da3po.Config, da3po.PRESETS), "daro.py": (daro.Config, daro.PRESETS)}
@@ -123,9 +122,7 @@ def test_the_daro_papers_runs_change_one_thing_each(recipes):
 
 
 def load_memory():
-    spec = importlib.util.spec_from_file_location("memory", os.path.join(ROOT, "bench", "memory.py"))
-    memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(memory)
+    from bench import memory
     return memory
 
 

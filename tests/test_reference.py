@@ -1,6 +1,6 @@
 """The update pipeline against the plain reference (tests/reference.py), and the scripts' classes against it.
 Run: python -m pytest -q tests/test_reference.py           (about a minute on one core)
-Longer sweep: python bench/reference_sweep.py --seeds 500
+Longer sweep: python -m tools.reference_sweep --seeds 500
 
 Every check compares float64 numbers computed two ways to harness.TOL = 1e-10 (derived in tests/harness.py); a wrong
 weight, a lost token or a wrong clip is off by far more. One exception: DAA's --adaptive_lam factor is computed in
@@ -15,10 +15,10 @@ import torch
 import modeling
 import da3po
 import daro
-import harness
-import reference
-from conftest import run_script
-from reference import Flags, Seq
+from tests import harness
+from tests import reference
+from tests.conftest import run_script
+from tests.reference import Flags, Seq
 
 # The CI's cases: each seed with the script and the rollout correction fixed in turn (so that every pair is covered
 # three times however the generator evolves); the other flags are drawn (test_ci_cases_cover_every_flag).
@@ -135,8 +135,8 @@ def test_two_ranks_match_reference(models, tmp_path):
              "2:script='da3po':rollout_is='sequence':rollout_is_mask=True:kl_coef=0.1:micro_batch_tokens=30:"
              "updates_per_step=2"]
     out = tmp_path / "dist.pt"
-    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/dist_reference.py",
-                    modeling.model_path("demo"), str(out), *specs])
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                    "tests.dist_reference", modeling.model_path("demo"), str(out), *specs])
     assert r.returncode == 0, r.stderr[-3000:]
     bad = []
     for case, results in torch.load(out, weights_only=False):

@@ -15,7 +15,7 @@ import common
 import bookkeeping
 import modeling
 import da3po
-from conftest import ROOT, run_script
+from tests.conftest import ROOT, run_script
 
 SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
          "--eval_samples", "2", "--eval_every", "0"]
@@ -52,8 +52,7 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(demo_dir, tmp_path)
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path):
     script = textwrap.dedent(f"""
-        import os, signal, sys, torch
-        sys.path.insert(0, {ROOT!r})
+        import os, signal, torch
         import common
         import bookkeeping
         import modeling
@@ -68,7 +67,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(demo_dir, tmp_path)
             next(model.parameters()).add_(1.0)
         bookkeeping.save_checkpoint({str(tmp_path)!r}, 2, model, tok, opt, sched, stream, {{}})
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == -signal.SIGKILL
     assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002.tmp"]  # the interrupted write is visible

@@ -12,7 +12,7 @@ import modeling
 import dataset
 import ranks
 import engine as eng
-from conftest import run_script
+from tests.conftest import run_script
 from da3po import Config
 
 

@@ -22,7 +22,7 @@ import ranks
 import engine as eng
 import da3po
 import daro
-from conftest import ROOT
+from tests.conftest import ROOT
 
 SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
          "--eval_samples", "2", "--sample_every", "1"]
@@ -118,8 +118,8 @@ def lockstep_jobs(folder, ranks, jobs):
     json.dump(jobs, open(folder / "jobs.json", "w"))
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TORCH_FR_BUFFER_SIZE": "200000"}
-    r = subprocess.run([sys.executable, *launcher, "tests/lockstep.py", "--jobs", str(folder / "jobs.json")], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, *launcher, "-m", "tests.lockstep", "--jobs", str(folder / "jobs.json")]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     if ranks > 1:
         traces = [json.load(open(folder / f"collectives_rank{r}.json")) for r in range(ranks)]
@@ -301,7 +301,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(resumed, first):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Stops everywhere (issue 28): every point where the loop can stop is a call of stop_requested(); a run is stopped at
+# Stops everywhere: every point where the loop can stop is a call of stop_requested(); a run is stopped at
 # each call in turn and resumed, so a stop point added later is covered without a new test.
 EVERYWHERE = ["--demo", "arith", "--steps", "2", "--eval_every", "1", "--max_gen_batches", "3",
               "--updates_per_step", "3", "--prompts_per_step", "6", "--eval_size", "8", "--eval_samples", "2",
@@ -447,7 +447,7 @@ class RunsCode:
 
 @pytest.mark.parametrize("name", ["trainer.pt", "rank0.pt"])
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, name):
-    """Issue 28, defect 6: trainer.pt and rank<r>.pt are read with torch's safe loader; a crafted one that would run
+    """trainer.pt and rank<r>.pt are read with torch's safe loader; a crafted one that would run
     code when unpickled is refused with one line naming the file (exit 2), and its code does not run."""
     run(da3po, tmp_path, "--steps", "1", "--eval_size", "8", "--eval_samples", "2")
     path = os.path.join(bookkeeping.latest_checkpoint(str(tmp_path)), name)

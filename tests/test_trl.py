@@ -3,7 +3,7 @@ vectors; real GRPOTrainer runs on the shipped demo model, CPU: DA3PO's advantage
 advantages and each update is a token mean over its own tokens; DARO's two updates per generation batch equal
 daro.py's two updates on the same rows (loss, gradient, weights, float64); DARO's weights and their Adam state resume
 exactly; TRL's peft_config works with both trainers; the README's snippet runs as written and clip-higher binds; two
-processes (torchrun, gloo) with a group split across them. Skips without TRL (pip install -r requirements-trl.txt).
+processes (torchrun, gloo) with a group split across them. Skips without TRL (pip install -r requirements/trl.txt).
 Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_trl.py"""
 import copy
 import json
@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements-trl.txt")
+pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements/trl.txt")
 
 import common  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
 import modeling  # noqa: E402
-from conftest import ROOT, readme_block, run_script  # noqa: E402
+from tests.conftest import ROOT, readme_block, run_script  # noqa: E402
 from integrations import golden  # noqa: E402
 from integrations import trl_da3po_daro as drop_in  # noqa: E402
 from integrations.trl_da3po_daro import (ALGO_STATE, DA3POConfig, DA3POTrainer, DAROConfig,  # noqa: E402
@@ -36,7 +36,7 @@ def arith_dataset(level: int):
     """The demo eval set's sums of one difficulty level, as TRL conversational prompts (the demo model's chat
     template then gives the prompt da3po.py trains on)."""
     from datasets import Dataset
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "demo", "arith_eval.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "demo", "arith", "eval.jsonl"))]
     rows = [r for r in rows if r["level"] == level]
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": r["problem"]}] for r in rows],
                               "answer": [r["answer"] for r in rows]})
@@ -430,7 +430,7 @@ def test_clear_errors(demo_dir, tmp_path):
 def test_peft_config_trains_only_the_adapter(demo_dir, tmp_path):
     """TRL's peft_config (a tiny LoRA) with both trainers: they train, DARO's weights step, and only the adapter's
     parameters change."""
-    peft = pytest.importorskip("peft", reason="peft is optional: pip install -r requirements-trl.txt")
+    peft = pytest.importorskip("peft", reason="peft is optional: pip install -r requirements/trl.txt")
     for cls, args_cls, knobs in ((DA3POTrainer, DA3POConfig, {}), (DAROTrainer, DAROConfig, {"weight_lr": 0.05})):
         model, tok = modeling.load_model(demo_dir)
         base = {k: v.clone() for k, v in model.state_dict().items()}
@@ -473,7 +473,7 @@ def test_two_processes_group_split_across_them(tmp_path):
     processes and equal to daro.update_weights on the gathered L_mu (tests/trl_two_processes.py checks, rank 0
     reports)."""
     out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      os.path.join(ROOT, "tests", "trl_two_processes.py"), str(tmp_path)], timeout=600)
+                      "-m", "tests.trl_two_processes", str(tmp_path)], timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["split_groups"] > 0 and report["da3po_updates"] == 2 and report["daro_updates"] == 2

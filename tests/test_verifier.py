@@ -1,5 +1,4 @@
-"""Run: python -m pytest -q tests/test_verifier.py
-The math answer verifier (verifier.py: extract_answer / math_equal / verify_batch) on the peer projects' cases in
+"""The math answer verifier (verifier.py: extract_answer / math_equal / verify_batch) on the peer projects' cases in
 tests/data (see its README), our own normalisation and near-miss cases, and adversarial inputs with a time bound.
 Needs no torch and no conftest fixtures: test_verifier_cli.py also runs this file with torch made unimportable."""
 import itertools
@@ -8,7 +7,6 @@ import logging
 import os
 import random
 import re
-import sys
 import threading
 import time
 import tracemalloc
@@ -16,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, also under --noconftest
-import verifier as vmod  # noqa: E402
-from verifier import close_verifier_pool, extract_answer, math_equal, verify_batch  # noqa: E402
+import verifier as vmod
+from verifier import close_verifier_pool, extract_answer, math_equal, verify_batch
 
 
 # Correctness cases get a generous deadline: on a loaded shared machine a legitimate comparison (e.g. an inequality

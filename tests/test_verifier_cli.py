@@ -1,5 +1,4 @@
-"""Run: python -m pytest -q tests/test_verifier_cli.py
-verifier.py as a program (`python verifier.py PRED GOLD`, --extract, --jsonl, exit codes 0 / 1 / 2), and as the
+"""verifier.py as a program (`python verifier.py PRED GOLD`, --extract, --jsonl, exit codes 0 / 1 / 2), and as the
 self-contained file it claims to be: test_verifier.py passes with torch (and numpy) made unimportable."""
 import json
 import os

