@@ -30,7 +30,10 @@ _launched = False
 
 
 def setup_dist(device: str = "") -> DistInfo:
-    """Initialise torch.distributed under torchrun; pick the device ("" = cuda if available, else cpu)."""
+    """Initialise torch.distributed under torchrun, and pick the device.
+
+    device: "cuda", "cpu", or "" for cuda if available, else cpu.
+    """
     global _launched
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -89,7 +92,7 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_list(items: list) -> list:
-    """Concatenate a picklable list from every rank, in rank order (identity in a single process)."""
+    """A picklable list from every rank, concatenated in rank order (identity in one process)."""
     if not is_dist():
         return list(items)
     out = [None] * dist.get_world_size()
@@ -98,12 +101,13 @@ def all_gather_list(items: list) -> list:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Stop signals: the loop polls stop_requested() at every point where it can stop (a checkpoint follows).
+# Stop signals: the loop polls stop_requested() wherever it can stop (a checkpoint follows).
 _stop_signal = None  # set by the handler of SIGTERM and SIGINT
 
 
 def handle_stop_signals():
-    """Make SIGTERM (preemption) and Ctrl-C request a stop, which the loop polls; a second Ctrl-C aborts.
+    """Make SIGTERM (preemption) and Ctrl-C request a stop; a second Ctrl-C aborts.
+
     torchrun forwards SIGTERM to every worker and kills them 30 s later (docs/gpu.md)."""
     global _stop_signal
     _stop_signal = None
