@@ -1,6 +1,6 @@
 """
 Look up when needed: --verifier_crosscheck, a second verifier beside ours. Math-Verify
-(huggingface/Math-Verify, optional: requirements-crosscheck.txt) judges the completions that verifier.py
+(huggingface/Math-Verify, optional: requirements/crosscheck.txt) judges the completions that verifier.py
 judged, and the pairs where the two disagree are counted and kept for a person to read. Where they disagree
 one of them is wrong, so the two rates say how often the reward may be wrong on a model's own outputs, in
 each direction (docs/metrics.md: crosscheck/*).

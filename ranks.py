@@ -1,6 +1,7 @@
 """
-Look up when needed: the processes of a run. Ranks and their collectives (a plain `python` run is world size
-1 and none of this does anything), the stop signals the loop polls, and how a run ends early.
+Look up when needed: the processes of a run.
+Ranks and their collectives (a plain `python` run is world size 1 and none of this does anything),
+the stop signals the loop polls, and how a run ends early.
 """
 import datetime
 import os
@@ -13,8 +14,8 @@ import torch.distributed as dist
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Ranks and collectives, in lockstep: every rank issues the same collectives in the same order, so a choice
-# that changes them comes from the config or an all-reduce (tests/test_lockstep.py records them).
+# Ranks and collectives, in lockstep: every rank issues the same collectives in the same order,
+# so a choice that changes them comes from the config or an all-reduce (tests/test_lockstep.py).
 @dataclass
 class DistInfo:
     rank: int = 0
@@ -24,31 +25,38 @@ class DistInfo:
     is_main: bool = True
 
 
-_launched = False  # set by setup_dist under torchrun (vLLM may open a 1-rank group of its own in a plain run)
+# Set by setup_dist under torchrun (vLLM may open a 1-rank group of its own in a plain run).
+_launched = False
 
 
 def setup_dist(device: str = "") -> DistInfo:
-    """Initialise torch.distributed under torchrun; pick the device ("" = cuda if available, else cpu)."""
+    """Initialise torch.distributed under torchrun, and pick the device.
+
+    device: "cuda", "cpu", or "" for cuda if available, else cpu.
+    """
     global _launched
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return DistInfo(device=torch.device(device))
-    rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
-                               int(os.environ["WORLD_SIZE"]))
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
     if device == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    # on GPUs NCCL for CUDA tensors, gloo for the CPU tensors of metrics and flags (NCCL rejects CPU tensors)
+    # on GPUs NCCL for CUDA tensors, gloo for the CPU tensors of metrics and flags
+    # (NCCL rejects CPU tensors)
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     _launched = True
-    return DistInfo(rank, local_rank, world, dev, rank == 0)
+    return DistInfo(rank, local_rank, world_size, dev, rank == 0)
 
 
 def cleanup_dist(engine=None):
-    """Barrier (else gloo can abort at exit), close the engine (vLLM may destroy the group), destroy it."""
+    """Barrier (else gloo can abort at exit), close the engine (vLLM may destroy the group),
+    destroy the group."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if engine is not None:
@@ -84,7 +92,7 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_list(items: list) -> list:
-    """Concatenate a picklable list from every rank, in rank order (identity in a single process)."""
+    """A picklable list from every rank, concatenated in rank order (identity in one process)."""
     if not is_dist():
         return list(items)
     out = [None] * dist.get_world_size()
@@ -93,13 +101,14 @@ def all_gather_list(items: list) -> list:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Stop signals: the loop polls stop_requested() at every point where it can stop (a checkpoint follows).
-_stop_signal = None  # set by the handler of SIGTERM / SIGINT
+# Stop signals: the loop polls stop_requested() wherever it can stop (a checkpoint follows).
+_stop_signal = None  # set by the handler of SIGTERM and SIGINT
 
 
 def handle_stop_signals():
-    """SIGTERM (preemption; torchrun forwards it to every worker and kills them 30 s later) or Ctrl-C: the
-    loop checks between generation batches, between updates and after each step. A second Ctrl-C aborts."""
+    """Make SIGTERM (preemption) and Ctrl-C request a stop; a second Ctrl-C aborts.
+
+    torchrun forwards SIGTERM to every worker and kills them 30 s later (docs/gpu.md)."""
     global _stop_signal
     _stop_signal = None
 
@@ -119,7 +128,8 @@ def stop_requested() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# How a run ends early: die() on a user error (bad flag, file, data; one line naming it), or stop_run().
+# How a run ends early: die() on a user error (a bad flag, file or row: one line naming it),
+# or stop_run() after a stop request.
 def die(message: str):
     """A user error: one line on stderr and exit status 2, no traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
