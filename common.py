@@ -163,6 +163,66 @@ def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
     return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
 
 
+class Algorithm:
+    """The paper's part of the step: the hooks main() calls on it, in the loop's order. Each default is
+    the baselines' way (GRPO's advantages, --loss_agg's weights) or does nothing.
+
+      algo = DAA(cfg, device, state)           # once; state: a checkpoint's (state_dict) or {}
+      algo.after_rollout(generated)            # each step, every group summary generated, all ranks
+      batch["advantage"] = algo.advantages(batch, groups, record)    # (B,); may add batch, record keys
+      batch["weight"][rows] = algo.token_weights(batch, rows)        # before each update: (len(rows), T)
+      loss = algo.loss(token_loss, mb)         # each micro-batch: its token losses (B, T) -> a scalar
+      algo.after_update()                      # after each applied optimizer step (not a skipped one)
+      record.update(algo.metrics(record))      # each step, before it is logged
+      line += algo.line(record)                # the step's printed line
+      algo.state_dict()                        # each checkpoint: what resumes the algorithm
+      algo.step_state(); algo.load_step_state(state)   # a stop between two updates: the step's own sums
+    """
+
+    def __init__(self, cfg, device: torch.device, state: dict):
+        self.cfg = cfg
+        self.device = device
+
+    def after_rollout(self, generated: list[dict]):
+        """Every group dynamic sampling generated this step (kept or not), as summaries, on every rank."""
+
+    def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
+        """The advantages (B,) of this rank's batch (made of `groups`); may add entries to `batch` (the
+        batch contract) and metrics to `record`. Default: GRPO's (Dr. GRPO's with --no-std_norm)."""
+        G = self.cfg.group_size
+        return group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
+
+    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Each token's share (len(rows), T) of the update made of `rows`. Default: --loss_agg's."""
+        return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
+
+    def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
+        """A micro-batch's loss from its token losses (B, T). Default: their sum, each times its weight."""
+        return (token_loss * mb["weight"]).sum()
+
+    def after_update(self):
+        """After each optimizer step the guard applied; a skipped (non-finite) update does not call it."""
+
+    def metrics(self, record: dict) -> dict:
+        """The algorithm's keys of the step's record (the record so far is given)."""
+        return {}
+
+    def line(self, record: dict) -> str:
+        """The algorithm's part of the step's printed line."""
+        return ""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the algorithm (tensors and plain types): the `state` __init__ gets."""
+        return {}
+
+    def step_state(self) -> dict:
+        """The algorithm's sums over the step so far, which a stop between two updates keeps."""
+        return {}
+
+    def load_step_state(self, state: dict):
+        """Put back what step_state() returned, on resuming the stopped step."""
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
 #    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.

@@ -27,9 +27,10 @@ import torch
 
 from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
                          load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
-from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateGuard, dynamic_sampling,
-                    group_advantages, loss_weights, make_batch, micro_batches, old_logprobs, plan_updates,
-                    presets, token_losses, train_metrics)
+from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConfig,
+                    UpdateGuard, dynamic_sampling, group_advantages, make_batch,
+                    micro_batches, old_logprobs, plan_updates, presets, token_losses,
+                    train_metrics)
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_policy, model_path, prepare_models
@@ -165,22 +166,17 @@ def print_theory():
                   + " ".join(f"{x:7.2f}" for x in mc[:2]) + f" {mc[2]:6.2f}")
 
 
-class DAA:
-    """DA3PO's part of the step, at main's ALGO LOGIC lines. State: --p_estimate running's pass counts."""
+class DAA(Algorithm):
+    """DA3PO's part of the step (the hooks: common.Algorithm). State: --p_estimate running's pass counts."""
 
-    def __init__(self, cfg: Config, state: dict):
-        self.cfg, self.pass_counts = cfg, state.get("pass_counts", {})  # prompt -> [#correct, #samples]
+    def __init__(self, cfg: Config, device: torch.device, state: dict):
+        super().__init__(cfg, device, state)
+        self.pass_counts = state.get("pass_counts", {})  # prompt -> [#correct, #samples]
 
     def state_dict(self) -> dict:
         return {"pass_counts": self.pass_counts}
 
-    def step_state(self) -> dict:  # sums over the step that a stop between two updates must keep: none
-        return {}
-
-    def load_step_state(self, state: dict):
-        pass
-
-    def count_passes(self, generated: list[dict]):
+    def after_rollout(self, generated: list[dict]):
         if self.cfg.p_estimate == "running":  # every generated group, kept or not, on every rank
             count_passes(self.pass_counts, generated)
 
@@ -193,15 +189,9 @@ class DAA:
         record.update(daa_metrics)
         return advantage.flatten()
 
-    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
-        """Each token's share of its update's loss: DAPO's token mean over the update, or a baseline's."""
-        return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
-
-    def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
-        return (token_loss * mb["weight"]).sum()
-
     def metrics(self, record: dict) -> dict:
-        return {key: record.get(key, 0.0) for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max")}
+        keys = ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max")
+        return {key: record.get(key, 0.0) for key in keys}  # 0: no group kept, no advantages
 
     def line(self, record: dict) -> str:
         return f" | amp {record['daa/amplified_frac']:.2f}"
@@ -226,7 +216,7 @@ def main(cfg: Config):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
-    algo = DAA(cfg, state)  # the paper's part of the step (above), and its state in checkpoints
+    algo = DAA(cfg, device, state)  # the paper's part of the step (above), and its state in checkpoints
 
     def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
         save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream,
@@ -252,7 +242,7 @@ def main(cfg: Config):
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
             kept, generated, record = rollout
-            algo.count_passes(generated)  # --p_estimate running
+            algo.after_rollout(generated)
             my_groups, update_rows, next_update = [], [], 0  # (a step that keeps no group is logged, skipped)
             if kept:
                 with timer("update"):
@@ -287,7 +277,8 @@ def main(cfg: Config):
                         loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
                         loss.backward()
                         update_loss += loss.item()
-                    guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}")
+                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}"):
+                        algo.after_update()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))

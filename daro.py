@@ -29,9 +29,9 @@ import torch
 
 from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
                          load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
-from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateGuard, dynamic_sampling,
-                    group_advantages, loss_weights, make_batch, micro_batches, old_logprobs, plan_updates,
-                    presets, token_losses, train_metrics)
+from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConfig,
+                    UpdateGuard, dynamic_sampling, make_batch, micro_batches,
+                    old_logprobs, plan_updates, presets, token_losses, train_metrics)
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_policy, model_path, prepare_models
@@ -145,7 +145,7 @@ def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, p
                 s.copy_((bin_loss[i].abs() + cfg.daro_delta).log().clamp(low, high))
 
 
-class DARO:
+class DARO(Algorithm):
     """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G),
     0 at start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's
     weight decay (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); --weighting
@@ -153,7 +153,8 @@ class DARO:
     every rank: L_mu summed, updates, groups."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
-        self.cfg, self.G, self.device = cfg, cfg.group_size, device
+        super().__init__(cfg, device, state)
+        self.G = cfg.group_size
         self.neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(self.G - 1)]
         self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=cfg.weight_lr)  # Eq. (3)
         if "daro_neg_log_w" in state:  # a resumed run
@@ -184,7 +185,7 @@ class DARO:
     def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
         """GRPO advantages (B,); batch["bin"] (B,): #correct of each completion's group (mu = bin / G)."""
         G = self.G
-        advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
+        advantage = super().advantages(batch, groups, record)  # GRPO's
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
         if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
@@ -196,7 +197,7 @@ class DARO:
         """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins); w_mu."""
         weight, self.bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], self.G)
         if self.cfg.weighting == "none":  # the baselines' own aggregation over the whole update
-            weight = loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
+            weight = super().token_weights(batch, rows)
         self.w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight)  # (G+1,)
         self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's share of each L_mu
         return weight
@@ -207,8 +208,12 @@ class DARO:
             0, mb["bin"], (token_loss.detach() * mb["weight"]).sum(-1))
         return (token_loss * (mb["weight"] * self.w[mb["bin"]].unsqueeze(-1))).sum()
 
+    def after_update(self):
+        """The weights' step, after each applied update."""
+        self.step_weights()
+
     def step_weights(self):
-        """After an applied update (not a non-finite one): L_mu over all ranks, a weight step on each."""
+        """L_mu over all ranks, then a weight step on each present bin (or the closed form)."""
         bin_loss, present = all_reduce_sum(self.bin_loss), self.bin_tokens > 0  # (G+1,)
         if self.cfg.weighting == "learned":
             update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.cfg)
@@ -279,6 +284,7 @@ def main(cfg: Config):
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
             kept, generated, record = rollout
+            algo.after_rollout(generated)
             my_groups, update_rows, next_update = [], [], 0  # (a step that keeps no group is logged, skipped)
             if kept:
                 with timer("update"):
@@ -306,7 +312,7 @@ def main(cfg: Config):
                                                            sums.sums, algo.step_state()))
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
-                    # ALGO LOGIC: the token losses' weights and sum, the paper's way; then a weight step
+                    # ALGO LOGIC: the token losses' weights and sum, the paper's way
                     batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
@@ -314,7 +320,7 @@ def main(cfg: Config):
                         loss.backward()
                         update_loss += loss.item()
                     if guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}"):
-                        algo.step_weights()
+                        algo.after_update()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
