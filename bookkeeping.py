@@ -3,6 +3,7 @@ Look up when needed: what keeps a run going around the step. Flags and their che
 samples.jsonl, config.json, trackers), checkpoints: atomic, resumed exactly on any number of ranks.
 """
 import argparse
+import ast
 import atexit
 import glob
 import inspect
@@ -10,12 +11,12 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Flags from a script's Config (each field's comment is its --help line), and checks of their combinations.
+# Flags from a script's Config (the docstring under each field is its --help), and checks of their combinations.
 # --demo: a shipped demo as the flags it stands for. On the command line the default is `reasoning`
 # (demo/reasoning/README.md); `arith` is the dataclass defaults, which is also what Config() in code runs.
 # A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
@@ -81,21 +82,20 @@ def _demo_sized(given: dict, demo: str, cfg, argv_model: str) -> dict:
     return values
 
 
-def _field_comments(cls) -> dict[str, str]:
-    """Each Config field's trailing comment (and '#   more text' lines below it), over the class and bases."""
-    comments = {}
-    for klass in reversed([c for c in cls.__mro__ if hasattr(c, "__dataclass_fields__")]):
-        last = None
-        for line in inspect.getsource(klass).splitlines():
-            m = re.match(r"\s*(\w+)\s*:\s*[\w\[\], |]+\s*=\s*.*?#\s*(.*)$", line)
-            if m:
-                last = m.group(1)
-                comments[last] = m.group(2).strip()
-            elif last and re.match(r"\s*#\s{2,}\S", line):
-                comments[last] += " " + line.strip().lstrip("#").strip()
-            else:
-                last = None
-    return comments
+def field_help(cls) -> dict[str, str]:
+    """Each Config field's --help text: the docstring under the field (as cleanrl's Args), read from
+    the source of the class and its bases. Returns {field name: text}."""
+    helps = {}
+    for klass in reversed(cls.__mro__):
+        if not is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for statement, after in zip(body, body[1:]):
+            if not isinstance(statement, ast.AnnAssign):
+                continue
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                helps[statement.target.id] = " ".join(str(after.value.value).split())
+    return helps
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
@@ -103,7 +103,7 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated
     flag exits 2 naming it; overriding a preset prints a note; a model of the user's own missing a DEMO_SIZED
     knob exits 2 naming them all (with --demo: a note naming the demo's values it gets)."""
-    comments = _field_comments(cls)
+    helps = field_help(cls)
     repo = os.path.dirname(DEMO_DIR)
     demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
                   for k, v in DEMOS[COMMAND_LINE_DEMO].items()]
@@ -114,7 +114,7 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
                f"{', '.join('--' + k for k in DEMO_SIZED)} (docs/gpu.md's recipes set them).")
     for f in fields(cls):
         default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
-        help_text = f"{comments.get(f.name, '')} (default: {default!r})".replace("%", "%%")
+        help_text = f"{helps.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
         if isinstance(f.default, bool):
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
@@ -401,7 +401,7 @@ class PendingStep:
     update_rows: list  # the rows of each of its updates (tensors)
     batch: dict  # the batch's tensors (common, section 4)
     next_update: int  # the first update not yet applied
-    sums: dict  # Sums.sums of its updates so far on this rank (summed over ranks when logged)
+    sums: dict  # Sums.values of its updates so far on this rank (summed over ranks when logged)
     algo: dict  # the algorithm's own sums over the step, the same on every rank (algo.step_state(): DARO's
     #             per-bin sums)
 
@@ -411,7 +411,7 @@ class PendingStep:
 
     def resume(self, sums, algo) -> tuple:
         """Put the step's sums back (the loop's Sums, the algorithm's own); returns where the loop goes on."""
-        sums.sums = self.sums
+        sums.values = self.sums
         algo.load_step_state(self.algo)
         return self.record, self.groups, self.update_rows, self.batch, self.next_update
 

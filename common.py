@@ -34,109 +34,162 @@ from verifier import extract_answer, majority_vote, verify_batch
 @dataclass
 class TrainConfig:
     # run
-    algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
-    demo: str = "arith"  # the shipped demo: reasoning (the command line's default: a trace before the
-    #   answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags:
-    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs);
-    #   a --model of your own gets none unless given, and must set the flags the demos size
-    #   (bookkeeping.DEMO_SIZED: the run stops naming them)
-    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
-    #   see demo/build.py)
-    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
-    #   of problem/answer rows
-    eval_data: str = "arith"  # same choices, comma-separated for several sets, each with its own k as set@k
-    #   (aime24.jsonl@32,math500.jsonl@8; a set without @k gets --eval_samples); 'arith': 200 held-out sums
-    out_dir: str = ""  # config.json, metrics.jsonl, samples.jsonl, checkpoints
-    seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
-    steps: int = 60  # RL steps (one rollout batch each)
-    device: str = ""  # '' = cuda if available, else cpu
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (trained weights and optimizer state stay
-    #   float32; LoRA's frozen base is kept in this dtype)
-    grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
-    attn_implementation: str = ""  # the trainer's attention, transformers' name ('' = the model's own:
-    #   sdpa where it has it); --pack on a GPU needs flash_attention_2 or flex_attention (docs/gpu.md)
-    cpu_offload: bool = False  # FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU
+    algo: str = ""
+    """preset (the script's PRESETS); explicit flags override the preset"""
+    demo: str = "arith"
+    """the shipped demo whose flags apply: reasoning (the default; see below) | arith (the values
+    shown)"""
+    model: str = "demo"
+    """local Hugging Face folder, hub id, or 'demo' (the tiny shipped model)"""
+    train_data: str = "arith"
+    """'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows"""
+    eval_data: str = "arith"
+    """as --train_data ('arith': 200 held-out sums); several sets comma-separated, each with
+    its own k as set@k (aime24.jsonl@32,math500.jsonl@8; no @k: --eval_samples)"""
+    out_dir: str = ""
+    """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
+    seed: int = 0
+    """init seed (same on every rank); sampling uses seed + rank"""
+    steps: int = 60
+    """RL steps (one rollout batch each)"""
+    device: str = ""
+    """'' = cuda if available, else cpu"""
+    dtype: str = "float32"
+    """compute dtype: float32 | bfloat16 (trained weights and optimizer state stay float32)"""
+    grad_checkpointing: bool = False
+    """recompute activations in backward (less memory, ~30% more compute)"""
+    attn_implementation: str = ""
+    """the trainer's attention, by transformers' name ('' = the model's own); docs/gpu.md"""
+    cpu_offload: bool = False
+    """FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU"""
     # LoRA (peft, requirements-lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)
-    lora_rank: int = 0  # r: rank of the adapters; 0 = off (every weight trained)
-    lora_alpha: float = 32.0  # alpha: the adapters' output is scaled by alpha / r
-    lora_target_modules: str = ""  # linear layers to adapt, comma-separated names (q_proj,v_proj);
-    #   '' = every linear layer of the blocks
-    lora_dropout: float = 0.0  # dropout on the adapters' input while training
-    lora_sync: str = "auto"  # what vLLM receives after each update: adapter | merged (the merged weights) |
-    #   auto (the adapter where vLLM can serve it)
+    lora_rank: int = 0
+    """r: rank of the adapters; 0 = off (every weight trained)"""
+    lora_alpha: float = 32.0
+    """alpha: the adapters' output is scaled by alpha / r"""
+    lora_target_modules: str = ""
+    """linear layers to adapt, comma-separated (q_proj,v_proj); '' = all in the blocks"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input while training"""
+    lora_sync: str = "auto"
+    """what vLLM receives after each update: adapter | merged | auto (the adapter if it can)"""
     # rollout
-    prompts_per_step: int = 32  # groups trained on per step, across all ranks (train batch size in DAPO)
-    group_size: int = 8  # G (K in DARO): completions per prompt
-    dynamic_sampling: bool = True  # DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts
-    oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
-    max_gen_batches: int = 4  # cap on generation batches per step;
-    #   at the cap, warn and train on what was kept
-    max_new_tokens: int = 12  # L_max: hard limit on completion length
-    max_prompt_length: int = 1024  # prompts longer than this (tokens, template included) are dropped at load
-    temperature: float = 1.0  # rollout sampling temperature
-    top_p: float = 1.0  # rollout nucleus sampling
-    rollout_batch_size: int = 512  # sequences per forward of our sampler (memory knob)
-    rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)
-    vllm_gpu_memory: float = 0.0  # vLLM's share of GPU memory; 0 = the most the trainer leaves
-    #   (bench/memory.py)
-    max_model_len: int = 0  # longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens
-    vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
-    rollout_is: str = "none"  # correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)
-    rollout_is_cap: float = 2.0  # C: the weight pi_old / pi_rollout is truncated at C
-    rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C] instead
-    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, else chat if any)
-    answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
-    verifier_crosscheck: bool = False  # Math-Verify also judges the eval completions; log where it disagrees
-    #   with our verifier (crosscheck/*, out_dir/crosscheck.jsonl; requirements-crosscheck.txt)
-    crosscheck_train: int = 0  # with --verifier_crosscheck: completions of each training step it also judges
-    #   (all ranks together); 0 = evaluation only
-    prompt_key: str = ""  # data field holding the problem
-    #   ('' = try problem, question, prompt; dots for nested)
-    answer_key: str = ""  # data field holding the answer
-    #   ('' = try answer, final_answer, reward_model.ground_truth)
+    prompts_per_step: int = 32
+    """groups trained on per step, across all ranks (train batch size in DAPO)"""
+    group_size: int = 8
+    """G (K in DARO): completions per prompt"""
+    dynamic_sampling: bool = True
+    """DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts"""
+    oversample: float = 1.5
+    """prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step"""
+    max_gen_batches: int = 4
+    """cap on generation batches per step; at the cap, warn and train on what was kept"""
+    max_new_tokens: int = 12
+    """L_max: hard limit on completion length"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (tokens, template included) are dropped at load"""
+    temperature: float = 1.0
+    """rollout sampling temperature"""
+    top_p: float = 1.0
+    """rollout nucleus sampling"""
+    rollout_batch_size: int = 512
+    """sequences per forward of our sampler (memory knob)"""
+    rollout: str = "hf"
+    """rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)"""
+    vllm_gpu_memory: float = 0.0
+    """vLLM's share of GPU memory; 0 = the most the trainer leaves (bench/memory.py)"""
+    max_model_len: int = 0
+    """longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens"""
+    vllm_cpu_kv_gb: float = 0.5
+    """vLLM on CPU: KV cache size in GiB"""
+    rollout_is: str = "none"
+    """correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)"""
+    rollout_is_cap: float = 2.0
+    """C: the weight pi_old / pi_rollout is truncated at C"""
+    rollout_is_mask: bool = False
+    """reject tokens (sequences) whose weight is outside [1/C, C] instead"""
+    prompt_template: str = "auto"
+    """chat | plain | dapo | none | auto (none for the demo, else chat if any)"""
+    answer_format: str = "auto"
+    """where the verifier looks: boxed | answer_line | auto"""
+    verifier_crosscheck: bool = False
+    """Math-Verify also judges the eval completions; log where it disagrees with ours
+    (crosscheck/*, crosscheck.jsonl)"""
+    crosscheck_train: int = 0
+    """with --verifier_crosscheck: completions per training step it also judges; 0 = none"""
+    prompt_key: str = ""
+    """data field holding the problem ('' = try problem, question, prompt; dots for nested)"""
+    answer_key: str = ""
+    """data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)"""
     # reward (DAPO)
-    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max;
-    #   0 = off
-    overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
+    overlong_buffer: int = 4
+    """L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off"""
+    overlong_penalty: float = 1.0
+    """penalty factor of the overlong shaping"""
     # advantages and loss
-    std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
-    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm
-    seq_ratio: bool = False  # GSPO: length-normalised sequence-level importance ratio
-    clip_low: float = 0.2  # epsilon_low: ratio clipped below at 1 - clip_low
-    clip_high: float = 0.28  # epsilon_high: ratio clipped above at 1 + clip_high (clip-higher)
-    clip_ratio_c: float = 0.0  # dual clip for negative advantages (verl uses 3.0); 0 = off
-    kl_coef: float = 0.0  # beta: k3 KL penalty to the initial model; 0 = none, as in DAPO
+    std_norm: bool = True
+    """GRPO z-score advantage; off = Dr. GRPO (mean-centred only)"""
+    loss_agg: str = "token-mean"
+    """token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm"""
+    seq_ratio: bool = False
+    """GSPO: length-normalised sequence-level importance ratio"""
+    clip_low: float = 0.2
+    """epsilon_low: ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.28
+    """epsilon_high: ratio clipped above at 1 + clip_high (clip-higher)"""
+    clip_ratio_c: float = 0.0
+    """dual clip for negative advantages (verl uses 3.0); 0 = off"""
+    kl_coef: float = 0.0
+    """beta: k3 KL penalty to the initial model; 0 = none, as in DAPO"""
     # optimisation
-    lr: float = 1e-4  # AdamW learning rate (the papers: 1e-6)
-    weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
-    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps
-    #   (not optimizer updates), as verl
-    grad_clip: float = 1.0  # max global gradient norm
-    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step;
-    #   the step's groups are split evenly
-    micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
-    micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
-    logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
-    pack: bool = True  # a micro-batch's rows without padding, as transformers packs, where that runs
-    #   fewer positions than a group's prompt once (modeling._packs); --no-pack = rows padded
-    #   (bench/results/pack.md)
+    lr: float = 1e-4
+    """AdamW learning rate (the papers: 1e-6)"""
+    weight_decay: float = 0.1
+    """AdamW weight decay (DAPO recipe)"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl"""
+    grad_clip: float = 1.0
+    """max global gradient norm"""
+    updates_per_step: int = 2
+    """optimizer updates (mini-batches) per RL step; the step's groups are split evenly"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward on one rank (memory knob; not the math)"""
+    micro_batch_tokens: int = 0
+    """> 0: micro-batches packed by length up to this many tokens, ranks balanced"""
+    logprob_chunk: int = 1024
+    """positions x rows whose logits exist at once (recomputed in backward); 0 = all"""
+    pack: bool = True
+    """pack a micro-batch's rows without padding, as transformers does, where that runs fewer
+    positions; --no-pack: rows padded"""
     # evaluation, logging, checkpoints
-    eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
-    eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k
-    eval_size: int = 0  # eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all
-    eval_temperature: float = 1.0  # eval sampling temperature
-    eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
-    eval_batch_size: int = 128  # eval problems per generate call
-    sample_every: int = 10  # write a few completions to samples.jsonl every N steps
-    save_every: int = 0  # checkpoint every N steps (and at the end, and on a stop request);
-    #   0 = only at the end
-    keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
-    resume: bool = False  # continue from the latest checkpoint in out_dir
-    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row
-    #   (each is skipped)
-    eval_only: bool = False  # evaluate --model on --eval_data and exit
-    report_to: str = "none"  # also log to: none | tensorboard | wandb (requirements-tracking.txt)
-    wandb_project: str = ""  # wandb project of --report_to wandb
+    eval_every: int = 10
+    """evaluate every N steps (also at step 0 and at the end); 0 = only at start and end"""
+    eval_samples: int = 4
+    """k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k"""
+    eval_size: int = 0
+    """eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all"""
+    eval_temperature: float = 1.0
+    """eval sampling temperature"""
+    eval_top_p: float = 1.0
+    """eval nucleus sampling (DAPO reports top_p 0.7)"""
+    eval_batch_size: int = 128
+    """eval problems per generate call"""
+    sample_every: int = 10
+    """write a few completions to samples.jsonl every N steps"""
+    save_every: int = 0
+    """checkpoint every N steps (and at the end, and on a stop request); 0 = only at the end"""
+    keep_last: int = 2
+    """checkpoints kept on disk (older ones are deleted)"""
+    resume: bool = False
+    """continue from the latest checkpoint in out_dir"""
+    max_bad_updates: int = 3
+    """stop the run after this many non-finite losses/gradients in a row (each is skipped)"""
+    eval_only: bool = False
+    """evaluate --model on --eval_data and exit"""
+    report_to: str = "none"
+    """also log to: none | tensorboard | wandb (requirements-tracking.txt)"""
+    wandb_project: str = ""
+    """wandb project of --report_to wandb"""
 
 
 # The baselines both papers compare against, each its paper's recipe for every knob that defines the
@@ -230,15 +283,16 @@ class Sums:
     """Named sums on this rank; reduce() sums each over all ranks (all ranks hold the same fixed names)."""
 
     def __init__(self, *names: str):
-        self.sums = dict.fromkeys(names, 0.0)
+        self.values = dict.fromkeys(names, 0.0)  # name -> this rank's sum
 
-    def add(self, **values: float):
-        for name, value in values.items():
-            self.sums[name] += float(value)
+    def add(self, **amounts: float):
+        for name, amount in amounts.items():
+            self.values[name] += float(amount)
 
     def reduce(self) -> dict:
-        totals = all_reduce_sum(torch.tensor(list(self.sums.values())))  # float32, like every logged sum
-        return dict(zip(self.sums, totals.tolist()))
+        mine = torch.tensor(list(self.values.values()))  # float32, like every logged sum
+        totals = all_reduce_sum(mine)
+        return dict(zip(self.values, totals.tolist()))
 
 
 TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff",
@@ -621,12 +675,10 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens, those --rollout_is_mask rejected included
-    (the same tokens with or without it), log r = log pi_old - log pi_rollout: sums of |log r| and the k1 and
-    k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and the count of
-    `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no mass there: log r is
-    OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a ~1e4 term in the mean:
-    0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    """The engine/trainer gap on a micro-batch's trained tokens (those --rollout_is_mask rejected too),
+    log r = log pi_old - log pi_rollout. Returns sums of |log r| and of the k1 and k3 estimates of
+    KL(rollout || old) over the tokens both could draw (`compared`), and the count of `boundary` tokens:
+    in the engine's nucleus, outside pi_old's (docs/metrics.md: why they are counted apart)."""
     old = mb.get("old_logp_nucleus", mb["old_logp"])
     mask = mb["mask"].to(old.dtype)
     if "rejected" in mb:  # (disjoint from the mask: rollout_correction moved them out of it)

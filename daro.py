@@ -43,22 +43,27 @@ from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup
 @dataclass
 class Config(TrainConfig):
     """DARO (learnable per-difficulty loss weights) and its baselines on one code path; CPU demo defaults."""
-    algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override
-    out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
-    wandb_project: str = "daro"  # wandb project of --report_to wandb
-    weighting: str = "learned"  # w_mu: learned (DARO) | closed | uniform (1) | var (sqrt(mu(1-mu))) | none
-    #   (no bins); closed: no optimizer, w_mu = 1 / (|L_mu| + delta) (clamped) from the last applied update's
-    #   L_mu, the weights DARO would converge to, one update late (1 before a bin's first update)
-    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu (paper: 1e-3); whatever the gradient,
-    #   ln w_mu travels at most ~weight_lr x (weight updates): 0.12 in the demo's 120 (w <= 1.13), 0.6 in the
-    #   paper's 600 (w <= 1.8), while the fixed points 1 / (|L_mu| + delta) lie at ~5 to 200: until a bin
-    #   reaches its own, all bins rise together, a loss-scale ramp, not yet a reweighting
-    daro_delta: float = 1e-3  # delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]
-    daro_literal: bool = False  # fit w to L_mu, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
-    w_min: float = 0.1  # lower clamp of every w_mu, applied after each weight step [dev 1]
-    w_max: float = 10.0  # upper clamp of every w_mu [dev 1]
-    shared_weight: bool = False  # a control: every bin gets the mean of the weights --weighting learned or
-    #   closed fits (each bin's own still fitted): DARO's overall loss scale without its reweighting
+    algo: str = "daro"
+    """preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override"""
+    out_dir: str = "out/daro"
+    """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
+    wandb_project: str = "daro"
+    """wandb project of --report_to wandb"""
+    weighting: str = "learned"
+    """w_mu: learned (DARO) | closed (1 / (|L_mu| + delta), the last update's L_mu) | uniform (1)
+    | var (sqrt(mu(1-mu))) | none (no bins)"""
+    weight_lr: float = 1e-3
+    """Adam learning rate of s_mu = -ln w_mu (the paper: 1e-3; docs/metrics.md: how far w moves)"""
+    daro_delta: float = 1e-3
+    """delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]"""
+    daro_literal: bool = False
+    """fit w to L_mu, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]"""
+    w_min: float = 0.1
+    """lower clamp of every w_mu, applied after each weight step [dev 1]"""
+    w_max: float = 10.0
+    """upper clamp of every w_mu [dev 1]"""
+    shared_weight: bool = False
+    """a control: every bin weighs the mean of the fitted weights (the loss scale, no reweighting)"""
 
 
 PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DARO on the DAPO loss [dev 4]
@@ -248,54 +253,63 @@ def main(cfg: Config):
     device = dist_info.device
     train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
-    resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
+    resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
+    base_path = model_path(cfg.model)
     # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen, adapters on it
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
-    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; KL anchor
+    # checked, sharded; ref_model: the KL anchor
+    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over --warmup_steps RL steps
+        opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
-    algo = DARO(cfg, device, state)  # the paper's part of the step (above), and its state in checkpoints
+    algo = DARO(cfg, device, state)  # the paper's part of the step (above)
 
     def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
-        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream,
-                        {**algo.state_dict(), "eval_due": eval_due}, cfg.keep_last, pending)
+        algo_state = {**algo.state_dict(), "eval_due": eval_due}
+        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, algo_state, cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, start_step if resume_from else -1)
-    first_eval = None  # at a fresh run's start (a step-0 checkpoint has it), and the one a stop left due
-    if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
-        first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
+    # the evaluation at the start: of a fresh run, or the one a stop left due
+    start_eval = None
+    fresh = start_step == 0 and not resume_from
+    if fresh or state.get("eval_due") or cfg.eval_only:
+        start_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
     guard = UpdateGuard(cfg.max_bad_updates)
     pending = state["pending"]  # the rest of a step a stop interrupted between two updates, if any
     for step in step_bar(start_step, cfg, dist_info):
         timer = StepTimer()
         sums = Sums(*TRAIN_SUMS)
+        my_groups = []  # (a step that keeps no group is logged, not trained)
+        update_rows = []
+        next_update = 0
         if pending is None:
             # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
-            start = (stream.position, rng_state())
+            position = stream.position
+            rng = rng_state()
             with timer("rollout"):
                 rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
             if rollout is None:  # a stop between generation batches: the step is redone on resume
-                stream.position = start[0]
-                set_rng_state(start[1])
+                stream.position = position
+                set_rng_state(rng)
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
-            kept, generated, record = rollout
+            kept_summaries, generated, record = rollout
             algo.after_rollout(generated)
-            my_groups, update_rows, next_update = [], [], 0  # (a step that keeps no group is logged, skipped)
-            if kept:
+            if kept_summaries:
                 with timer("update"):
                     # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
-                    my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
-                                                          cfg.micro_batch_tokens > 0)
+                    balance = cfg.micro_batch_tokens > 0  # packed micro-batches: ranks get as many tokens
+                    my_groups, update_rows = plan_updates(kept_summaries, cfg.updates_per_step, dist_info,
+                                                          balance)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
                     # ALGO LOGIC: 3) the advantages, the paper's way
                     batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
-                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed), and with
-                    #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
+                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed);
+                    #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
                     record.update(rollout_correction(batch, cfg))
         else:  # resumed mid-step: the updates left, split by rank anew if the number of ranks changed
@@ -307,9 +321,10 @@ def main(cfg: Config):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(next_update, len(update_rows)):
-                    if u > next_update and stop_requested():  # between updates: the checkpoint keeps the rest
-                        save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
-                                                           sums.sums, algo.step_state()))
+                    if u > next_update and stop_requested():  # the checkpoint keeps the updates left
+                        rest = PendingStep(step, record, my_groups[:1], update_rows, batch, u,
+                                           sums.values, algo.step_state())
+                        save(step - 1, pending=rest)
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
@@ -319,15 +334,17 @@ def main(cfg: Config):
                         loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
                         loss.backward()
                         update_loss += loss.item()
-                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}"):
+                    where = f"step {step} update {u}"
+                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, where):
                         algo.after_update()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
         # 7) a printed line and a metrics record: sums over micro-batches and ranks, means per token/update
-        record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0],
-                                    not engine.exact_logprobs))
+        lr = sched.get_last_lr()[0]
+        mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
+        record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
         record.update({"step": step, **timer.metrics()})
         record.update(algo.metrics(record))
         logger.log(record)
@@ -337,8 +354,9 @@ def main(cfg: Config):
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:
-            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=first_eval)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping:
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=start_eval)
+        save_due = cfg.save_every > 0 and step % cfg.save_every == 0
+        if save_due or step == cfg.steps or stopping:
             save(step, eval_due=stopping and eval_due)
         if stopping:
             return stop_run(engine, f"at step {step}")
