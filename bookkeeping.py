@@ -231,7 +231,9 @@ class Logger:
     """--resume drops records after step `resumed_step` (all at -1: no checkpoint); the run rewrites them."""
 
     def __init__(self, cfg, dist_info: DistInfo, resumed_step: int = -1):
-        self.enabled, self.out_dir, self.tracker = dist_info.is_main, cfg.out_dir, None
+        self.enabled = dist_info.is_main  # rank 0 writes
+        self.out_dir = cfg.out_dir
+        self.tracker = None
         self.sample_every = cfg.sample_every
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
@@ -399,7 +401,7 @@ class PendingStep:
     record: dict  # its metrics record so far (rollout, advantages, pi_old); rank 0's is the one logged
     groups: list  # its first group on this rank (samples.jsonl)
     update_rows: list  # the rows of each of its updates (tensors)
-    batch: dict  # the batch's tensors (common, section 4)
+    batch: dict  # the batch's tensors (common: the batch contract)
     next_update: int  # the first update not yet applied
     sums: dict  # Sums.values of its updates so far on this rank (summed over ranks when logged)
     algo: dict  # the algorithm's own sums over the step, the same on every rank (algo.step_state(): DARO's
@@ -505,7 +507,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
-    rank, world = (dist.get_rank(), dist.get_world_size()) if is_dist() else (0, 1)
+    rank = dist.get_rank() if is_dist() else 0
+    world = dist.get_world_size() if is_dist() else 1
     path = os.path.join(out_dir, f"step_{pending.step if pending else step:06d}")  # unfinished: its own step
     tmp = path + ".tmp"
     if rank == 0:

@@ -4,10 +4,10 @@ DA3PO or DARO points at. Around it, in files to look up when needed: ranks.py (p
 signals), modeling.py (loading, log-probs of any model, sharding, start-up probes), dataset.py (problems,
 prompts, eval sets), bookkeeping.py (flags, records, checkpoints), engine.py (rollout engines), verifier.py.
 
-   1. the shared knobs, the baselines' presets        5. pi and pi_old: log-probs of the batch's completions
-   2. the step's record and its metrics               6. the token losses and the guarded update
-   3. rollout: groups, rewards, dynamic sampling      7. evaluation (avg@k, pass@k, maj@k)
-   4. the update plan and the batch (its contract)
+   1. the shared knobs                        5. the update plan and the batch (its contract)
+   2. the presets and the algorithm's hooks   6. pi and pi_old: log-probs of the completions
+   3. the step's record and its metrics       7. the token losses and the guarded update
+   4. rollout, rewards, dynamic sampling      8. evaluation (avg@k, pass@k, maj@k)
 
 Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens
 (left padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
@@ -192,6 +192,9 @@ class TrainConfig:
     """wandb project of --report_to wandb"""
 
 
+# ------------------------------------------------------------------------------------------------------------
+# 2. The --algo presets, and the hooks the loop calls on a script's algorithm (Algorithm).
+
 # The baselines both papers compare against, each its paper's recipe for every knob that defines the
 # algorithm; the flags give the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on).
 _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
@@ -217,19 +220,20 @@ def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
 
 
 class Algorithm:
-    """The paper's part of the step: the hooks main() calls on it, in the loop's order. Each default is
-    the baselines' way (GRPO's advantages, --loss_agg's weights) or does nothing.
+    """The paper's part of the step: main() calls these hooks, in this order. Each default is the
+    baselines' way (GRPO's advantages, --loss_agg's token weights) or does nothing.
 
-      algo = DAA(cfg, device, state)           # once; state: a checkpoint's (state_dict) or {}
-      algo.after_rollout(generated)            # each step, every group summary generated, all ranks
-      batch["advantage"] = algo.advantages(batch, groups, record)    # (B,); may add batch, record keys
-      batch["weight"][rows] = algo.token_weights(batch, rows)        # before each update: (len(rows), T)
-      loss = algo.loss(token_loss, mb)         # each micro-batch: its token losses (B, T) -> a scalar
-      algo.after_update()                      # after each applied optimizer step (not a skipped one)
-      record.update(algo.metrics(record))      # each step, before it is logged
-      line += algo.line(record)                # the step's printed line
-      algo.state_dict()                        # each checkpoint: what resumes the algorithm
-      algo.step_state(); algo.load_step_state(state)   # a stop between two updates: the step's own sums
+      algo = DAA(cfg, device, state)        # once; state: a checkpoint's state_dict(), else {}
+      algo.after_rollout(generated)         # each step: every generated group's summary
+      algo.advantages(batch, groups, record)    # (B,); may add batch entries and record keys
+      algo.token_weights(batch, rows)       # before each update: its tokens' shares (rows, T)
+      algo.loss(token_loss, mb)             # each micro-batch: token losses (B, T) -> a scalar
+      algo.after_update()                   # after each applied optimizer step
+      algo.metrics(record); algo.line(record)   # each step: its keys; its part of the line
+      algo.state_dict()                     # each checkpoint
+      algo.step_state(); algo.load_step_state(state)   # a stop between two updates; its resume
+
+    Every rank calls each hook at the same point, so a hook may all-reduce (torchrun's lockstep).
     """
 
     def __init__(self, cfg, device: torch.device, state: dict):
@@ -237,27 +241,27 @@ class Algorithm:
         self.device = device
 
     def after_rollout(self, generated: list[dict]):
-        """Every group dynamic sampling generated this step (kept or not), as summaries, on every rank."""
+        """Sees every group generated this step, kept or not (summaries, all ranks')."""
 
     def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
-        """The advantages (B,) of this rank's batch (made of `groups`); may add entries to `batch` (the
-        batch contract) and metrics to `record`. Default: GRPO's (Dr. GRPO's with --no-std_norm)."""
+        """The advantages (B,) of this rank's batch, made of `groups`. May add or change entries of
+        `batch` (its contract) and add keys to `record`. Default: GRPO's (--no-std_norm: Dr. GRPO's)."""
         G = self.cfg.group_size
         return group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
 
     def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
-        """Each token's share (len(rows), T) of the update made of `rows`. Default: --loss_agg's."""
+        """Each token's share (len(rows), T) of the update of `rows`. Default: --loss_agg's."""
         return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
 
     def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
-        """A micro-batch's loss from its token losses (B, T). Default: their sum, each times its weight."""
+        """A micro-batch's loss from its token losses (B, T). Default: their weighted sum."""
         return (token_loss * mb["weight"]).sum()
 
     def after_update(self):
-        """After each optimizer step the guard applied; a skipped (non-finite) update does not call it."""
+        """Runs after each applied optimizer step (a skipped, non-finite update calls nothing)."""
 
     def metrics(self, record: dict) -> dict:
-        """The algorithm's keys of the step's record (the record so far is given)."""
+        """The algorithm's keys of the step's record, given the record so far."""
         return {}
 
     def line(self, record: dict) -> str:
@@ -265,11 +269,11 @@ class Algorithm:
         return ""
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the algorithm (tensors and plain types): the `state` __init__ gets."""
+        """What a checkpoint keeps (tensors and plain types): the `state` __init__ gets back."""
         return {}
 
     def step_state(self) -> dict:
-        """The algorithm's sums over the step so far, which a stop between two updates keeps."""
+        """The algorithm's sums over the step so far, kept by a stop between two updates."""
         return {}
 
     def load_step_state(self, state: dict):
@@ -277,7 +281,7 @@ class Algorithm:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
+# 3. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
 #    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.
 class Sums:
     """Named sums on this rank; reduce() sums each over all ranks (all ranks hold the same fixed names)."""
@@ -303,7 +307,8 @@ class StepTimer:
     """`with timer("rollout"): ...` times a phase; metrics(): time/<phase>_s, time/step_s (step so far)."""
 
     def __init__(self):
-        self.start, self.seconds = time.time(), {}
+        self.start = time.time()
+        self.seconds = {}  # phase -> seconds so far
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -317,33 +322,41 @@ class StepTimer:
 
 
 def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> dict:
-    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected ones
-    left out) or per applied update; `mismatch` (engine log-probs are not pi_old): the rollout/* gap too."""
-    tokens, applied = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
-    record = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
-              "train/clipfrac_low": totals["clip_low"] / tokens,
-              "train/clipfrac_high": totals["clip_high"] / tokens,
-              "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
-              "train/num_updates": num_updates, "train/lr": lr,
-              "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}
-    if mismatch:  # engine vs trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
-        compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
-        measured = max(totals["compared"] + totals["boundary"], 1.0)  # (rejected ones too: mismatch_sums)
-        record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
-                       "rollout/kl_k1": totals["kl_k1"] / compared,
-                       "rollout/kl_k3": totals["kl_k3"] / compared,
-                       "rollout/nucleus_boundary_frac": totals["boundary"] / measured})
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected
+    ones left out) or per applied update; `mismatch` (the engine's log-probs are not pi_old): the
+    rollout/* gap too (mismatch_sums)."""
+    tokens = max(totals["tokens"], 1.0)
+    applied = max(num_updates - totals["skipped"], 1.0)
+    record = {
+        "train/loss": totals["loss"] / applied,
+        "train/entropy": totals["entropy"] / tokens,
+        "train/clipfrac_low": totals["clip_low"] / tokens,
+        "train/clipfrac_high": totals["clip_high"] / tokens,
+        "train/grad_norm": totals["grad_norm"] / applied,
+        "train/skipped_updates": totals["skipped"],
+        "train/num_updates": num_updates,
+        "train/lr": lr,
+        "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0),
+    }
+    if mismatch:
+        compared = max(totals["compared"], 1.0)  # the tokens both could draw
+        measured = max(totals["compared"] + totals["boundary"], 1.0)  # with those outside pi_old's nucleus
+        record["rollout/logprob_diff"] = totals["logprob_diff"] / compared  # mean |log r|
+        record["rollout/kl_k1"] = totals["kl_k1"] / compared  # KL(rollout || old)
+        record["rollout/kl_k3"] = totals["kl_k3"] / compared
+        record["rollout/nucleus_boundary_frac"] = totals["boundary"] / measured
     return record
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
+# 4. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
 #    (DAPO's shaped reward); dynamic sampling keeps the groups of mixed correctness, refilling up to a cap.
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
                           min_width: int = 1):
     """Left-pad prompts to P and right-pad completions to T >= min_width: input_ids and attention_mask
     (B, P+T), the completion mask (B, T) (1 = a real completion token, the final eos included)."""
-    P, T = max(map(len, prompts)), max(min_width, max(map(len, completions)))
+    P = max(map(len, prompts))
+    T = max(min_width, max(map(len, completions)))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p + c + [pad_id] * (T - len(c))
                         for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T)
     attn = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
@@ -400,60 +413,74 @@ def _summary(group: dict, rank: int, index: int) -> dict:
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until prompts_per_step groups
-    of mixed correctness are kept across ranks; then exactly that many, or at the cap what was kept, cut to a
-    multiple of the world size (possibly none, never an error). --no-dynamic_sampling: one batch, all kept.
-    Groups stay where made; every rank gets all _summary()s, a kept one of this rank's holding the group under
-    "group". Returns (kept summaries, all summaries, rollout metrics); None if stopped between batches."""
-    rank, world = dist_info.rank, dist_info.world_size
+    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until prompts_per_step
+    groups of mixed correctness are kept across ranks; then exactly that many, or at the cap what was
+    kept, cut to a multiple of the world size (possibly none, never an error). --no-dynamic_sampling:
+    one batch, all kept. Groups stay where made; every rank gets every _summary(), and a kept one of
+    this rank's holds its group under "group". Returns (kept summaries, all summaries, rollout
+    metrics), or None if a stop came between two batches."""
+    rank = dist_info.rank
+    world = dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
     batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
-    local, kept, generated, n_batches, verify_s = [], [], [], 0, 0.0
+    my_groups = []  # the groups this rank generated, whole
+    generated = []  # every group's summary, all ranks
+    kept_summaries = []
+    num_batches = 0
+    verify_s = 0.0
     troubles = torch.zeros(2)  # the verifier's timeouts and refused answers on this rank
-    while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
-        if n_batches and stop_requested():
+    while len(kept_summaries) < cfg.prompts_per_step and num_batches < max_batches:
+        if num_batches and stop_requested():
             return None
-        mine, info = roll_groups(engine, tok, stream.next(batch_groups)[rank::world], cfg, cfg.group_size,
-                                 cfg.temperature, cfg.top_p)
-        summaries = all_gather_list([_summary(g, rank, len(local) + i) for i, g in enumerate(mine)])
-        local += mine
+        prompts = stream.next(batch_groups)[rank::world]
+        mine, info = roll_groups(engine, tok, prompts, cfg, cfg.group_size, cfg.temperature, cfg.top_p)
+        mine_summaries = [_summary(g, rank, len(my_groups) + i) for i, g in enumerate(mine)]
+        summaries = all_gather_list(mine_summaries)
+        my_groups += mine
         troubles += torch.tensor([info["timeouts"], info["refused"]])
         verify_s += info["seconds"]
-        n_batches += 1
+        num_batches += 1
         generated += summaries
-        kept += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
-    if len(kept) < cfg.prompts_per_step:
-        usable = len(kept) - len(kept) % world  # an equal share per rank keeps FSDP's collectives in lockstep
-        print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} "
-               f"generation batches (--max_gen_batches); training on "
-               + (f"all {usable}" if usable == len(kept) else f"{usable} (a multiple of the {world} ranks)"))
-    kept = kept[:min(cfg.prompts_per_step, len(kept) - len(kept) % world)]
-    for g in kept:
+        kept_summaries += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
+    num_kept = len(kept_summaries)
+    usable = num_kept - num_kept % world  # an equal share per rank keeps FSDP's collectives in lockstep
+    if num_kept < cfg.prompts_per_step:
+        trained = f"all {usable}" if usable == num_kept else f"{usable} (a multiple of the {world} ranks)"
+        print0(f"warning: dynamic sampling kept {num_kept}/{cfg.prompts_per_step} groups after "
+               f"{num_batches} generation batches (--max_gen_batches); training on {trained}")
+    kept_summaries = kept_summaries[:min(cfg.prompts_per_step, usable)]
+    for g in kept_summaries:
         if g["origin"][0] == rank:
-            g["group"] = local[g["origin"][1]]
+            g["group"] = my_groups[g["origin"][1]]
     rewards = [r for g in generated for r in g["reward"]]
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
     lengths = [n for g in generated for n in g["lengths"]]
     timeouts, refused = all_reduce_sum(troubles).tolist()
-    stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
-             "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
-             "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
-             "train/num_completions": len(lengths), "train/response_len": sum(lengths) / len(lengths),
-             "train/truncated_frac": sum(truncated) / len(truncated),
-             "verify/timeouts": timeouts, "verify/refused": refused,
-             "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
+    stats = {
+        "train/reward": sum(rewards) / len(rewards),
+        "train/acc": sum(correct) / len(correct),
+        "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
+        "train/num_gen_batches": num_batches,
+        "train/num_groups": len(kept_summaries),
+        "train/num_completions": len(lengths),
+        "train/response_len": sum(lengths) / len(lengths),
+        "train/truncated_frac": sum(truncated) / len(truncated),
+        "verify/timeouts": timeouts,
+        "verify/refused": refused,
+        "time/verify_s": verify_s,  # this rank's; it is part of time/rollout_s
+    }
     if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of this step's completions, all ranks
         t0 = time.perf_counter()
         per_rank = math.ceil(cfg.crosscheck_train / world)
-        stats.update(crosscheck.check_groups(local, cfg, "train", per_rank, rank))
+        stats.update(crosscheck.check_groups(my_groups, cfg, "train", per_rank, rank))
         stats["time/crosscheck_s"] = time.perf_counter() - t0
-    return kept, generated, stats
+    return kept_summaries, generated, stats
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
+# 5. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
 #    one dict the update reads; advantages; micro-batches. Its contract (B = this rank's groups x G):
 #    input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
 #    mask                       (B, T)    make_batch          1 = a token the loss counts; zeroed where
@@ -472,46 +499,61 @@ def group_tokens(group: dict) -> int:
     return sum(group["prompt_len"] + n for n in group["lengths"])
 
 
-def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
-    """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank). The kept
-    groups (the same on every rank, a multiple of the world size) make min(num_updates, groups / world)
-    contiguous updates, their sizes multiples of the world size that differ by at most one group per rank:
-    every group is trained once, no update is empty, also at the sampling cap. In an update each rank gets as
-    many groups: every world-th, or with `balance` the heaviest first, each to the rank with the fewest tokens
-    so far. Returns (this rank's groups in update order, each update's rows in make_batch of them).
+def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
+    """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank).
+    `summaries`: the kept groups' (the same on every rank, a multiple of the world size). They make
+    min(num_updates, groups / world) contiguous updates, their sizes multiples of the world size that
+    differ by at most one group per rank: every group is trained once, no update is empty, also at the
+    sampling cap. In an update each rank gets as many groups: every world-th, or with `balance`
+    (_balanced_shares) as many tokens as can be. Returns (this rank's groups in update order, each
+    update's rows in make_batch of them).
     Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
-    world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
-    blocks = len(kept) // world  # groups per rank
+    world = dist_info.world_size
+    rank = dist_info.rank
+    G = len(summaries[0]["correct"])
+    blocks = len(summaries) // world  # groups per rank
     n = min(num_updates, blocks)
-    plan, start = [[] for _ in range(world)], 0  # plan[r]: the kept indices rank r trains, in update order
-    sizes = []
+    plan = [[] for _ in range(world)]  # plan[r]: the indices rank r trains, in update order
+    sizes = []  # groups per rank in each update
+    start = 0
     for i in range(n):
         size = (blocks // n + (i < blocks % n)) * world
-        part, start = list(range(start, start + size)), start + size
+        part = list(range(start, start + size))
+        start += size
+        shares = [part[r::world] for r in range(world)]
         if balance and world > 1:
-            shares, load = [[] for _ in range(world)], [0] * world  # sorted() is stable: same on all ranks
-            for j in sorted(part, key=lambda j: group_tokens(kept[j]), reverse=True):
-                r = min((r for r in range(world) if len(shares[r]) < size // world), key=lambda r: load[r])
-                shares[r].append(j)
-                load[r] += group_tokens(kept[j])
-        else:
-            shares = [part[r::world] for r in range(world)]
+            shares = _balanced_shares(part, summaries, world)
         for r in range(world):
             plan[r] += shares[r]
         sizes.append(size // world)
-    mine = [kept[j].get("group", kept[j]) for j in plan[rank]]  # (a test may plan whole groups, for any rank)
+    # a kept summary of this rank's holds its group (a test may plan whole groups, for any rank)
+    mine = [summaries[j].get("group", summaries[j]) for j in plan[rank]]
     if is_dist():  # from each rank in turn, the groups it generated to the ranks that train them
         for src in range(world):
+            made_by_src = [summaries[j]["origin"][0] == src for j in range(len(summaries))]
             send = None  # what src sends each rank: the groups src generated that the rank trains
             if rank == src:
-                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src]
-                        for r in range(world)]
+                send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]] for r in range(world)]
             got = [None]
             dist.scatter_object_list(got, send, src=src)
             arrived = iter(got[0])
-            mine = [next(arrived) if kept[j]["origin"][0] == src else g for j, g in zip(plan[rank], mine)]
+            mine = [next(arrived) if made_by_src[j] else g for j, g in zip(plan[rank], mine)]
     bounds = [0] + [sum(sizes[:i + 1]) * G for i in range(len(sizes))]
     return mine, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _balanced_shares(part: list[int], summaries: list[dict], world: int) -> list[list[int]]:
+    """The groups `part` (indices into `summaries`) dealt to `world` ranks, as many each: the heaviest
+    first, each to the rank with the fewest tokens so far (sorted() is stable: every rank deals alike)."""
+    shares = [[] for _ in range(world)]
+    load = [0] * world  # tokens dealt to each rank
+    per_rank = len(part) // world
+    for j in sorted(part, key=lambda j: group_tokens(summaries[j]), reverse=True):
+        open_ranks = [r for r in range(world) if len(shares[r]) < per_rank]
+        r = min(open_ranks, key=lambda r: load[r])
+        shares[r].append(j)
+        load[r] += group_tokens(summaries[j])
+    return shares
 
 
 def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
@@ -555,7 +597,8 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
     prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
     completion_len = completion_lengths(batch, index).tolist()
     order = sorted(range(len(index)), key=lambda i: -(prompt_len[i] + completion_len[i]))
-    chunks, width = [], (0, 0)  # width: the longest prompt and completion of the current chunk
+    chunks = []
+    width = (0, 0)  # the longest prompt and completion of the current chunk
     for i in order:
         wider = (max(width[0], prompt_len[i]), max(width[1], completion_len[i]))
         if not chunks or (len(chunks[-1]) + 1) * sum(wider) > max_tokens or len(chunks[-1]) >= size:
@@ -579,9 +622,9 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
         mb = {k: v[rows] for k, v in batch.items()}
         T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest, >= 2 (_predicting_outputs)
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left pad all rows share
+        shared_pad = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left pad of all
         for k in ("input_ids", "attention_mask"):
-            mb[k] = mb[k][:, first:P + T]
+            mb[k] = mb[k][:, shared_pad:P + T]
         for k, v in mb.items():
             if v.dim() == 2 and k not in ("input_ids", "attention_mask"):
                 mb[k] = v[:, :T]
@@ -589,7 +632,7 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 5. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt
+# 6. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt
 #    once, the output layer in chunks); pi_old once per step, before the first update, unless exact.
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
     """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T), the
@@ -622,7 +665,7 @@ def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
+# 7. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
 #    (loss_weights; DARO's per-bin means times w_mu), one micro-batch's forward, the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
     """Per-token weights (B, T): summed token losses give the chosen aggregation over the WHOLE update, the
@@ -686,9 +729,13 @@ def mismatch_sums(mb: dict) -> dict:
     boundary = mask * (old <= OUTSIDE_NUCLEUS)
     compared = mask - boundary
     log_r = (old - mb["rollout_logp"]) * compared
-    return {"logprob_diff": log_r.abs().sum().item(), "kl_k1": -log_r.sum().item(),
-            "kl_k3": ((torch.exp(log_r) - 1 - log_r) * compared).sum().item(),
-            "compared": compared.sum().item(), "boundary": boundary.sum().item()}
+    return {
+        "logprob_diff": log_r.abs().sum().item(),
+        "kl_k1": -log_r.sum().item(),
+        "kl_k3": ((torch.exp(log_r) - 1 - log_r) * compared).sum().item(),
+        "compared": compared.sum().item(),
+        "boundary": boundary.sum().item(),
+    }
 
 
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
@@ -704,13 +751,18 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights
         sums.add(**mismatch_sums(mb))
-    token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low,
-                                      cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio,
-                                      ref_logp=ref_logp, kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
-    sums.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=clipped["clip_low"].item(),
-             clip_high=clipped["clip_high"].item(), tokens=mb["mask"].sum().item(),
-             **dict(zip(("forward_tokens", "real_tokens"), forward_tokens(
-                 model, mb["attention_mask"], mb["mask"].shape[1], mb.get("group"), cfg.pack))))
+    token_loss, clipped = policy_loss(
+        logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
+        clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+        is_weight=mb.get("is_weight"))
+    T = mb["mask"].shape[1]
+    ran, real = forward_tokens(model, mb["attention_mask"], T, mb.get("group"), cfg.pack)
+    sums.add(entropy=(entropy * mb["mask"]).sum().item(),
+             clip_low=clipped["clip_low"].item(),
+             clip_high=clipped["clip_high"].item(),
+             tokens=mb["mask"].sum().item(),
+             forward_tokens=ran,
+             real_tokens=real)
     return token_loss
 
 
@@ -719,7 +771,8 @@ class UpdateGuard:
     gradient is not finite on a rank; then every rank skips it, so one bad batch cannot poison the weights."""
 
     def __init__(self, max_bad_updates: int):
-        self.max_bad, self.in_a_row = max_bad_updates, 0
+        self.max_bad = max_bad_updates
+        self.in_a_row = 0  # skipped updates in a row
 
     def step(self, model, opt, grad_clip: float, loss_value: float, sums: Sums, where: str) -> bool:
         """Returns whether the update was applied; adds loss, grad_norm (or skipped) to `sums`."""
@@ -746,7 +799,7 @@ class UpdateGuard:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
+# 8. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
 #    answer's accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k, n samples, c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
@@ -802,7 +855,9 @@ def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int 
     """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as eval/<set>/...;
     the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over the sets with the key."""
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
-    out, per_set, samples = {}, [], []
+    out = {}
+    per_set = []  # each set's scores
+    samples = []  # the cross-check's disagreements, all sets
     for (name, problems), k in zip(eval_sets.items(), ks):
         scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
         samples += [{**row, "where": f"eval/{name}"} for row in scores.pop("crosscheck_samples", [])]

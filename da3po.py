@@ -76,9 +76,10 @@ def check_algorithm_config(cfg: Config):
         die(f"--lam must be > 0, got {cfg.lam}")
     if cfg.daa_scope not in ("correct", "all"):
         die(f"--daa_scope {cfg.daa_scope!r}: choose one of correct, all")
-    if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
-        die(f"--p_estimate must be group or running and --lam_max >= 1, "
-            f"got {cfg.p_estimate!r}, {cfg.lam_max}")
+    if cfg.p_estimate not in ("group", "running"):
+        die(f"--p_estimate {cfg.p_estimate!r}: choose one of group, running")
+    if cfg.lam_max < 1:
+        die(f"--lam_max must be >= 1, got {cfg.lam_max}")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -132,10 +133,13 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
     amplified = amplified & (factors != 1)  # a factor of 1 (lam = 1: DAPO, GSPO) amplifies nothing
     applied = factors[amplified]  # the factor of each amplified one
     num_applied = all_reduce_sum(torch.tensor(float(len(applied)))).item()
+    num_completions = all_reduce_sum(torch.tensor(float(amplified.numel()))).item()
+    largest = applied.max() if len(applied) else p.new_zeros(())
     return advantage, {
-        "daa/amplified_frac": num_applied / all_reduce_sum(torch.tensor(float(amplified.numel()))).item(),
-        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0: none amplified
-        "daa/lam_max": all_reduce_max(applied.max() if len(applied) else p.new_zeros(())).item()}
+        "daa/amplified_frac": num_applied / num_completions,
+        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0: none
+        "daa/lam_max": all_reduce_max(largest).item(),
+    }
 
 
 def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
@@ -155,10 +159,13 @@ def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000,
     g = torch.Generator().manual_seed(seed)
     correct = torch.rand(num_groups, G, generator=g) < p  # (N, G)
     adv = group_advantages(correct.float(), std_norm=True)
-    kept = (correct.sum(-1) > 0) & (correct.sum(-1) < G)
+    mixed = (correct.sum(-1) > 0) & (correct.sum(-1) < G)  # the groups dynamic sampling keeps
     y = correct[:, 0]
-    factor = lambda sel: adv[sel & kept, 0].mean().item() / adv[sel, 0].mean().item()  # noqa: E731
-    alpha_plus, alpha_minus = factor(y), factor(~y)
+
+    def factor(sel):  # E[A | y, kept] / E[A | y] of completion 0
+        return adv[sel & mixed, 0].mean().item() / adv[sel, 0].mean().item()
+    alpha_plus = factor(y)
+    alpha_minus = factor(~y)
     return alpha_plus, alpha_minus, alpha_plus / alpha_minus
 
 
@@ -168,9 +175,10 @@ def print_theory():
     print(f"{'G':>3} {'p':>5} | {columns} | {columns}")
     for G in (4, 8, 16):
         for p in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9):
-            exact, mc = amplification_factors(p, G), monte_carlo_factors(p, G)
-            print(f"{G:3d} {p:5.2f} | " + " ".join(f"{x:7.2f}" for x in exact[:2]) + f" {exact[2]:6.2f} | "
-                  + " ".join(f"{x:7.2f}" for x in mc[:2]) + f" {mc[2]:6.2f}")
+            exact = amplification_factors(p, G)
+            mc = monte_carlo_factors(p, G)
+            cells = [" ".join(f"{x:7.2f}" for x in f[:2]) + f" {f[2]:6.2f}" for f in (exact, mc)]
+            print(f"{G:3d} {p:5.2f} | " + " | ".join(cells))
 
 
 class DAA(Algorithm):
@@ -261,7 +269,7 @@ def main(cfg: Config):
             algo.after_rollout(generated)
             if kept_summaries:
                 with timer("update"):
-                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
+                    # 2) this rank's groups of each update, brought to it, as one batch
                     balance = cfg.micro_batch_tokens > 0  # packed micro-batches: ranks get as many tokens
                     my_groups, update_rows = plan_updates(kept_summaries, cfg.updates_per_step, dist_info,
                                                           balance)

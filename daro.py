@@ -105,7 +105,8 @@ def bin_weights(neg_log_w: list[torch.Tensor], weighting: str, shared: bool = Fa
     """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the closed
     form), or a static function of mu; 0 for mu = 0 and 1; `none` (no bins) weighs every bin 1. shared: every
     bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global loss-scale control)."""
-    G, device = len(neg_log_w) + 1, neg_log_w[0].device
+    G = len(neg_log_w) + 1
+    device = neg_log_w[0].device
     if weighting == "none":
         return torch.ones(G + 1, device=device)
     mu = torch.arange(1, G, device=device) / G  # (G-1,)
@@ -143,7 +144,8 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
 def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, cfg):
     """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu| + delta),
     clamped to [w_min, w_max], for each bin present in the update; an absent bin keeps its weight."""
-    low, high = -math.log(cfg.w_max), -math.log(cfg.w_min)
+    low = -math.log(cfg.w_max)  # s = -ln w: w_max is the lowest s
+    high = -math.log(cfg.w_min)
     with torch.no_grad():
         for i, s in enumerate(neg_log_w, 1):
             if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, an infinite fixed point: w_max
@@ -151,11 +153,11 @@ def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, p
 
 
 class DARO(Algorithm):
-    """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G),
-    0 at start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's
-    weight decay (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); --weighting
-    closed sets s_mu itself (its Adam unused). `bins` (3, G+1), per bin over the step's updates, the same on
-    every rank: L_mu summed, updates, groups."""
+    """DARO's part of the step (the hooks: common.Algorithm). Its state: s_mu = -ln w_mu for
+    mu = 1/G .. (G-1)/G, 0 at start, one tensor per bin (Adam skips an absent one), with an Adam of
+    their own, apart from the model's weight decay and gradient clipping (docs/departures.md);
+    --weighting closed sets s_mu itself. `bins` (3, G+1), per bin over the step's updates, the same
+    on every rank: L_mu summed, updates, groups."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         super().__init__(cfg, device, state)
@@ -194,8 +196,8 @@ class DARO(Algorithm):
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
         if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
-        groups = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin, this rank
-        self.bins[2] = all_reduce_sum(groups)  # all ranks (like the other step sums: the same on every rank)
+        groups_per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # this rank's
+        self.bins[2] = all_reduce_sum(groups_per_bin)  # all ranks': the same on every rank
         return advantage
 
     def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -209,9 +211,10 @@ class DARO(Algorithm):
 
     def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
         """A micro-batch's share of each L_mu (for the weights' step), and of Eq. (1) on theta's side."""
-        self.bin_loss += torch.zeros_like(self.bin_loss).index_add_(
-            0, mb["bin"], (token_loss.detach() * mb["weight"]).sum(-1))
-        return (token_loss * (mb["weight"] * self.w[mb["bin"]].unsqueeze(-1))).sum()
+        row_loss = (token_loss.detach() * mb["weight"]).sum(-1)  # (B,)
+        self.bin_loss += torch.zeros_like(self.bin_loss).index_add_(0, mb["bin"], row_loss)
+        w_row = self.w[mb["bin"]].unsqueeze(-1)  # (B, 1)
+        return (token_loss * (mb["weight"] * w_row)).sum()
 
     def after_update(self):
         """The weights' step, after each applied update."""
@@ -219,7 +222,8 @@ class DARO(Algorithm):
 
     def step_weights(self):
         """L_mu over all ranks, then a weight step on each present bin (or the closed form)."""
-        bin_loss, present = all_reduce_sum(self.bin_loss), self.bin_tokens > 0  # (G+1,)
+        bin_loss = all_reduce_sum(self.bin_loss)  # (G+1,)
+        present = self.bin_tokens > 0  # the bins in this update
         if self.cfg.weighting == "learned":
             update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.cfg)
         elif self.cfg.weighting == "closed":  # the next update's weights: this one's L_mu (one update late)
@@ -230,7 +234,9 @@ class DARO(Algorithm):
     def metrics(self, record: dict) -> dict:
         """The step's daro/* record (daro/w_0.125: mu to three decimals): w_mu after the step, L_mu (mean over
         the updates with bin mu, else 0), n_mu (groups trained on, all ranks); resets `bins`."""
-        G, bins, self.bins = self.G, self.bins, torch.zeros(3, self.G + 1)
+        G = self.G
+        bins = self.bins
+        self.bins = torch.zeros(3, G + 1)  # the next step's
         w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()  # as applied
         metrics = {}
         for i in range(G + 1):
@@ -301,7 +307,7 @@ def main(cfg: Config):
             algo.after_rollout(generated)
             if kept_summaries:
                 with timer("update"):
-                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
+                    # 2) this rank's groups of each update, brought to it, as one batch
                     balance = cfg.micro_batch_tokens > 0  # packed micro-batches: ranks get as many tokens
                     my_groups, update_rows = plan_updates(kept_summaries, cfg.updates_per_step, dist_info,
                                                           balance)
