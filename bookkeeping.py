@@ -107,20 +107,23 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     repo = os.path.dirname(DEMO_DIR)
     demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
                   for k, v in DEMOS[COMMAND_LINE_DEMO].items()]
-    parser = argparse.ArgumentParser(
-        prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False,
-        epilog=f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
-               f"are --demo arith's. A --model of your own runs on no demo's values: it needs "
-               f"{', '.join('--' + k for k in DEMO_SIZED)} (docs/gpu.md's recipes set them).")
+    sized = ", ".join("--" + k for k in DEMO_SIZED)
+    epilog = (f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
+              f"are --demo arith's. A --model of your own runs on no demo's values: it needs {sized} "
+              f"(docs/gpu.md's recipes set them).")
+    parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]),
+                                     description=(cls.__doc__ or "").strip(),
+                                     epilog=epilog,
+                                     allow_abbrev=False)
     for f in fields(cls):
         default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
         help_text = f"{helps.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
-        if isinstance(f.default, bool):
+        kind = type(f.default)
+        if kind is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(f"--{f.name}", type=type(f.default),
-                                metavar=type(f.default).__name__.upper(), **kw)
+            parser.add_argument(f"--{f.name}", type=kind, metavar=kind.__name__.upper(), **kw)
     given = vars(parser.parse_args(argv))
     cfg = cls()
     own_model = "model" in given and not is_demo_model(given["model"])  # a model of the user's own
@@ -146,13 +149,18 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
 def config_dict(cfg, world_size: int = 1) -> dict:
     """The config used, plus what reproducing a run needs: world size, versions, git commit."""
     import transformers
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, timeout=5,
+                             capture_output=True, text=True)
+        commit = git.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {**asdict(cfg), "_world_size": world_size, "_torch": torch.__version__,
-            "_transformers": transformers.__version__, "_git_commit": commit}
+    return {**asdict(cfg),
+            "_world_size": world_size,
+            "_torch": torch.__version__,
+            "_transformers": transformers.__version__,
+            "_git_commit": commit}
 
 
 def check_config(cfg, world_size: int, check_algorithm=None):
@@ -161,8 +169,10 @@ def check_config(cfg, world_size: int, check_algorithm=None):
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                "dtype": ("float32", "bfloat16", "float16"),
                "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
-               "answer_format": ("boxed", "answer_line", "auto"), "rollout": ("hf", "vllm", "auto"),
-               "rollout_is": ("none", "token", "sequence"), "report_to": ("none", "tensorboard", "wandb")}
+               "answer_format": ("boxed", "answer_line", "auto"),
+               "rollout": ("hf", "vllm", "auto"),
+               "rollout_is": ("none", "token", "sequence"),
+               "report_to": ("none", "tensorboard", "wandb")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
@@ -270,8 +280,9 @@ class Logger:
             return
         group = groups[0]
         for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
-            self.log({"step": step, "prompt": group["prompt"], "answer": group["answer"], "completion": text,
-                      "reward": reward}, "samples.jsonl")
+            row = {"step": step, "prompt": group["prompt"], "answer": group["answer"],
+                   "completion": text, "reward": reward}
+            self.log(row, "samples.jsonl")
         self.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} "
                   f"(answer {group['answer']}, reward {group['reward'][0]:+.2f})")
 
@@ -324,10 +335,16 @@ def _truncate_jsonl(path: str, last_step: int):
 
 def format_step(step: int, steps: int, record: dict) -> str:
     """The one printed line per step: fixed keys, fixed widths, `|` separators."""
-    return (f"step {step:4d}/{steps} | reward {record['train/reward']:+.3f} | acc {record['train/acc']:.3f}"
-            f" | keep {record['train/keep_rate']:.2f} | len {record['train/response_len']:5.1f} | "
-            f"loss {record['train/loss']:+.4f} | ent {record['train/entropy']:.3f} | "
-            f"gnorm {record['train/grad_norm']:.3f} | {record['time/step_s']:.1f}s")
+    parts = [f"step {step:4d}/{steps}",
+             f"reward {record['train/reward']:+.3f}",
+             f"acc {record['train/acc']:.3f}",
+             f"keep {record['train/keep_rate']:.2f}",
+             f"len {record['train/response_len']:5.1f}",
+             f"loss {record['train/loss']:+.4f}",
+             f"ent {record['train/entropy']:.3f}",
+             f"gnorm {record['train/grad_norm']:.3f}",
+             f"{record['time/step_s']:.1f}s"]
+    return " | ".join(parts)
 
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,

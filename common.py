@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 import crosscheck
 from dataset import PromptStream, parse_eval_data
-from modeling import (OUTSIDE_NUCLEUS, adapter_disabled, autocast, forward_tokens, full_tensor, reshard,
-                      token_logprobs)
-from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0, stop_requested
+from modeling import (OUTSIDE_NUCLEUS, adapter_disabled, autocast, forward_tokens, full_tensor,
+                      reshard, token_logprobs)
+from ranks import (DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0,
+                   stop_requested)
 from verifier import extract_answer, majority_vote, verify_batch
 
 
@@ -197,21 +198,23 @@ class TrainConfig:
 
 # The baselines both papers compare against, each its paper's recipe for every knob that defines the
 # algorithm; the flags give the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on).
+# DAPO's 4 techniques (overlong shaping: the default buffer)
 _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
-         "clip_low": 0.2, "clip_high": 0.28}  # DAPO's 4 techniques (overlong shaping: the default buffer)
+         "clip_low": 0.2, "clip_high": 0.28}
+# the baselines below turn DAPO's dynamic sampling, clip-higher and overlong shaping off
+_OFF = {"dynamic_sampling": False, "clip_high": 0.2, "overlong_buffer": 0}
 
 BASELINES = {
     "dapo": _DAPO,
-    # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else; verl's GRPO
-    # examples add a k3 KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
-    "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
-             "overlong_buffer": 0},
+    # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else;
+    # verl's GRPO examples add a k3 KL loss to the initial model (--kl_coef 0.001 runs that),
+    # DeepSeekMath's beta was 0.04
+    "grpo": {**_DAPO, **_OFF, "loss_agg": "seq-mean-token-mean"},
     # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
-    "dr_grpo": {**_DAPO, "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
-                "clip_high": 0.2, "overlong_buffer": 0},
-    # GSPO: the sequence ratio, its tiny clip range, and the rollout batch split into 4 mini-batches
-    "gspo": {**_DAPO, "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
-             "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "updates_per_step": 4},
+    "dr_grpo": {**_DAPO, **_OFF, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm"},
+    # GSPO: the sequence ratio, its tiny clip range, the rollout batch split into 4 mini-batches
+    "gspo": {**_DAPO, **_OFF, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
+             "clip_low": 3e-4, "clip_high": 4e-4, "updates_per_step": 4},
 }
 
 def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
@@ -385,16 +388,24 @@ def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: flo
         prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
     texts = tok.batch_decode(completions, skip_special_tokens=True)
     t0 = time.perf_counter()
-    correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
+    answers = [p["answer"] for p in problems for _ in range(G)]
+    correct, info = verify_batch(texts, answers, cfg.answer_format)
     info["seconds"] = time.perf_counter() - t0
     groups = []
     for i, p in enumerate(problems):
         s = slice(i * G, (i + 1) * G)
-        rewards = [shaped_reward(c, len(ids), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        rewards = [shaped_reward(c, len(ids), cfg.max_new_tokens, cfg.overlong_buffer,
+                                 cfg.overlong_penalty)
                    for c, ids in zip(correct[s], completions[s])]
-        groups.append({"prompt": p["prompt"], "answer": p["answer"], "level": p.get("level", 0),
-                       "prompt_ids": prompt_ids[i], "completions": completions[s], "texts": texts[s],
-                       "truncated": truncated[s], "correct": correct[s], "reward": rewards,
+        groups.append({"prompt": p["prompt"],
+                       "answer": p["answer"],
+                       "level": p.get("level", 0),
+                       "prompt_ids": prompt_ids[i],
+                       "completions": completions[s],
+                       "texts": texts[s],
+                       "truncated": truncated[s],
+                       "correct": correct[s],
+                       "reward": rewards,
                        "rollout_logp": None if logps is None else logps[s]})
     return groups, info
 
@@ -407,9 +418,14 @@ def _mixed(group: dict) -> bool:
 def _summary(group: dict, rank: int, index: int) -> dict:
     """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs),
     and where it lives: (the rank that generated it, its index there)."""
-    return {"origin": (rank, index), "prompt": group["prompt"], "answer": group["answer"],
-            "correct": group["correct"], "reward": group["reward"], "truncated": group["truncated"],
-            "lengths": [len(c) for c in group["completions"]], "prompt_len": len(group["prompt_ids"])}
+    return {"origin": (rank, index),
+            "prompt": group["prompt"],
+            "answer": group["answer"],
+            "correct": group["correct"],
+            "reward": group["reward"],
+            "truncated": group["truncated"],
+            "lengths": [len(c) for c in group["completions"]],
+            "prompt_len": len(group["prompt_ids"])}
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
@@ -422,7 +438,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     rank = dist_info.rank
     world = dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
-    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
+    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts a batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
     my_groups = []  # the groups this rank generated, whole
     generated = []  # every group's summary, all ranks
@@ -444,9 +460,11 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
         generated += summaries
         kept_summaries += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
     num_kept = len(kept_summaries)
-    usable = num_kept - num_kept % world  # an equal share per rank keeps FSDP's collectives in lockstep
+    usable = num_kept - num_kept % world  # an equal share per rank: FSDP's collectives in lockstep
     if num_kept < cfg.prompts_per_step:
-        trained = f"all {usable}" if usable == num_kept else f"{usable} (a multiple of the {world} ranks)"
+        trained = f"all {usable}"
+        if usable < num_kept:
+            trained = f"{usable} (a multiple of the {world} ranks)"
         print0(f"warning: dynamic sampling kept {num_kept}/{cfg.prompts_per_step} groups after "
                f"{num_batches} generation batches (--max_gen_batches); training on {trained}")
     kept_summaries = kept_summaries[:min(cfg.prompts_per_step, usable)]
@@ -471,7 +489,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
         "verify/refused": refused,
         "time/verify_s": verify_s,  # this rank's; it is part of time/rollout_s
     }
-    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of this step's completions, all ranks
+    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of the step's completions
         t0 = time.perf_counter()
         per_rank = math.ceil(cfg.crosscheck_train / world)
         stats.update(crosscheck.check_groups(my_groups, cfg, "train", per_rank, rank))
@@ -499,7 +517,8 @@ def group_tokens(group: dict) -> int:
     return sum(group["prompt_len"] + n for n in group["lengths"])
 
 
-def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
+def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
+                 balance: bool = False):
     """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank).
     `summaries`: the kept groups' (the same on every rank, a multiple of the world size). They make
     min(num_updates, groups / world) contiguous updates, their sizes multiples of the world size that
@@ -533,7 +552,8 @@ def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo, b
             made_by_src = [summaries[j]["origin"][0] == src for j in range(len(summaries))]
             send = None  # what src sends each rank: the groups src generated that the rank trains
             if rank == src:
-                send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]] for r in range(world)]
+                send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]]
+                        for r in range(world)]
             got = [None]
             dist.scatter_object_list(got, send, src=src)
             arrived = iter(got[0])
@@ -556,27 +576,37 @@ def _balanced_shares(part: list[int], summaries: list[dict], world: int) -> list
     return shares
 
 
-def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
+def make_batch(groups: list[dict], pad_id: int,
+               device: torch.device = torch.device("cpu")) -> dict:
     """Flatten groups into the batch contract's padded tensors on `device` (T >= 2: _predicting_outputs)."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
     ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)
-    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
-             "reward": torch.tensor([r for g in groups for r in g["reward"]]),
-             "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
-             "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
-    if groups[0].get("rollout_logp") is not None:  # padded to T
-        batch["rollout_logp"] = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for g in groups
-                                              for lp in g["rollout_logp"]])
+    rewards = [r for g in groups for r in g["reward"]]
+    correct = [c for g in groups for c in g["correct"]]
+    group_of_row = [i for i, g in enumerate(groups) for _ in g["completions"]]
+    batch = {"input_ids": ids,
+             "attention_mask": attn,
+             "mask": mask,
+             "reward": torch.tensor(rewards),
+             "correct": torch.tensor(correct, dtype=torch.bool),
+             "group": torch.tensor(group_of_row)}
+    if groups[0].get("rollout_logp") is not None:
+        T = mask.shape[1]
+        padded = [lp + [0.0] * (T - len(lp)) for g in groups for lp in g["rollout_logp"]]
+        batch["rollout_logp"] = torch.tensor(padded)  # (B, T)
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, std_norm: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
     """GRPO's advantages from each group's rewards (N, G): (r - mean) / (std + eps), the unbiased std as in
     verl; Dr. GRPO: std_norm=False. Example: [1, -1, -1, 1] -> [0.866, -0.866, -0.866, 0.866]."""
     assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
     centered = rewards - rewards.mean(-1, keepdim=True)
-    return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
+    if not std_norm:  # Dr. GRPO
+        return centered
+    return centered / (rewards.std(-1, keepdim=True) + eps)
 
 
 def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -586,7 +616,8 @@ def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
     return batch["attention_mask"][rows, P:].sum(-1)
 
 
-def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
+def _packed_rows(batch: dict, index: torch.Tensor, size: int,
+                 max_tokens: int) -> list[torch.Tensor]:
     """The rows `index` in micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
     length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt +
     longest completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its
@@ -601,17 +632,20 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
     width = (0, 0)  # the longest prompt and completion of the current chunk
     for i in order:
         wider = (max(width[0], prompt_len[i]), max(width[1], completion_len[i]))
-        if not chunks or (len(chunks[-1]) + 1) * sum(wider) > max_tokens or len(chunks[-1]) >= size:
+        too_wide = chunks and (len(chunks[-1]) + 1) * sum(wider) > max_tokens
+        if not chunks or too_wide or len(chunks[-1]) >= size:
             chunks.append([])
             wider = (prompt_len[i], completion_len[i])
         chunks[-1].append(i)
         width = wider
-    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())  # no rows (all ranks alike): 0
+    # the busiest rank's number of micro-batches (0: no rank has rows)
+    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())
     assert chunks or not count, ("a rank with no rows where another has some: "
                                  "plan_updates gives every rank as many")
     while len(chunks) < count:
         k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
-        chunks[k:k + 1] = [chunks[k][:len(chunks[k]) // 2], chunks[k][len(chunks[k]) // 2:]]
+        half = len(chunks[k]) // 2
+        chunks[k:k + 1] = [chunks[k][:half], chunks[k][half:]]
     return [index[torch.tensor(c, dtype=torch.long)] for c in chunks]
 
 
@@ -620,9 +654,11 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
     trimmed away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
-        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest, >= 2 (_predicting_outputs)
+        # the longest completion, >= 2 (_predicting_outputs)
+        T = int(completion_lengths(batch, rows).max().clamp(min=2))
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-        shared_pad = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left pad of all
+        left_pads = (mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1)  # (B,)
+        shared_pad = int(left_pads.min())  # the left padding every row has
         for k in ("input_ids", "attention_mask"):
             mb[k] = mb[k][:, shared_pad:P + T]
         for k, v in mb.items():
@@ -637,9 +673,10 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
     """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T), the
     entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus), or None)."""
-    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
-                          with_entropy, cfg.logprob_chunk, mb.get("group"),
-                          cfg.top_p if with_nucleus else 1.0, cfg.pack)
+    T = mb["mask"].shape[1]
+    top_p = cfg.top_p if with_nucleus else 1.0
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
+                          with_entropy, cfg.logprob_chunk, mb.get("group"), top_p, cfg.pack)
 
 
 @torch.no_grad()
@@ -673,7 +710,7 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
       token-mean               1 / (#completion tokens)            DAPO
       seq-mean-token-mean      1 / (#sequences * |o_i|)            GRPO, GSPO
       seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)   Dr. GRPO (a constant, not batch lengths)"""
-    mask = mask if mask.is_floating_point() else mask.float()  # a float mask keeps its dtype (float64 tests)
+    mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
     # sequences with a token to train on: one rollout correction rejected whole leaves the mean (verl #3915)
@@ -686,8 +723,8 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
 
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *,
-                clip_ratio_c: float = 0.0, seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0,
-                is_weight=None):
+                clip_ratio_c: float = 0.0, seq_ratio: bool = False, ref_logp=None,
+                kl_coef: float = 0.0, is_weight=None):
     """Each token's loss (B, T): the clipped surrogate, in the inputs' dtype; the caller weighs and sums it.
       max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))          PPO/GRPO, DAPO's decoupled clip
       clip_ratio_c > 1 (dual clip): for A < 0 the loss is capped at -A * clip_ratio_c
@@ -699,21 +736,25 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # (B, T)
     if seq_ratio:
-        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+        lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+        seq = (log_ratio * mask).sum(-1, keepdim=True) / lengths  # (B, 1)
         log_ratio = seq.detach() + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(max=20.0))  # guards exp overflow only; such a ratio is clipped anyway
+    ratio = torch.exp(log_ratio.clamp(max=20.0))  # no exp overflow; such a ratio is clipped anyway
     adv = advantages.unsqueeze(-1)  # (B, 1)
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
     if clip_ratio_c > 1:
-        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * clip_ratio_c), token_loss)
+        capped = torch.minimum(token_loss, -adv * clip_ratio_c)
+        token_loss = torch.where(adv < 0, capped, token_loss)
     if is_weight is not None:
         token_loss = token_loss * is_weight
     if kl_coef > 0:
         delta = ref_logp - logp
         token_loss = token_loss + kl_coef * (torch.exp(delta) - delta - 1)  # k3 estimator, >= 0
     with torch.no_grad():
-        stats = {"clip_low": (((ratio < 1 - clip_low) & (adv < 0)).float() * mask).sum(),
-                 "clip_high": (((ratio > 1 + clip_high) & (adv > 0)).float() * mask).sum()}
+        below = (ratio < 1 - clip_low) & (adv < 0)
+        above = (ratio > 1 + clip_high) & (adv > 0)
+        stats = {"clip_low": (below.float() * mask).sum(),
+                 "clip_high": (above.float() * mask).sum()}
     return token_loss, stats
 
 
@@ -743,8 +784,10 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
     entropy, clipped-token counts, tokens, padding and engine/trainer gap (mismatch_sums) go to `sums`."""
     with autocast(cfg.dtype, device):
         ref_logp = None
-        if ref_model is not None:  # the initial model: a frozen copy, or with LoRA the model, adapters off
-            with torch.no_grad(), adapter_disabled(ref_model):  # (before pi's forward: see adapter_disabled)
+        # the initial model: a frozen copy, or with LoRA the model with its adapters off
+        # (before pi's forward: see adapter_disabled)
+        if ref_model is not None:
+            with torch.no_grad(), adapter_disabled(ref_model):
                 ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
             if ref_model is not model:
                 reshard(ref_model)
@@ -826,13 +869,16 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
     n = k or cfg.eval_samples
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
-    with torch.random.fork_rng(devices=devices):  # our sampler's RNG; the training stream stays untouched
+    with torch.random.fork_rng(devices=devices):  # our sampler's RNG; training's stays untouched
         torch.manual_seed(seed)
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
         for s in range(0, len(mine), cfg.eval_batch_size):
-            groups += roll_groups(engine, tok, mine[s:s + cfg.eval_batch_size], cfg, n,
-                                  cfg.eval_temperature, cfg.eval_top_p, seed=1_000_003 * seed + s)[0]
+            batch = mine[s:s + cfg.eval_batch_size]
+            batch_seed = 1_000_003 * seed + s
+            groups += roll_groups(engine, tok, batch, cfg, n, cfg.eval_temperature, cfg.eval_top_p,
+                                  seed=batch_seed)[0]
+    # per problem, all ranks: (samples, correct ones, level, is the majority answer correct)
     results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"],
                                 majority_correct(g, cfg.answer_format)) for g in groups])
     out = {"eval/acc": sum(c for _, c, _, _ in results) / sum(m for m, _, _, _ in results)}
@@ -846,7 +892,8 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
     if cfg.verifier_crosscheck:  # every completion, on every rank
         checks = crosscheck.check_groups(groups, cfg, "eval", rank=rank)
-        out.update({k if k == "crosscheck_samples" else "eval/" + k: v for k, v in checks.items()})
+        for key, value in checks.items():  # the disagreements keep their name: Logger writes them
+            out[key if key == "crosscheck_samples" else "eval/" + key] = value
     return out
 
 
@@ -860,10 +907,12 @@ def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int 
     samples = []  # the cross-check's disagreements, all sets
     for (name, problems), k in zip(eval_sets.items(), ks):
         scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
-        samples += [{**row, "where": f"eval/{name}"} for row in scores.pop("crosscheck_samples", [])]
+        disagreements = scores.pop("crosscheck_samples", [])
+        samples += [{**row, "where": f"eval/{name}"} for row in disagreements]
         per_set.append(scores)
         out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
-    for key in dict.fromkeys(key for scores in per_set for key in scores):  # every key, in first-seen order
+    every_key = dict.fromkeys(key for scores in per_set for key in scores)  # in first-seen order
+    for key in every_key:
         values = [s[key] for s in per_set if key in s]
         out[key] = sum(values) / len(values)
     if cfg.verifier_crosscheck:

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
-                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
+from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint,
+                         format_step, load_checkpoint, parse_config, rng_state, save_checkpoint,
+                         set_rng_state, step_bar)
 from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConfig,
                     UpdateGuard, dynamic_sampling, group_advantages, make_batch,
                     micro_batches, old_logprobs, plan_updates, presets, token_losses,
@@ -34,8 +35,8 @@ from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConf
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_policy, model_path, prepare_models
-from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup_dist,
-                   stop_requested, stop_run)
+from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals,
+                   setup_dist, stop_requested, stop_run)
 
 # ------------------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DAA's, the presets, the checks of DAA's flags
@@ -64,8 +65,10 @@ class Config(TrainConfig):
     """print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit"""
 
 
-PRESETS = presets({"da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": False, "tau": 0.5}},  # [dev 1]
-                  off={"lam": 1.0, "adaptive_lam": False})
+OWN_PRESETS = {
+    "da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": False, "tau": 0.5},  # [dev 1]
+}
+PRESETS = presets(OWN_PRESETS, off={"lam": 1.0, "adaptive_lam": False})
 
 
 def check_algorithm_config(cfg: Config):
@@ -84,8 +87,8 @@ def check_algorithm_config(cfg: Config):
 
 # ------------------------------------------------------------------------------------------------------------
 # Algorithm: Direct Advantage Amplification, and the theory behind it
-def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None,
-        scope: str = "correct"):
+def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float,
+        p: torch.Tensor | None = None, scope: str = "correct"):
     """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau (the
     overlong penalty can put a correct one below its group's mean). advantages, correct: (N, G); p (N, 1),
     by default p_hat = #correct / G; lam: a number or (N, 1). scope "all": every advantage of a hard group
@@ -122,7 +125,7 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
             cfg: Config):
     """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for. advantage,
     correct: (N, G). Returns (the amplified advantages (N, G), the daa/* metrics over all ranks)."""
-    p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), float64 with float64 advantages
+    p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), the advantages' dtype
     if cfg.p_estimate == "running":
         counts = [pass_counts[pass_key(g)] for g in groups]
         counts = torch.tensor(counts, dtype=p.dtype, device=p.device)  # (N, 2)
@@ -217,9 +220,10 @@ class DAA(Algorithm):
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
-    check_config(cfg, dist_info.world_size, check_algorithm_config)  # a flag that cannot work stops here
     device = dist_info.device
-    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
+    # a flag that cannot work, or a bad file, stops here, before any model is loaded
+    check_config(cfg, dist_info.world_size, check_algorithm_config)
+    train_set, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
     base_path = model_path(cfg.model)
@@ -229,16 +233,20 @@ def main(cfg: Config):
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
     # checked, sharded; ref_model: the KL anchor
     model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    params = model.parameters()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over --warmup_steps RL steps
         opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
-    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
+    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed,
+                                        dist_info)
     algo = DAA(cfg, device, state)  # the paper's part of the step (above)
 
-    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
+    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):
+        """A checkpoint after `step`, the last step done (`pending`: the rest of the next one)."""
         algo_state = {**algo.state_dict(), "eval_due": eval_due}
-        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, algo_state, cfg.keep_last, pending)
+        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, algo_state,
+                        cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, start_step if resume_from else -1)
     # the evaluation at the start: of a fresh run, or the one a stop left due
     start_eval = None
@@ -270,9 +278,9 @@ def main(cfg: Config):
             if kept_summaries:
                 with timer("update"):
                     # 2) this rank's groups of each update, brought to it, as one batch
-                    balance = cfg.micro_batch_tokens > 0  # packed micro-batches: ranks get as many tokens
-                    my_groups, update_rows = plan_updates(kept_summaries, cfg.updates_per_step, dist_info,
-                                                          balance)
+                    balance = cfg.micro_batch_tokens > 0  # packed: each rank as many tokens
+                    my_groups, update_rows = plan_updates(
+                        kept_summaries, cfg.updates_per_step, dist_info, balance)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
                     # ALGO LOGIC: 3) the advantages, the paper's way
                     batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
@@ -280,7 +288,7 @@ def main(cfg: Config):
                     #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
                     record.update(rollout_correction(batch, cfg))
-        else:  # resumed mid-step: the updates left, split by rank anew if the number of ranks changed
+        else:  # resumed mid-step: the updates left (split anew if the number of ranks changed)
             record, my_groups, update_rows, batch, next_update = pending.resume(sums, algo)
             pending = None
         if update_rows:
@@ -289,7 +297,7 @@ def main(cfg: Config):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(next_update, len(update_rows)):
-                    if u > next_update and stop_requested():  # the checkpoint keeps the updates left
+                    if u > next_update and stop_requested():  # keep the updates left
                         rest = PendingStep(step, record, my_groups[:1], update_rows, batch, u,
                                            sums.values, algo.step_state())
                         save(step - 1, pending=rest)
@@ -298,8 +306,10 @@ def main(cfg: Config):
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
                     batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
-                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
-                        loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
+                    mbs = micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens)
+                    for _, mb in mbs:
+                        token_loss = token_losses(model, ref_model, mb, cfg, device, sums)  # (B, T)
+                        loss = algo.loss(token_loss, mb)
                         loss.backward()
                         update_loss += loss.item()
                     where = f"step {step} update {u}"
@@ -322,7 +332,8 @@ def main(cfg: Config):
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:
-            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=start_eval)
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step,
+                             before=start_eval)
         save_due = cfg.save_every > 0 and step % cfg.save_every == 0
         if save_due or step == cfg.steps or stopping:
             save(step, eval_due=stopping and eval_due)

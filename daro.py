@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
-                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
+from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint,
+                         format_step, load_checkpoint, parse_config, rng_state, save_checkpoint,
+                         set_rng_state, step_bar)
 from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConfig,
                     UpdateGuard, dynamic_sampling, make_batch, micro_batches,
                     old_logprobs, plan_updates, presets, token_losses, train_metrics)
@@ -66,10 +67,12 @@ class Config(TrainConfig):
     """a control: every bin weighs the mean of the fitted weights (the loss scale, no reweighting)"""
 
 
-PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DARO on the DAPO loss [dev 4]
-                   "uniform": {**BASELINES["dapo"], "weighting": "uniform"},  # the bins with frozen w = 1
-                   "var": {**BASELINES["dapo"], "weighting": "var"}},  # variance-based static weights
-                  off={"weighting": "none"})
+OWN_PRESETS = {
+    "daro": {**BASELINES["dapo"], "weighting": "learned"},  # DARO on the DAPO loss [dev 4]
+    "uniform": {**BASELINES["dapo"], "weighting": "uniform"},  # the bins with frozen w = 1
+    "var": {**BASELINES["dapo"], "weighting": "var"},  # variance-based static weights
+}
+PRESETS = presets(OWN_PRESETS, off={"weighting": "none"})
 
 
 def check_algorithm_config(cfg: Config):
@@ -96,12 +99,14 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
     a bin of one prompt weighs as much as one of twenty. bins: (B,) #correct of each row's group. Example:
     bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
-    tokens = all_reduce_sum(mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1)))  # (G+1,)
+    mine = mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))  # tokens per bin, this rank
+    tokens = all_reduce_sum(mine)  # (G+1,)
     inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
     return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
 
 
-def bin_weights(neg_log_w: list[torch.Tensor], weighting: str, shared: bool = False) -> torch.Tensor:
+def bin_weights(neg_log_w: list[torch.Tensor], weighting: str,
+                shared: bool = False) -> torch.Tensor:
     """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the closed
     form), or a static function of mu; 0 for mu = 0 and 1; `none` (no bins) weighs every bin 1. shared: every
     bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global loss-scale control)."""
@@ -128,7 +133,8 @@ def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, pres
                for i, s in enumerate(neg_log_w, 1) if present[i])
 
 
-def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor, present, cfg):
+def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor,
+                   present: torch.Tensor, cfg):
     """One Adam step of s = -ln w on Eq. (1), then w clamped to [w_min, w_max]. An absent bin keeps .grad
     None, so Adam skips it (with a zero gradient its momentum would still move the weight)."""
     if not present[1:-1].any():
@@ -136,19 +142,22 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
     weight_opt.zero_grad(set_to_none=True)
     weight_objective(neg_log_w, bin_loss, present, cfg.daro_delta, cfg.daro_literal).backward()
     weight_opt.step()
+    low = -math.log(cfg.w_max)  # s = -ln w: w_max is the lowest s
+    high = -math.log(cfg.w_min)
     with torch.no_grad():
         for s in neg_log_w:
-            s.clamp_(-math.log(cfg.w_max), -math.log(cfg.w_min))  # w = exp(-s) in [w_min, w_max] [dev 1]
+            s.clamp_(low, high)  # w = exp(-s) in [w_min, w_max] [dev 1]
 
 
-def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, cfg):
+def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor,
+                        present: torch.Tensor, cfg):
     """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu| + delta),
     clamped to [w_min, w_max], for each bin present in the update; an absent bin keeps its weight."""
     low = -math.log(cfg.w_max)  # s = -ln w: w_max is the lowest s
     high = -math.log(cfg.w_min)
     with torch.no_grad():
         for i, s in enumerate(neg_log_w, 1):
-            if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, an infinite fixed point: w_max
+            if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, clamped: w_max
                 s.copy_((bin_loss[i].abs() + cfg.daro_delta).log().clamp(low, high))
 
 
@@ -162,7 +171,8 @@ class DARO(Algorithm):
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         super().__init__(cfg, device, state)
         self.G = cfg.group_size
-        self.neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(self.G - 1)]
+        self.neg_log_w = [torch.zeros((), device=device, requires_grad=True)
+                          for _ in range(self.G - 1)]  # s_mu, mu = 1/G .. (G-1)/G
         self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=cfg.weight_lr)  # Eq. (3)
         if "daro_neg_log_w" in state:  # a resumed run
             with torch.no_grad():
@@ -183,8 +193,8 @@ class DARO(Algorithm):
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
                 "weight_optimizer": {**weight_opt, "state": moments}}
 
-    def step_state(self) -> dict:  # the step's sums a stop between two updates keeps: on the CPU, all ranks'
-        return {"bins": self.bins}
+    def step_state(self) -> dict:
+        return {"bins": self.bins}  # on the CPU, the same on every rank
 
     def load_step_state(self, state: dict):
         self.bins = state["bins"]
@@ -194,7 +204,7 @@ class DARO(Algorithm):
         G = self.G
         advantage = super().advantages(batch, groups, record)  # GRPO's
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
-        if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained
+        if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
         groups_per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # this rank's
         self.bins[2] = all_reduce_sum(groups_per_bin)  # all ranks': the same on every rank
@@ -206,7 +216,7 @@ class DARO(Algorithm):
         if self.cfg.weighting == "none":  # the baselines' own aggregation over the whole update
             weight = super().token_weights(batch, rows)
         self.w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight)  # (G+1,)
-        self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's share of each L_mu
+        self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's part of L_mu
         return weight
 
     def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -226,7 +236,7 @@ class DARO(Algorithm):
         present = self.bin_tokens > 0  # the bins in this update
         if self.cfg.weighting == "learned":
             update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.cfg)
-        elif self.cfg.weighting == "closed":  # the next update's weights: this one's L_mu (one update late)
+        elif self.cfg.weighting == "closed":  # the next update's w: this one's L_mu
             closed_form_weights(self.neg_log_w, bin_loss, present, self.cfg)
         self.bins[0] += torch.where(present, bin_loss, 0.0).cpu()
         self.bins[1] += present.float().cpu()
@@ -237,7 +247,7 @@ class DARO(Algorithm):
         G = self.G
         bins = self.bins
         self.bins = torch.zeros(3, G + 1)  # the next step's
-        w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()  # as applied
+        w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()
         metrics = {}
         for i in range(G + 1):
             metrics[f"daro/n_{i / G:.3f}"] = bins[2][i].item()  # groups trained on, all ranks
@@ -255,9 +265,10 @@ class DARO(Algorithm):
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
-    check_config(cfg, dist_info.world_size, check_algorithm_config)  # a flag that cannot work stops here
     device = dist_info.device
-    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
+    # a flag that cannot work, or a bad file, stops here, before any model is loaded
+    check_config(cfg, dist_info.world_size, check_algorithm_config)
+    train_set, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
     base_path = model_path(cfg.model)
@@ -267,16 +278,20 @@ def main(cfg: Config):
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
     # checked, sharded; ref_model: the KL anchor
     model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    params = model.parameters()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over --warmup_steps RL steps
         opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
-    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
+    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed,
+                                        dist_info)
     algo = DARO(cfg, device, state)  # the paper's part of the step (above)
 
-    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
+    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):
+        """A checkpoint after `step`, the last step done (`pending`: the rest of the next one)."""
         algo_state = {**algo.state_dict(), "eval_due": eval_due}
-        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, algo_state, cfg.keep_last, pending)
+        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, algo_state,
+                        cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, start_step if resume_from else -1)
     # the evaluation at the start: of a fresh run, or the one a stop left due
     start_eval = None
@@ -308,9 +323,9 @@ def main(cfg: Config):
             if kept_summaries:
                 with timer("update"):
                     # 2) this rank's groups of each update, brought to it, as one batch
-                    balance = cfg.micro_batch_tokens > 0  # packed micro-batches: ranks get as many tokens
-                    my_groups, update_rows = plan_updates(kept_summaries, cfg.updates_per_step, dist_info,
-                                                          balance)
+                    balance = cfg.micro_batch_tokens > 0  # packed: each rank as many tokens
+                    my_groups, update_rows = plan_updates(
+                        kept_summaries, cfg.updates_per_step, dist_info, balance)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
                     # ALGO LOGIC: 3) the advantages, the paper's way
                     batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
@@ -318,7 +333,7 @@ def main(cfg: Config):
                     #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
                     record.update(rollout_correction(batch, cfg))
-        else:  # resumed mid-step: the updates left, split by rank anew if the number of ranks changed
+        else:  # resumed mid-step: the updates left (split anew if the number of ranks changed)
             record, my_groups, update_rows, batch, next_update = pending.resume(sums, algo)
             pending = None
         if update_rows:
@@ -327,7 +342,7 @@ def main(cfg: Config):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(next_update, len(update_rows)):
-                    if u > next_update and stop_requested():  # the checkpoint keeps the updates left
+                    if u > next_update and stop_requested():  # keep the updates left
                         rest = PendingStep(step, record, my_groups[:1], update_rows, batch, u,
                                            sums.values, algo.step_state())
                         save(step - 1, pending=rest)
@@ -336,8 +351,10 @@ def main(cfg: Config):
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
                     batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
-                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
-                        loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
+                    mbs = micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens)
+                    for _, mb in mbs:
+                        token_loss = token_losses(model, ref_model, mb, cfg, device, sums)  # (B, T)
+                        loss = algo.loss(token_loss, mb)
                         loss.backward()
                         update_loss += loss.item()
                     where = f"step {step} update {u}"
@@ -360,7 +377,8 @@ def main(cfg: Config):
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:
-            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=start_eval)
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step,
+                             before=start_eval)
         save_due = cfg.save_every > 0 and step % cfg.save_every == 0
         if save_due or step == cfg.steps or stopping:
             save(step, eval_due=stopping and eval_due)
