@@ -3,6 +3,7 @@ Look up when needed: what keeps a run going around the step. Flags and their che
 samples.jsonl, config.json, trackers), checkpoints: atomic, resumed exactly on any number of ranks.
 """
 import argparse
+import ast
 import atexit
 import glob
 import inspect
@@ -10,12 +11,12 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Flags from a script's Config (each field's comment is its --help line), and checks of their combinations.
+# Flags from a script's Config (the docstring under each field is its --help), and checks of their combinations.
 # --demo: a shipped demo as the flags it stands for. On the command line the default is `reasoning`
 # (demo/reasoning/README.md); `arith` is the dataclass defaults, which is also what Config() in code runs.
 # A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
@@ -81,21 +82,20 @@ def _demo_sized(given: dict, demo: str, cfg, argv_model: str) -> dict:
     return values
 
 
-def _field_comments(cls) -> dict[str, str]:
-    """Each Config field's trailing comment (and '#   more text' lines below it), over the class and bases."""
-    comments = {}
-    for klass in reversed([c for c in cls.__mro__ if hasattr(c, "__dataclass_fields__")]):
-        last = None
-        for line in inspect.getsource(klass).splitlines():
-            m = re.match(r"\s*(\w+)\s*:\s*[\w\[\], |]+\s*=\s*.*?#\s*(.*)$", line)
-            if m:
-                last = m.group(1)
-                comments[last] = m.group(2).strip()
-            elif last and re.match(r"\s*#\s{2,}\S", line):
-                comments[last] += " " + line.strip().lstrip("#").strip()
-            else:
-                last = None
-    return comments
+def field_help(cls) -> dict[str, str]:
+    """Each Config field's --help text: the docstring under the field (as cleanrl's Args), read from
+    the source of the class and its bases. Returns {field name: text}."""
+    helps = {}
+    for klass in reversed(cls.__mro__):
+        if not is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for statement, after in zip(body, body[1:]):
+            if not isinstance(statement, ast.AnnAssign):
+                continue
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                helps[statement.target.id] = " ".join(str(after.value.value).split())
+    return helps
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
@@ -103,24 +103,27 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated
     flag exits 2 naming it; overriding a preset prints a note; a model of the user's own missing a DEMO_SIZED
     knob exits 2 naming them all (with --demo: a note naming the demo's values it gets)."""
-    comments = _field_comments(cls)
+    helps = field_help(cls)
     repo = os.path.dirname(DEMO_DIR)
     demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
                   for k, v in DEMOS[COMMAND_LINE_DEMO].items()]
-    parser = argparse.ArgumentParser(
-        prog=os.path.basename(sys.argv[0]), description=(cls.__doc__ or "").strip(), allow_abbrev=False,
-        epilog=f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
-               f"are --demo arith's. A --model of your own runs on no demo's values: it needs "
-               f"{', '.join('--' + k for k in DEMO_SIZED)} (docs/gpu.md's recipes set them).")
+    sized = ", ".join("--" + k for k in DEMO_SIZED)
+    epilog = (f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
+              f"are --demo arith's. A --model of your own runs on no demo's values: it needs {sized} "
+              f"(docs/gpu.md's recipes set them).")
+    parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]),
+                                     description=(cls.__doc__ or "").strip(),
+                                     epilog=epilog,
+                                     allow_abbrev=False)
     for f in fields(cls):
         default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
-        help_text = f"{comments.get(f.name, '')} (default: {default!r})".replace("%", "%%")
+        help_text = f"{helps.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
-        if isinstance(f.default, bool):
+        kind = type(f.default)
+        if kind is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(f"--{f.name}", type=type(f.default),
-                                metavar=type(f.default).__name__.upper(), **kw)
+            parser.add_argument(f"--{f.name}", type=kind, metavar=kind.__name__.upper(), **kw)
     given = vars(parser.parse_args(argv))
     cfg = cls()
     own_model = "model" in given and not is_demo_model(given["model"])  # a model of the user's own
@@ -146,13 +149,18 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
 def config_dict(cfg, world_size: int = 1) -> dict:
     """The config used, plus what reproducing a run needs: world size, versions, git commit."""
     import transformers
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, timeout=5,
+                             capture_output=True, text=True)
+        commit = git.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {**asdict(cfg), "_world_size": world_size, "_torch": torch.__version__,
-            "_transformers": transformers.__version__, "_git_commit": commit}
+    return {**asdict(cfg),
+            "_world_size": world_size,
+            "_torch": torch.__version__,
+            "_transformers": transformers.__version__,
+            "_git_commit": commit}
 
 
 def check_config(cfg, world_size: int, check_algorithm=None):
@@ -161,8 +169,10 @@ def check_config(cfg, world_size: int, check_algorithm=None):
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                "dtype": ("float32", "bfloat16", "float16"),
                "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
-               "answer_format": ("boxed", "answer_line", "auto"), "rollout": ("hf", "vllm", "auto"),
-               "rollout_is": ("none", "token", "sequence"), "report_to": ("none", "tensorboard", "wandb")}
+               "answer_format": ("boxed", "answer_line", "auto"),
+               "rollout": ("hf", "vllm", "auto"),
+               "rollout_is": ("none", "token", "sequence"),
+               "report_to": ("none", "tensorboard", "wandb")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
@@ -231,7 +241,9 @@ class Logger:
     """--resume drops records after step `resumed_step` (all at -1: no checkpoint); the run rewrites them."""
 
     def __init__(self, cfg, dist_info: DistInfo, resumed_step: int = -1):
-        self.enabled, self.out_dir, self.tracker = dist_info.is_main, cfg.out_dir, None
+        self.enabled = dist_info.is_main  # rank 0 writes
+        self.out_dir = cfg.out_dir
+        self.tracker = None
         self.sample_every = cfg.sample_every
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
@@ -268,8 +280,9 @@ class Logger:
             return
         group = groups[0]
         for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
-            self.log({"step": step, "prompt": group["prompt"], "answer": group["answer"], "completion": text,
-                      "reward": reward}, "samples.jsonl")
+            row = {"step": step, "prompt": group["prompt"], "answer": group["answer"],
+                   "completion": text, "reward": reward}
+            self.log(row, "samples.jsonl")
         self.line(f"sample: {group['prompt'][-60:]!r} -> {group['texts'][0][-80:]!r} "
                   f"(answer {group['answer']}, reward {group['reward'][0]:+.2f})")
 
@@ -322,10 +335,16 @@ def _truncate_jsonl(path: str, last_step: int):
 
 def format_step(step: int, steps: int, record: dict) -> str:
     """The one printed line per step: fixed keys, fixed widths, `|` separators."""
-    return (f"step {step:4d}/{steps} | reward {record['train/reward']:+.3f} | acc {record['train/acc']:.3f}"
-            f" | keep {record['train/keep_rate']:.2f} | len {record['train/response_len']:5.1f} | "
-            f"loss {record['train/loss']:+.4f} | ent {record['train/entropy']:.3f} | "
-            f"gnorm {record['train/grad_norm']:.3f} | {record['time/step_s']:.1f}s")
+    parts = [f"step {step:4d}/{steps}",
+             f"reward {record['train/reward']:+.3f}",
+             f"acc {record['train/acc']:.3f}",
+             f"keep {record['train/keep_rate']:.2f}",
+             f"len {record['train/response_len']:5.1f}",
+             f"loss {record['train/loss']:+.4f}",
+             f"ent {record['train/entropy']:.3f}",
+             f"gnorm {record['train/grad_norm']:.3f}",
+             f"{record['time/step_s']:.1f}s"]
+    return " | ".join(parts)
 
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,
@@ -399,9 +418,9 @@ class PendingStep:
     record: dict  # its metrics record so far (rollout, advantages, pi_old); rank 0's is the one logged
     groups: list  # its first group on this rank (samples.jsonl)
     update_rows: list  # the rows of each of its updates (tensors)
-    batch: dict  # the batch's tensors (common, section 4)
+    batch: dict  # the batch's tensors (common: the batch contract)
     next_update: int  # the first update not yet applied
-    sums: dict  # Sums.sums of its updates so far on this rank (summed over ranks when logged)
+    sums: dict  # Sums.values of its updates so far on this rank (summed over ranks when logged)
     algo: dict  # the algorithm's own sums over the step, the same on every rank (algo.step_state(): DARO's
     #             per-bin sums)
 
@@ -411,7 +430,7 @@ class PendingStep:
 
     def resume(self, sums, algo) -> tuple:
         """Put the step's sums back (the loop's Sums, the algorithm's own); returns where the loop goes on."""
-        sums.sums = self.sums
+        sums.values = self.sums
         algo.load_step_state(self.algo)
         return self.record, self.groups, self.update_rows, self.batch, self.next_update
 
@@ -505,7 +524,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
-    rank, world = (dist.get_rank(), dist.get_world_size()) if is_dist() else (0, 1)
+    rank = dist.get_rank() if is_dist() else 0
+    world = dist.get_world_size() if is_dist() else 1
     path = os.path.join(out_dir, f"step_{pending.step if pending else step:06d}")  # unfinished: its own step
     tmp = path + ".tmp"
     if rank == 0:

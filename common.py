@@ -4,10 +4,10 @@ DA3PO or DARO points at. Around it, in files to look up when needed: ranks.py (p
 signals), modeling.py (loading, log-probs of any model, sharding, start-up probes), dataset.py (problems,
 prompts, eval sets), bookkeeping.py (flags, records, checkpoints), engine.py (rollout engines), verifier.py.
 
-   1. the shared knobs, the baselines' presets        5. pi and pi_old: log-probs of the batch's completions
-   2. the step's record and its metrics               6. the token losses and the guarded update
-   3. rollout: groups, rewards, dynamic sampling      7. evaluation (avg@k, pass@k, maj@k)
-   4. the update plan and the batch (its contract)
+   1. the shared knobs                        5. the update plan and the batch (its contract)
+   2. the presets and the algorithm's hooks   6. pi and pi_old: log-probs of the completions
+   3. the step's record and its metrics       7. the token losses and the guarded update
+   4. rollout, rewards, dynamic sampling      8. evaluation (avg@k, pass@k, maj@k)
 
 Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens
 (left padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 import crosscheck
 from dataset import PromptStream, parse_eval_data
-from modeling import (OUTSIDE_NUCLEUS, adapter_disabled, autocast, forward_tokens, full_tensor, reshard,
-                      token_logprobs)
-from ranks import DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0, stop_requested
+from modeling import (OUTSIDE_NUCLEUS, adapter_disabled, autocast, forward_tokens, full_tensor,
+                      reshard, token_logprobs)
+from ranks import (DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0,
+                   stop_requested)
 from verifier import extract_answer, majority_vote, verify_batch
 
 
@@ -34,128 +35,186 @@ from verifier import extract_answer, majority_vote, verify_batch
 @dataclass
 class TrainConfig:
     # run
-    algo: str = ""  # preset (the script's PRESETS); explicit flags override the preset
-    demo: str = "arith"  # the shipped demo: reasoning (the command line's default: a trace before the
-    #   answer, wrong answers run long; sets --model, --train_data, --eval_data and 4 more flags:
-    #   bookkeeping.DEMOS) | arith (sums, answer only: these defaults, which Config() in code runs);
-    #   a --model of your own gets none unless given, and must set the flags the demos size
-    #   (bookkeeping.DEMO_SIZED: the run stops naming them)
-    model: str = "demo"  # local Hugging Face folder, hub id, or 'demo' (the tiny shipped model,
-    #   see demo/build.py)
-    train_data: str = "arith"  # 'arith' (built-in sums) or a .jsonl/.json/.parquet file
-    #   of problem/answer rows
-    eval_data: str = "arith"  # same choices, comma-separated for several sets, each with its own k as set@k
-    #   (aime24.jsonl@32,math500.jsonl@8; a set without @k gets --eval_samples); 'arith': 200 held-out sums
-    out_dir: str = ""  # config.json, metrics.jsonl, samples.jsonl, checkpoints
-    seed: int = 0  # init seed (same on every rank); sampling uses seed + rank
-    steps: int = 60  # RL steps (one rollout batch each)
-    device: str = ""  # '' = cuda if available, else cpu
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (trained weights and optimizer state stay
-    #   float32; LoRA's frozen base is kept in this dtype)
-    grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
-    attn_implementation: str = ""  # the trainer's attention, transformers' name ('' = the model's own:
-    #   sdpa where it has it); --pack on a GPU needs flash_attention_2 or flex_attention (docs/gpu.md)
-    cpu_offload: bool = False  # FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU
+    algo: str = ""
+    """preset (the script's PRESETS); explicit flags override the preset"""
+    demo: str = "arith"
+    """the shipped demo whose flags apply: reasoning (the default; see below) | arith (the values
+    shown)"""
+    model: str = "demo"
+    """local Hugging Face folder, hub id, or 'demo' (the tiny shipped model)"""
+    train_data: str = "arith"
+    """'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows"""
+    eval_data: str = "arith"
+    """as --train_data ('arith': 200 held-out sums); several sets comma-separated, each with
+    its own k as set@k (aime24.jsonl@32,math500.jsonl@8; no @k: --eval_samples)"""
+    out_dir: str = ""
+    """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
+    seed: int = 0
+    """init seed (same on every rank); sampling uses seed + rank"""
+    steps: int = 60
+    """RL steps (one rollout batch each)"""
+    device: str = ""
+    """'' = cuda if available, else cpu"""
+    dtype: str = "float32"
+    """compute dtype: float32 | bfloat16 (trained weights and optimizer state stay float32)"""
+    grad_checkpointing: bool = False
+    """recompute activations in backward (less memory, ~30% more compute)"""
+    attn_implementation: str = ""
+    """the trainer's attention, by transformers' name ('' = the model's own); docs/gpu.md"""
+    cpu_offload: bool = False
+    """FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU"""
     # LoRA (peft, requirements-lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)
-    lora_rank: int = 0  # r: rank of the adapters; 0 = off (every weight trained)
-    lora_alpha: float = 32.0  # alpha: the adapters' output is scaled by alpha / r
-    lora_target_modules: str = ""  # linear layers to adapt, comma-separated names (q_proj,v_proj);
-    #   '' = every linear layer of the blocks
-    lora_dropout: float = 0.0  # dropout on the adapters' input while training
-    lora_sync: str = "auto"  # what vLLM receives after each update: adapter | merged (the merged weights) |
-    #   auto (the adapter where vLLM can serve it)
+    lora_rank: int = 0
+    """r: rank of the adapters; 0 = off (every weight trained)"""
+    lora_alpha: float = 32.0
+    """alpha: the adapters' output is scaled by alpha / r"""
+    lora_target_modules: str = ""
+    """linear layers to adapt, comma-separated (q_proj,v_proj); '' = all in the blocks"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input while training"""
+    lora_sync: str = "auto"
+    """what vLLM receives after each update: adapter | merged | auto (the adapter if it can)"""
     # rollout
-    prompts_per_step: int = 32  # groups trained on per step, across all ranks (train batch size in DAPO)
-    group_size: int = 8  # G (K in DARO): completions per prompt
-    dynamic_sampling: bool = True  # DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts
-    oversample: float = 1.5  # prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step
-    max_gen_batches: int = 4  # cap on generation batches per step;
-    #   at the cap, warn and train on what was kept
-    max_new_tokens: int = 12  # L_max: hard limit on completion length
-    max_prompt_length: int = 1024  # prompts longer than this (tokens, template included) are dropped at load
-    temperature: float = 1.0  # rollout sampling temperature
-    top_p: float = 1.0  # rollout nucleus sampling
-    rollout_batch_size: int = 512  # sequences per forward of our sampler (memory knob)
-    rollout: str = "hf"  # rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)
-    vllm_gpu_memory: float = 0.0  # vLLM's share of GPU memory; 0 = the most the trainer leaves
-    #   (bench/memory.py)
-    max_model_len: int = 0  # longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens
-    vllm_cpu_kv_gb: float = 0.5  # vLLM on CPU: KV cache size in GiB
-    rollout_is: str = "none"  # correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)
-    rollout_is_cap: float = 2.0  # C: the weight pi_old / pi_rollout is truncated at C
-    rollout_is_mask: bool = False  # reject tokens (sequences) whose weight is outside [1/C, C] instead
-    prompt_template: str = "auto"  # chat | plain | dapo | none | auto (none for the demo, else chat if any)
-    answer_format: str = "auto"  # where the verifier looks: boxed | answer_line | auto
-    verifier_crosscheck: bool = False  # Math-Verify also judges the eval completions; log where it disagrees
-    #   with our verifier (crosscheck/*, out_dir/crosscheck.jsonl; requirements-crosscheck.txt)
-    crosscheck_train: int = 0  # with --verifier_crosscheck: completions of each training step it also judges
-    #   (all ranks together); 0 = evaluation only
-    prompt_key: str = ""  # data field holding the problem
-    #   ('' = try problem, question, prompt; dots for nested)
-    answer_key: str = ""  # data field holding the answer
-    #   ('' = try answer, final_answer, reward_model.ground_truth)
+    prompts_per_step: int = 32
+    """groups trained on per step, across all ranks (train batch size in DAPO)"""
+    group_size: int = 8
+    """G (K in DARO): completions per prompt"""
+    dynamic_sampling: bool = True
+    """DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts"""
+    oversample: float = 1.5
+    """prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step"""
+    max_gen_batches: int = 4
+    """cap on generation batches per step; at the cap, warn and train on what was kept"""
+    max_new_tokens: int = 12
+    """L_max: hard limit on completion length"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (tokens, template included) are dropped at load"""
+    temperature: float = 1.0
+    """rollout sampling temperature"""
+    top_p: float = 1.0
+    """rollout nucleus sampling"""
+    rollout_batch_size: int = 512
+    """sequences per forward of our sampler (memory knob)"""
+    rollout: str = "hf"
+    """rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)"""
+    vllm_gpu_memory: float = 0.0
+    """vLLM's share of GPU memory; 0 = the most the trainer leaves (bench/memory.py)"""
+    max_model_len: int = 0
+    """longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens"""
+    vllm_cpu_kv_gb: float = 0.5
+    """vLLM on CPU: KV cache size in GiB"""
+    rollout_is: str = "none"
+    """correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)"""
+    rollout_is_cap: float = 2.0
+    """C: the weight pi_old / pi_rollout is truncated at C"""
+    rollout_is_mask: bool = False
+    """reject tokens (sequences) whose weight is outside [1/C, C] instead"""
+    prompt_template: str = "auto"
+    """chat | plain | dapo | none | auto (none for the demo, else chat if any)"""
+    answer_format: str = "auto"
+    """where the verifier looks: boxed | answer_line | auto"""
+    verifier_crosscheck: bool = False
+    """Math-Verify also judges the eval completions; log where it disagrees with ours
+    (crosscheck/*, crosscheck.jsonl)"""
+    crosscheck_train: int = 0
+    """with --verifier_crosscheck: completions per training step it also judges; 0 = none"""
+    prompt_key: str = ""
+    """data field holding the problem ('' = try problem, question, prompt; dots for nested)"""
+    answer_key: str = ""
+    """data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)"""
     # reward (DAPO)
-    overlong_buffer: int = 4  # L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max;
-    #   0 = off
-    overlong_penalty: float = 1.0  # penalty factor of the overlong shaping
+    overlong_buffer: int = 4
+    """L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off"""
+    overlong_penalty: float = 1.0
+    """penalty factor of the overlong shaping"""
     # advantages and loss
-    std_norm: bool = True  # GRPO z-score advantage; off = Dr. GRPO (mean-centred only)
-    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm
-    seq_ratio: bool = False  # GSPO: length-normalised sequence-level importance ratio
-    clip_low: float = 0.2  # epsilon_low: ratio clipped below at 1 - clip_low
-    clip_high: float = 0.28  # epsilon_high: ratio clipped above at 1 + clip_high (clip-higher)
-    clip_ratio_c: float = 0.0  # dual clip for negative advantages (verl uses 3.0); 0 = off
-    kl_coef: float = 0.0  # beta: k3 KL penalty to the initial model; 0 = none, as in DAPO
+    std_norm: bool = True
+    """GRPO z-score advantage; off = Dr. GRPO (mean-centred only)"""
+    loss_agg: str = "token-mean"
+    """token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm"""
+    seq_ratio: bool = False
+    """GSPO: length-normalised sequence-level importance ratio"""
+    clip_low: float = 0.2
+    """epsilon_low: ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.28
+    """epsilon_high: ratio clipped above at 1 + clip_high (clip-higher)"""
+    clip_ratio_c: float = 0.0
+    """dual clip for negative advantages (verl uses 3.0); 0 = off"""
+    kl_coef: float = 0.0
+    """beta: k3 KL penalty to the initial model; 0 = none, as in DAPO"""
     # optimisation
-    lr: float = 1e-4  # AdamW learning rate (the papers: 1e-6)
-    weight_decay: float = 0.1  # AdamW weight decay (DAPO recipe)
-    warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps
-    #   (not optimizer updates), as verl
-    grad_clip: float = 1.0  # max global gradient norm
-    updates_per_step: int = 2  # optimizer updates (mini-batches) per RL step;
-    #   the step's groups are split evenly
-    micro_batch_size: int = 64  # sequences per forward/backward on one rank (memory knob; not the math)
-    micro_batch_tokens: int = 0  # > 0: micro-batches packed by length up to this many tokens, ranks balanced
-    logprob_chunk: int = 1024  # positions x rows whose logits exist at once (recomputed in backward); 0 = all
-    pack: bool = True  # a micro-batch's rows without padding, as transformers packs, where that runs
-    #   fewer positions than a group's prompt once (modeling._packs); --no-pack = rows padded
-    #   (bench/results/pack.md)
+    lr: float = 1e-4
+    """AdamW learning rate (the papers: 1e-6)"""
+    weight_decay: float = 0.1
+    """AdamW weight decay (DAPO recipe)"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl"""
+    grad_clip: float = 1.0
+    """max global gradient norm"""
+    updates_per_step: int = 2
+    """optimizer updates (mini-batches) per RL step; the step's groups are split evenly"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward on one rank (memory knob; not the math)"""
+    micro_batch_tokens: int = 0
+    """> 0: micro-batches packed by length up to this many tokens, ranks balanced"""
+    logprob_chunk: int = 1024
+    """positions x rows whose logits exist at once (recomputed in backward); 0 = all"""
+    pack: bool = True
+    """pack a micro-batch's rows without padding, as transformers does, where that runs fewer
+    positions; --no-pack: rows padded"""
     # evaluation, logging, checkpoints
-    eval_every: int = 10  # evaluate every N steps (also at step 0 and at the end); 0 = only at start and end
-    eval_samples: int = 4  # k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k
-    eval_size: int = 0  # eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all
-    eval_temperature: float = 1.0  # eval sampling temperature
-    eval_top_p: float = 1.0  # eval nucleus sampling (DAPO reports top_p 0.7)
-    eval_batch_size: int = 128  # eval problems per generate call
-    sample_every: int = 10  # write a few completions to samples.jsonl every N steps
-    save_every: int = 0  # checkpoint every N steps (and at the end, and on a stop request);
-    #   0 = only at the end
-    keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
-    resume: bool = False  # continue from the latest checkpoint in out_dir
-    max_bad_updates: int = 3  # stop the run after this many non-finite losses/gradients in a row
-    #   (each is skipped)
-    eval_only: bool = False  # evaluate --model on --eval_data and exit
-    report_to: str = "none"  # also log to: none | tensorboard | wandb (requirements-tracking.txt)
-    wandb_project: str = ""  # wandb project of --report_to wandb
+    eval_every: int = 10
+    """evaluate every N steps (also at step 0 and at the end); 0 = only at start and end"""
+    eval_samples: int = 4
+    """k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k"""
+    eval_size: int = 0
+    """eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all"""
+    eval_temperature: float = 1.0
+    """eval sampling temperature"""
+    eval_top_p: float = 1.0
+    """eval nucleus sampling (DAPO reports top_p 0.7)"""
+    eval_batch_size: int = 128
+    """eval problems per generate call"""
+    sample_every: int = 10
+    """write a few completions to samples.jsonl every N steps"""
+    save_every: int = 0
+    """checkpoint every N steps (and at the end, and on a stop request); 0 = only at the end"""
+    keep_last: int = 2
+    """checkpoints kept on disk (older ones are deleted)"""
+    resume: bool = False
+    """continue from the latest checkpoint in out_dir"""
+    max_bad_updates: int = 3
+    """stop the run after this many non-finite losses/gradients in a row (each is skipped)"""
+    eval_only: bool = False
+    """evaluate --model on --eval_data and exit"""
+    report_to: str = "none"
+    """also log to: none | tensorboard | wandb (requirements-tracking.txt)"""
+    wandb_project: str = ""
+    """wandb project of --report_to wandb"""
 
+
+# ------------------------------------------------------------------------------------------------------------
+# 2. The --algo presets, and the hooks the loop calls on a script's algorithm (Algorithm).
 
 # The baselines both papers compare against, each its paper's recipe for every knob that defines the
 # algorithm; the flags give the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on).
+# DAPO's 4 techniques (overlong shaping: the default buffer)
 _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
-         "clip_low": 0.2, "clip_high": 0.28}  # DAPO's 4 techniques (overlong shaping: the default buffer)
+         "clip_low": 0.2, "clip_high": 0.28}
+# the baselines below turn DAPO's dynamic sampling, clip-higher and overlong shaping off
+_OFF = {"dynamic_sampling": False, "clip_high": 0.2, "overlong_buffer": 0}
 
 BASELINES = {
     "dapo": _DAPO,
-    # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else; verl's GRPO
-    # examples add a k3 KL loss to the initial model (--kl_coef 0.001 runs that), DeepSeekMath's beta was 0.04
-    "grpo": {**_DAPO, "dynamic_sampling": False, "loss_agg": "seq-mean-token-mean", "clip_high": 0.2,
-             "overlong_buffer": 0},
+    # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else;
+    # verl's GRPO examples add a k3 KL loss to the initial model (--kl_coef 0.001 runs that),
+    # DeepSeekMath's beta was 0.04
+    "grpo": {**_DAPO, **_OFF, "loss_agg": "seq-mean-token-mean"},
     # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
-    "dr_grpo": {**_DAPO, "dynamic_sampling": False, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm",
-                "clip_high": 0.2, "overlong_buffer": 0},
-    # GSPO: the sequence ratio, its tiny clip range, and the rollout batch split into 4 mini-batches
-    "gspo": {**_DAPO, "dynamic_sampling": False, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
-             "clip_low": 3e-4, "clip_high": 4e-4, "overlong_buffer": 0, "updates_per_step": 4},
+    "dr_grpo": {**_DAPO, **_OFF, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm"},
+    # GSPO: the sequence ratio, its tiny clip range, the rollout batch split into 4 mini-batches
+    "gspo": {**_DAPO, **_OFF, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
+             "clip_low": 3e-4, "clip_high": 4e-4, "updates_per_step": 4},
 }
 
 def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
@@ -163,22 +222,84 @@ def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
     return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
 
 
+class Algorithm:
+    """The paper's part of the step: main() calls these hooks, in this order. Each default is the
+    baselines' way (GRPO's advantages, --loss_agg's token weights) or does nothing.
+
+      algo = DAA(cfg, device, state)        # once; state: a checkpoint's state_dict(), else {}
+      algo.after_rollout(generated)         # each step: every generated group's summary
+      algo.advantages(batch, groups, record)    # (B,); may add batch entries and record keys
+      algo.token_weights(batch, rows)       # before each update: its tokens' shares (rows, T)
+      algo.loss(token_loss, mb)             # each micro-batch: token losses (B, T) -> a scalar
+      algo.after_update()                   # after each applied optimizer step
+      algo.metrics(record); algo.line(record)   # each step: its keys; its part of the line
+      algo.state_dict()                     # each checkpoint
+      algo.step_state(); algo.load_step_state(state)   # a stop between two updates; its resume
+
+    Every rank calls each hook at the same point, so a hook may all-reduce (torchrun's lockstep).
+    """
+
+    def __init__(self, cfg, device: torch.device, state: dict):
+        self.cfg = cfg
+        self.device = device
+
+    def after_rollout(self, generated: list[dict]):
+        """Sees every group generated this step, kept or not (summaries, all ranks')."""
+
+    def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
+        """The advantages (B,) of this rank's batch, made of `groups`. May add or change entries of
+        `batch` (its contract) and add keys to `record`. Default: GRPO's (--no-std_norm: Dr. GRPO's)."""
+        G = self.cfg.group_size
+        return group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
+
+    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Each token's share (len(rows), T) of the update of `rows`. Default: --loss_agg's."""
+        return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
+
+    def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
+        """A micro-batch's loss from its token losses (B, T). Default: their weighted sum."""
+        return (token_loss * mb["weight"]).sum()
+
+    def after_update(self):
+        """Runs after each applied optimizer step (a skipped, non-finite update calls nothing)."""
+
+    def metrics(self, record: dict) -> dict:
+        """The algorithm's keys of the step's record, given the record so far."""
+        return {}
+
+    def line(self, record: dict) -> str:
+        """The algorithm's part of the step's printed line."""
+        return ""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (tensors and plain types): the `state` __init__ gets back."""
+        return {}
+
+    def step_state(self) -> dict:
+        """The algorithm's sums over the step so far, kept by a stop between two updates."""
+        return {}
+
+    def load_step_state(self, state: dict):
+        """Put back what step_state() returned, on resuming the stopped step."""
+
+
 # ------------------------------------------------------------------------------------------------------------
-# 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
+# 3. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
 #    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.
 class Sums:
     """Named sums on this rank; reduce() sums each over all ranks (all ranks hold the same fixed names)."""
 
     def __init__(self, *names: str):
-        self.sums = dict.fromkeys(names, 0.0)
+        self.values = dict.fromkeys(names, 0.0)  # name -> this rank's sum
 
-    def add(self, **values: float):
-        for name, value in values.items():
-            self.sums[name] += float(value)
+    def add(self, **amounts: float):
+        for name, amount in amounts.items():
+            self.values[name] += float(amount)
 
     def reduce(self) -> dict:
-        totals = all_reduce_sum(torch.tensor(list(self.sums.values())))  # float32, like every logged sum
-        return dict(zip(self.sums, totals.tolist()))
+        mine = torch.tensor(list(self.values.values()))  # float32, like every logged sum
+        totals = all_reduce_sum(mine)
+        return dict(zip(self.values, totals.tolist()))
 
 
 TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff",
@@ -189,7 +310,8 @@ class StepTimer:
     """`with timer("rollout"): ...` times a phase; metrics(): time/<phase>_s, time/step_s (step so far)."""
 
     def __init__(self):
-        self.start, self.seconds = time.time(), {}
+        self.start = time.time()
+        self.seconds = {}  # phase -> seconds so far
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -203,33 +325,41 @@ class StepTimer:
 
 
 def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> dict:
-    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected ones
-    left out) or per applied update; `mismatch` (engine log-probs are not pi_old): the rollout/* gap too."""
-    tokens, applied = max(totals["tokens"], 1.0), max(num_updates - totals["skipped"], 1.0)
-    record = {"train/loss": totals["loss"] / applied, "train/entropy": totals["entropy"] / tokens,
-              "train/clipfrac_low": totals["clip_low"] / tokens,
-              "train/clipfrac_high": totals["clip_high"] / tokens,
-              "train/grad_norm": totals["grad_norm"] / applied, "train/skipped_updates": totals["skipped"],
-              "train/num_updates": num_updates, "train/lr": lr,
-              "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0)}
-    if mismatch:  # engine vs trainer on the trained tokens both could draw (mismatch_sums): mean |log r|,
-        compared = max(totals["compared"], 1.0)  # KL(rollout || old); and the share outside pi_old's nucleus
-        measured = max(totals["compared"] + totals["boundary"], 1.0)  # (rejected ones too: mismatch_sums)
-        record.update({"rollout/logprob_diff": totals["logprob_diff"] / compared,
-                       "rollout/kl_k1": totals["kl_k1"] / compared,
-                       "rollout/kl_k3": totals["kl_k3"] / compared,
-                       "rollout/nucleus_boundary_frac": totals["boundary"] / measured})
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected
+    ones left out) or per applied update; `mismatch` (the engine's log-probs are not pi_old): the
+    rollout/* gap too (mismatch_sums)."""
+    tokens = max(totals["tokens"], 1.0)
+    applied = max(num_updates - totals["skipped"], 1.0)
+    record = {
+        "train/loss": totals["loss"] / applied,
+        "train/entropy": totals["entropy"] / tokens,
+        "train/clipfrac_low": totals["clip_low"] / tokens,
+        "train/clipfrac_high": totals["clip_high"] / tokens,
+        "train/grad_norm": totals["grad_norm"] / applied,
+        "train/skipped_updates": totals["skipped"],
+        "train/num_updates": num_updates,
+        "train/lr": lr,
+        "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0),
+    }
+    if mismatch:
+        compared = max(totals["compared"], 1.0)  # the tokens both could draw
+        measured = max(totals["compared"] + totals["boundary"], 1.0)  # with those outside pi_old's nucleus
+        record["rollout/logprob_diff"] = totals["logprob_diff"] / compared  # mean |log r|
+        record["rollout/kl_k1"] = totals["kl_k1"] / compared  # KL(rollout || old)
+        record["rollout/kl_k3"] = totals["kl_k3"] / compared
+        record["rollout/nucleus_boundary_frac"] = totals["boundary"] / measured
     return record
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
+# 4. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
 #    (DAPO's shaped reward); dynamic sampling keeps the groups of mixed correctness, refilling up to a cap.
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
                           min_width: int = 1):
     """Left-pad prompts to P and right-pad completions to T >= min_width: input_ids and attention_mask
     (B, P+T), the completion mask (B, T) (1 = a real completion token, the final eos included)."""
-    P, T = max(map(len, prompts)), max(min_width, max(map(len, completions)))
+    P = max(map(len, prompts))
+    T = max(min_width, max(map(len, completions)))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p + c + [pad_id] * (T - len(c))
                         for p, c in zip(prompts, completions)], dtype=torch.long)  # (B, P+T)
     attn = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
@@ -258,16 +388,24 @@ def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: flo
         prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
     texts = tok.batch_decode(completions, skip_special_tokens=True)
     t0 = time.perf_counter()
-    correct, info = verify_batch(texts, [p["answer"] for p in problems for _ in range(G)], cfg.answer_format)
+    answers = [p["answer"] for p in problems for _ in range(G)]
+    correct, info = verify_batch(texts, answers, cfg.answer_format)
     info["seconds"] = time.perf_counter() - t0
     groups = []
     for i, p in enumerate(problems):
         s = slice(i * G, (i + 1) * G)
-        rewards = [shaped_reward(c, len(ids), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        rewards = [shaped_reward(c, len(ids), cfg.max_new_tokens, cfg.overlong_buffer,
+                                 cfg.overlong_penalty)
                    for c, ids in zip(correct[s], completions[s])]
-        groups.append({"prompt": p["prompt"], "answer": p["answer"], "level": p.get("level", 0),
-                       "prompt_ids": prompt_ids[i], "completions": completions[s], "texts": texts[s],
-                       "truncated": truncated[s], "correct": correct[s], "reward": rewards,
+        groups.append({"prompt": p["prompt"],
+                       "answer": p["answer"],
+                       "level": p.get("level", 0),
+                       "prompt_ids": prompt_ids[i],
+                       "completions": completions[s],
+                       "texts": texts[s],
+                       "truncated": truncated[s],
+                       "correct": correct[s],
+                       "reward": rewards,
                        "rollout_logp": None if logps is None else logps[s]})
     return groups, info
 
@@ -280,66 +418,87 @@ def _mixed(group: dict) -> bool:
 def _summary(group: dict, rank: int, index: int) -> dict:
     """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs),
     and where it lives: (the rank that generated it, its index there)."""
-    return {"origin": (rank, index), "prompt": group["prompt"], "answer": group["answer"],
-            "correct": group["correct"], "reward": group["reward"], "truncated": group["truncated"],
-            "lengths": [len(c) for c in group["completions"]], "prompt_len": len(group["prompt_ids"])}
+    return {"origin": (rank, index),
+            "prompt": group["prompt"],
+            "answer": group["answer"],
+            "correct": group["correct"],
+            "reward": group["reward"],
+            "truncated": group["truncated"],
+            "lengths": [len(c) for c in group["completions"]],
+            "prompt_len": len(group["prompt_ids"])}
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until prompts_per_step groups
-    of mixed correctness are kept across ranks; then exactly that many, or at the cap what was kept, cut to a
-    multiple of the world size (possibly none, never an error). --no-dynamic_sampling: one batch, all kept.
-    Groups stay where made; every rank gets all _summary()s, a kept one of this rank's holding the group under
-    "group". Returns (kept summaries, all summaries, rollout metrics); None if stopped between batches."""
-    rank, world = dist_info.rank, dist_info.world_size
+    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until prompts_per_step
+    groups of mixed correctness are kept across ranks; then exactly that many, or at the cap what was
+    kept, cut to a multiple of the world size (possibly none, never an error). --no-dynamic_sampling:
+    one batch, all kept. Groups stay where made; every rank gets every _summary(), and a kept one of
+    this rank's holds its group under "group". Returns (kept summaries, all summaries, rollout
+    metrics), or None if a stop came between two batches."""
+    rank = dist_info.rank
+    world = dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
-    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts per batch
+    batch_groups = math.ceil(cfg.prompts_per_step * oversample / world) * world  # prompts a batch
     max_batches = cfg.max_gen_batches if cfg.dynamic_sampling else 1
-    local, kept, generated, n_batches, verify_s = [], [], [], 0, 0.0
+    my_groups = []  # the groups this rank generated, whole
+    generated = []  # every group's summary, all ranks
+    kept_summaries = []
+    num_batches = 0
+    verify_s = 0.0
     troubles = torch.zeros(2)  # the verifier's timeouts and refused answers on this rank
-    while len(kept) < cfg.prompts_per_step and n_batches < max_batches:
-        if n_batches and stop_requested():
+    while len(kept_summaries) < cfg.prompts_per_step and num_batches < max_batches:
+        if num_batches and stop_requested():
             return None
-        mine, info = roll_groups(engine, tok, stream.next(batch_groups)[rank::world], cfg, cfg.group_size,
-                                 cfg.temperature, cfg.top_p)
-        summaries = all_gather_list([_summary(g, rank, len(local) + i) for i, g in enumerate(mine)])
-        local += mine
+        prompts = stream.next(batch_groups)[rank::world]
+        mine, info = roll_groups(engine, tok, prompts, cfg, cfg.group_size, cfg.temperature, cfg.top_p)
+        mine_summaries = [_summary(g, rank, len(my_groups) + i) for i, g in enumerate(mine)]
+        summaries = all_gather_list(mine_summaries)
+        my_groups += mine
         troubles += torch.tensor([info["timeouts"], info["refused"]])
         verify_s += info["seconds"]
-        n_batches += 1
+        num_batches += 1
         generated += summaries
-        kept += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
-    if len(kept) < cfg.prompts_per_step:
-        usable = len(kept) - len(kept) % world  # an equal share per rank keeps FSDP's collectives in lockstep
-        print0(f"warning: dynamic sampling kept {len(kept)}/{cfg.prompts_per_step} groups after {n_batches} "
-               f"generation batches (--max_gen_batches); training on "
-               + (f"all {usable}" if usable == len(kept) else f"{usable} (a multiple of the {world} ranks)"))
-    kept = kept[:min(cfg.prompts_per_step, len(kept) - len(kept) % world)]
-    for g in kept:
+        kept_summaries += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
+    num_kept = len(kept_summaries)
+    usable = num_kept - num_kept % world  # an equal share per rank: FSDP's collectives in lockstep
+    if num_kept < cfg.prompts_per_step:
+        trained = f"all {usable}"
+        if usable < num_kept:
+            trained = f"{usable} (a multiple of the {world} ranks)"
+        print0(f"warning: dynamic sampling kept {num_kept}/{cfg.prompts_per_step} groups after "
+               f"{num_batches} generation batches (--max_gen_batches); training on {trained}")
+    kept_summaries = kept_summaries[:min(cfg.prompts_per_step, usable)]
+    for g in kept_summaries:
         if g["origin"][0] == rank:
-            g["group"] = local[g["origin"][1]]
+            g["group"] = my_groups[g["origin"][1]]
     rewards = [r for g in generated for r in g["reward"]]
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
     lengths = [n for g in generated for n in g["lengths"]]
     timeouts, refused = all_reduce_sum(troubles).tolist()
-    stats = {"train/reward": sum(rewards) / len(rewards), "train/acc": sum(correct) / len(correct),
-             "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
-             "train/num_gen_batches": n_batches, "train/num_groups": len(kept),
-             "train/num_completions": len(lengths), "train/response_len": sum(lengths) / len(lengths),
-             "train/truncated_frac": sum(truncated) / len(truncated),
-             "verify/timeouts": timeouts, "verify/refused": refused,
-             "time/verify_s": verify_s}  # this rank's; it is part of time/rollout_s
-    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of this step's completions, all ranks
+    stats = {
+        "train/reward": sum(rewards) / len(rewards),
+        "train/acc": sum(correct) / len(correct),
+        "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
+        "train/num_gen_batches": num_batches,
+        "train/num_groups": len(kept_summaries),
+        "train/num_completions": len(lengths),
+        "train/response_len": sum(lengths) / len(lengths),
+        "train/truncated_frac": sum(truncated) / len(truncated),
+        "verify/timeouts": timeouts,
+        "verify/refused": refused,
+        "time/verify_s": verify_s,  # this rank's; it is part of time/rollout_s
+    }
+    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of the step's completions
         t0 = time.perf_counter()
         per_rank = math.ceil(cfg.crosscheck_train / world)
-        stats.update(crosscheck.check_groups(local, cfg, "train", per_rank, rank))
+        stats.update(crosscheck.check_groups(my_groups, cfg, "train", per_rank, rank))
         stats["time/crosscheck_s"] = time.perf_counter() - t0
-    return kept, generated, stats
+    return kept_summaries, generated, stats
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
+# 5. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
 #    one dict the update reads; advantages; micro-batches. Its contract (B = this rank's groups x G):
 #    input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
 #    mask                       (B, T)    make_batch          1 = a token the loss counts; zeroed where
@@ -358,69 +517,96 @@ def group_tokens(group: dict) -> int:
     return sum(group["prompt_len"] + n for n in group["lengths"])
 
 
-def plan_updates(kept: list[dict], num_updates: int, dist_info: DistInfo, balance: bool = False):
-    """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank). The kept
-    groups (the same on every rank, a multiple of the world size) make min(num_updates, groups / world)
-    contiguous updates, their sizes multiples of the world size that differ by at most one group per rank:
-    every group is trained once, no update is empty, also at the sampling cap. In an update each rank gets as
-    many groups: every world-th, or with `balance` the heaviest first, each to the rank with the fewest tokens
-    so far. Returns (this rank's groups in update order, each update's rows in make_batch of them).
+def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
+                 balance: bool = False):
+    """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank).
+    `summaries`: the kept groups' (the same on every rank, a multiple of the world size). They make
+    min(num_updates, groups / world) contiguous updates, their sizes multiples of the world size that
+    differ by at most one group per rank: every group is trained once, no update is empty, also at the
+    sampling cap. In an update each rank gets as many groups: every world-th, or with `balance`
+    (_balanced_shares) as many tokens as can be. Returns (this rank's groups in update order, each
+    update's rows in make_batch of them).
     Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
-    world, rank, G = dist_info.world_size, dist_info.rank, len(kept[0]["correct"])
-    blocks = len(kept) // world  # groups per rank
+    world = dist_info.world_size
+    rank = dist_info.rank
+    G = len(summaries[0]["correct"])
+    blocks = len(summaries) // world  # groups per rank
     n = min(num_updates, blocks)
-    plan, start = [[] for _ in range(world)], 0  # plan[r]: the kept indices rank r trains, in update order
-    sizes = []
+    plan = [[] for _ in range(world)]  # plan[r]: the indices rank r trains, in update order
+    sizes = []  # groups per rank in each update
+    start = 0
     for i in range(n):
         size = (blocks // n + (i < blocks % n)) * world
-        part, start = list(range(start, start + size)), start + size
+        part = list(range(start, start + size))
+        start += size
+        shares = [part[r::world] for r in range(world)]
         if balance and world > 1:
-            shares, load = [[] for _ in range(world)], [0] * world  # sorted() is stable: same on all ranks
-            for j in sorted(part, key=lambda j: group_tokens(kept[j]), reverse=True):
-                r = min((r for r in range(world) if len(shares[r]) < size // world), key=lambda r: load[r])
-                shares[r].append(j)
-                load[r] += group_tokens(kept[j])
-        else:
-            shares = [part[r::world] for r in range(world)]
+            shares = _balanced_shares(part, summaries, world)
         for r in range(world):
             plan[r] += shares[r]
         sizes.append(size // world)
-    mine = [kept[j].get("group", kept[j]) for j in plan[rank]]  # (a test may plan whole groups, for any rank)
+    # a kept summary of this rank's holds its group (a test may plan whole groups, for any rank)
+    mine = [summaries[j].get("group", summaries[j]) for j in plan[rank]]
     if is_dist():  # from each rank in turn, the groups it generated to the ranks that train them
         for src in range(world):
+            made_by_src = [summaries[j]["origin"][0] == src for j in range(len(summaries))]
             send = None  # what src sends each rank: the groups src generated that the rank trains
             if rank == src:
-                send = [[kept[j]["group"] for j in plan[r] if kept[j]["origin"][0] == src]
+                send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]]
                         for r in range(world)]
             got = [None]
             dist.scatter_object_list(got, send, src=src)
             arrived = iter(got[0])
-            mine = [next(arrived) if kept[j]["origin"][0] == src else g for j, g in zip(plan[rank], mine)]
+            mine = [next(arrived) if made_by_src[j] else g for j, g in zip(plan[rank], mine)]
     bounds = [0] + [sum(sizes[:i + 1]) * G for i in range(len(sizes))]
     return mine, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def make_batch(groups: list[dict], pad_id: int, device: torch.device = torch.device("cpu")) -> dict:
+def _balanced_shares(part: list[int], summaries: list[dict], world: int) -> list[list[int]]:
+    """The groups `part` (indices into `summaries`) dealt to `world` ranks, as many each: the heaviest
+    first, each to the rank with the fewest tokens so far (sorted() is stable: every rank deals alike)."""
+    shares = [[] for _ in range(world)]
+    load = [0] * world  # tokens dealt to each rank
+    per_rank = len(part) // world
+    for j in sorted(part, key=lambda j: group_tokens(summaries[j]), reverse=True):
+        open_ranks = [r for r in range(world) if len(shares[r]) < per_rank]
+        r = min(open_ranks, key=lambda r: load[r])
+        shares[r].append(j)
+        load[r] += group_tokens(summaries[j])
+    return shares
+
+
+def make_batch(groups: list[dict], pad_id: int,
+               device: torch.device = torch.device("cpu")) -> dict:
     """Flatten groups into the batch contract's padded tensors on `device` (T >= 2: _predicting_outputs)."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
     ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)
-    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask,
-             "reward": torch.tensor([r for g in groups for r in g["reward"]]),
-             "correct": torch.tensor([c for g in groups for c in g["correct"]], dtype=torch.bool),
-             "group": torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]])}
-    if groups[0].get("rollout_logp") is not None:  # padded to T
-        batch["rollout_logp"] = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for g in groups
-                                              for lp in g["rollout_logp"]])
+    rewards = [r for g in groups for r in g["reward"]]
+    correct = [c for g in groups for c in g["correct"]]
+    group_of_row = [i for i, g in enumerate(groups) for _ in g["completions"]]
+    batch = {"input_ids": ids,
+             "attention_mask": attn,
+             "mask": mask,
+             "reward": torch.tensor(rewards),
+             "correct": torch.tensor(correct, dtype=torch.bool),
+             "group": torch.tensor(group_of_row)}
+    if groups[0].get("rollout_logp") is not None:
+        T = mask.shape[1]
+        padded = [lp + [0.0] * (T - len(lp)) for g in groups for lp in g["rollout_logp"]]
+        batch["rollout_logp"] = torch.tensor(padded)  # (B, T)
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, std_norm: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
     """GRPO's advantages from each group's rewards (N, G): (r - mean) / (std + eps), the unbiased std as in
     verl; Dr. GRPO: std_norm=False. Example: [1, -1, -1, 1] -> [0.866, -0.866, -0.866, 0.866]."""
     assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
     centered = rewards - rewards.mean(-1, keepdim=True)
-    return centered / (rewards.std(-1, keepdim=True) + eps) if std_norm else centered
+    if not std_norm:  # Dr. GRPO
+        return centered
+    return centered / (rewards.std(-1, keepdim=True) + eps)
 
 
 def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -430,7 +616,8 @@ def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
     return batch["attention_mask"][rows, P:].sum(-1)
 
 
-def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
+def _packed_rows(batch: dict, index: torch.Tensor, size: int,
+                 max_tokens: int) -> list[torch.Tensor]:
     """The rows `index` in micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
     length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt +
     longest completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its
@@ -441,20 +628,24 @@ def _packed_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -
     prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
     completion_len = completion_lengths(batch, index).tolist()
     order = sorted(range(len(index)), key=lambda i: -(prompt_len[i] + completion_len[i]))
-    chunks, width = [], (0, 0)  # width: the longest prompt and completion of the current chunk
+    chunks = []
+    width = (0, 0)  # the longest prompt and completion of the current chunk
     for i in order:
         wider = (max(width[0], prompt_len[i]), max(width[1], completion_len[i]))
-        if not chunks or (len(chunks[-1]) + 1) * sum(wider) > max_tokens or len(chunks[-1]) >= size:
+        too_wide = chunks and (len(chunks[-1]) + 1) * sum(wider) > max_tokens
+        if not chunks or too_wide or len(chunks[-1]) >= size:
             chunks.append([])
             wider = (prompt_len[i], completion_len[i])
         chunks[-1].append(i)
         width = wider
-    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())  # no rows (all ranks alike): 0
+    # the busiest rank's number of micro-batches (0: no rank has rows)
+    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())
     assert chunks or not count, ("a rank with no rows where another has some: "
                                  "plan_updates gives every rank as many")
     while len(chunks) < count:
         k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
-        chunks[k:k + 1] = [chunks[k][:len(chunks[k]) // 2], chunks[k][len(chunks[k]) // 2:]]
+        half = len(chunks[k]) // 2
+        chunks[k:k + 1] = [chunks[k][:half], chunks[k][half:]]
     return [index[torch.tensor(c, dtype=torch.long)] for c in chunks]
 
 
@@ -463,11 +654,13 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
     trimmed away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     for rows in _packed_rows(batch, index, size, max_tokens):
         mb = {k: v[rows] for k, v in batch.items()}
-        T = int(completion_lengths(batch, rows).max().clamp(min=2))  # longest, >= 2 (_predicting_outputs)
+        # the longest completion, >= 2 (_predicting_outputs)
+        T = int(completion_lengths(batch, rows).max().clamp(min=2))
         P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-        first = int((mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1).min())  # left pad all rows share
+        left_pads = (mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1)  # (B,)
+        shared_pad = int(left_pads.min())  # the left padding every row has
         for k in ("input_ids", "attention_mask"):
-            mb[k] = mb[k][:, first:P + T]
+            mb[k] = mb[k][:, shared_pad:P + T]
         for k, v in mb.items():
             if v.dim() == 2 and k not in ("input_ids", "attention_mask"):
                 mb[k] = v[:, :T]
@@ -475,14 +668,15 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 5. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt
+# 6. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt
 #    once, the output layer in chunks); pi_old once per step, before the first update, unless exact.
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
     """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T), the
     entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus), or None)."""
-    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], cfg.temperature,
-                          with_entropy, cfg.logprob_chunk, mb.get("group"),
-                          cfg.top_p if with_nucleus else 1.0, cfg.pack)
+    T = mb["mask"].shape[1]
+    top_p = cfg.top_p if with_nucleus else 1.0
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
+                          with_entropy, cfg.logprob_chunk, mb.get("group"), top_p, cfg.pack)
 
 
 @torch.no_grad()
@@ -508,7 +702,7 @@ def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
+# 7. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
 #    (loss_weights; DARO's per-bin means times w_mu), one micro-batch's forward, the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
     """Per-token weights (B, T): summed token losses give the chosen aggregation over the WHOLE update, the
@@ -516,7 +710,7 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
       token-mean               1 / (#completion tokens)            DAPO
       seq-mean-token-mean      1 / (#sequences * |o_i|)            GRPO, GSPO
       seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)   Dr. GRPO (a constant, not batch lengths)"""
-    mask = mask if mask.is_floating_point() else mask.float()  # a float mask keeps its dtype (float64 tests)
+    mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
     # sequences with a token to train on: one rollout correction rejected whole leaves the mean (verl #3915)
@@ -529,8 +723,8 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
 
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *,
-                clip_ratio_c: float = 0.0, seq_ratio: bool = False, ref_logp=None, kl_coef: float = 0.0,
-                is_weight=None):
+                clip_ratio_c: float = 0.0, seq_ratio: bool = False, ref_logp=None,
+                kl_coef: float = 0.0, is_weight=None):
     """Each token's loss (B, T): the clipped surrogate, in the inputs' dtype; the caller weighs and sums it.
       max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))          PPO/GRPO, DAPO's decoupled clip
       clip_ratio_c > 1 (dual clip): for A < 0 the loss is capped at -A * clip_ratio_c
@@ -542,31 +736,33 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # (B, T)
     if seq_ratio:
-        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+        lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+        seq = (log_ratio * mask).sum(-1, keepdim=True) / lengths  # (B, 1)
         log_ratio = seq.detach() + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(max=20.0))  # guards exp overflow only; such a ratio is clipped anyway
+    ratio = torch.exp(log_ratio.clamp(max=20.0))  # no exp overflow; such a ratio is clipped anyway
     adv = advantages.unsqueeze(-1)  # (B, 1)
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
     if clip_ratio_c > 1:
-        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * clip_ratio_c), token_loss)
+        capped = torch.minimum(token_loss, -adv * clip_ratio_c)
+        token_loss = torch.where(adv < 0, capped, token_loss)
     if is_weight is not None:
         token_loss = token_loss * is_weight
     if kl_coef > 0:
         delta = ref_logp - logp
         token_loss = token_loss + kl_coef * (torch.exp(delta) - delta - 1)  # k3 estimator, >= 0
     with torch.no_grad():
-        stats = {"clip_low": (((ratio < 1 - clip_low) & (adv < 0)).float() * mask).sum(),
-                 "clip_high": (((ratio > 1 + clip_high) & (adv > 0)).float() * mask).sum()}
+        below = (ratio < 1 - clip_low) & (adv < 0)
+        above = (ratio > 1 + clip_high) & (adv > 0)
+        stats = {"clip_low": (below.float() * mask).sum(),
+                 "clip_high": (above.float() * mask).sum()}
     return token_loss, stats
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens, those --rollout_is_mask rejected included
-    (the same tokens with or without it), log r = log pi_old - log pi_rollout: sums of |log r| and the k1 and
-    k3 estimates of KL(rollout || old) over the tokens both samplers could draw (`compared`), and the count of
-    `boundary` tokens, in the engine's top_p nucleus but outside pi_old's (no mass there: log r is
-    OUTSIDE_NUCLEUS). Those are counted apart (rollout/nucleus_boundary_frac), not as a ~1e4 term in the mean:
-    0.1% of them would read kl_k3 10.5 where the rest give 1.8e-4."""
+    """The engine/trainer gap on a micro-batch's trained tokens (those --rollout_is_mask rejected too),
+    log r = log pi_old - log pi_rollout. Returns sums of |log r| and of the k1 and k3 estimates of
+    KL(rollout || old) over the tokens both could draw (`compared`), and the count of `boundary` tokens:
+    in the engine's nucleus, outside pi_old's (docs/metrics.md: why they are counted apart)."""
     old = mb.get("old_logp_nucleus", mb["old_logp"])
     mask = mb["mask"].to(old.dtype)
     if "rejected" in mb:  # (disjoint from the mask: rollout_correction moved them out of it)
@@ -574,9 +770,13 @@ def mismatch_sums(mb: dict) -> dict:
     boundary = mask * (old <= OUTSIDE_NUCLEUS)
     compared = mask - boundary
     log_r = (old - mb["rollout_logp"]) * compared
-    return {"logprob_diff": log_r.abs().sum().item(), "kl_k1": -log_r.sum().item(),
-            "kl_k3": ((torch.exp(log_r) - 1 - log_r) * compared).sum().item(),
-            "compared": compared.sum().item(), "boundary": boundary.sum().item()}
+    return {
+        "logprob_diff": log_r.abs().sum().item(),
+        "kl_k1": -log_r.sum().item(),
+        "kl_k3": ((torch.exp(log_r) - 1 - log_r) * compared).sum().item(),
+        "compared": compared.sum().item(),
+        "boundary": boundary.sum().item(),
+    }
 
 
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
@@ -584,21 +784,28 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
     entropy, clipped-token counts, tokens, padding and engine/trainer gap (mismatch_sums) go to `sums`."""
     with autocast(cfg.dtype, device):
         ref_logp = None
-        if ref_model is not None:  # the initial model: a frozen copy, or with LoRA the model, adapters off
-            with torch.no_grad(), adapter_disabled(ref_model):  # (before pi's forward: see adapter_disabled)
+        # the initial model: a frozen copy, or with LoRA the model with its adapters off
+        # (before pi's forward: see adapter_disabled)
+        if ref_model is not None:
+            with torch.no_grad(), adapter_disabled(ref_model):
                 ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
             if ref_model is not model:
                 reshard(ref_model)
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights
         sums.add(**mismatch_sums(mb))
-    token_loss, clipped = policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low,
-                                      cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio,
-                                      ref_logp=ref_logp, kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
-    sums.add(entropy=(entropy * mb["mask"]).sum().item(), clip_low=clipped["clip_low"].item(),
-             clip_high=clipped["clip_high"].item(), tokens=mb["mask"].sum().item(),
-             **dict(zip(("forward_tokens", "real_tokens"), forward_tokens(
-                 model, mb["attention_mask"], mb["mask"].shape[1], mb.get("group"), cfg.pack))))
+    token_loss, clipped = policy_loss(
+        logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
+        clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+        is_weight=mb.get("is_weight"))
+    T = mb["mask"].shape[1]
+    ran, real = forward_tokens(model, mb["attention_mask"], T, mb.get("group"), cfg.pack)
+    sums.add(entropy=(entropy * mb["mask"]).sum().item(),
+             clip_low=clipped["clip_low"].item(),
+             clip_high=clipped["clip_high"].item(),
+             tokens=mb["mask"].sum().item(),
+             forward_tokens=ran,
+             real_tokens=real)
     return token_loss
 
 
@@ -607,7 +814,8 @@ class UpdateGuard:
     gradient is not finite on a rank; then every rank skips it, so one bad batch cannot poison the weights."""
 
     def __init__(self, max_bad_updates: int):
-        self.max_bad, self.in_a_row = max_bad_updates, 0
+        self.max_bad = max_bad_updates
+        self.in_a_row = 0  # skipped updates in a row
 
     def step(self, model, opt, grad_clip: float, loss_value: float, sums: Sums, where: str) -> bool:
         """Returns whether the update was applied; adds loss, grad_norm (or skipped) to `sums`."""
@@ -634,7 +842,7 @@ class UpdateGuard:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
+# 8. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
 #    answer's accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k, n samples, c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
@@ -661,13 +869,16 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
     n = k or cfg.eval_samples
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
-    with torch.random.fork_rng(devices=devices):  # our sampler's RNG; the training stream stays untouched
+    with torch.random.fork_rng(devices=devices):  # our sampler's RNG; training's stays untouched
         torch.manual_seed(seed)
         groups = []
         mine = problems[rank::world_size]  # this rank's stride of the eval set
         for s in range(0, len(mine), cfg.eval_batch_size):
-            groups += roll_groups(engine, tok, mine[s:s + cfg.eval_batch_size], cfg, n,
-                                  cfg.eval_temperature, cfg.eval_top_p, seed=1_000_003 * seed + s)[0]
+            batch = mine[s:s + cfg.eval_batch_size]
+            batch_seed = 1_000_003 * seed + s
+            groups += roll_groups(engine, tok, batch, cfg, n, cfg.eval_temperature, cfg.eval_top_p,
+                                  seed=batch_seed)[0]
+    # per problem, all ranks: (samples, correct ones, level, is the majority answer correct)
     results = all_gather_list([(len(g["correct"]), sum(g["correct"]), g["level"],
                                 majority_correct(g, cfg.answer_format)) for g in groups])
     out = {"eval/acc": sum(c for _, c, _, _ in results) / sum(m for m, _, _, _ in results)}
@@ -681,7 +892,8 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
     if cfg.verifier_crosscheck:  # every completion, on every rank
         checks = crosscheck.check_groups(groups, cfg, "eval", rank=rank)
-        out.update({k if k == "crosscheck_samples" else "eval/" + k: v for k, v in checks.items()})
+        for key, value in checks.items():  # the disagreements keep their name: Logger writes them
+            out[key if key == "crosscheck_samples" else "eval/" + key] = value
     return out
 
 
@@ -690,13 +902,17 @@ def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int 
     """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as eval/<set>/...;
     the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over the sets with the key."""
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
-    out, per_set, samples = {}, [], []
+    out = {}
+    per_set = []  # each set's scores
+    samples = []  # the cross-check's disagreements, all sets
     for (name, problems), k in zip(eval_sets.items(), ks):
         scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
-        samples += [{**row, "where": f"eval/{name}"} for row in scores.pop("crosscheck_samples", [])]
+        disagreements = scores.pop("crosscheck_samples", [])
+        samples += [{**row, "where": f"eval/{name}"} for row in disagreements]
         per_set.append(scores)
         out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
-    for key in dict.fromkeys(key for scores in per_set for key in scores):  # every key, in first-seen order
+    every_key = dict.fromkeys(key for scores in per_set for key in scores)  # in first-seen order
+    for key in every_key:
         values = [s[key] for s in per_set if key in s]
         out[key] = sum(values) / len(values)
     if cfg.verifier_crosscheck:

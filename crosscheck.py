@@ -51,7 +51,9 @@ class CrossCheck:
         A pair the judge could not settle by the deadline is `failed`: neither an agreement nor a
         disagreement."""
         pairs = [(str(c), str(g)) for c, g in zip(completions, golds)]
-        theirs = self.pool.run(pairs, self.timeout, self.pool.size, verifier._new_info()) if pairs else []
+        theirs = []  # the judge's verdicts: True, False, or None (no verdict by the deadline)
+        if pairs:
+            theirs = self.pool.run(pairs, self.timeout, self.pool.size, verifier._new_info())
         counts = {"checked": 0, "ours_only": 0, "theirs_only": 0, "failed": 0}
         rows = []
         for i, (mine, other) in enumerate(zip(ours, theirs)):
@@ -61,8 +63,8 @@ class CrossCheck:
             counts["checked"] += 1
             if bool(mine) != other:
                 counts["ours_only" if mine else "theirs_only"] += 1
-                rows.append({"index": i, "ours": bool(mine), "theirs": other,
-                             "extracted": verifier.extract_answer(pairs[i][0], answer_format)})
+                extracted = verifier.extract_answer(pairs[i][0], answer_format)
+                rows.append({"index": i, "ours": bool(mine), "theirs": other, "extracted": extracted})
         return counts, rows
 
 
@@ -102,7 +104,8 @@ def check_groups(groups: list[dict], cfg, where: str, limit: int = 0, rank: int 
     all ranks, which bookkeeping.Logger.log writes to crosscheck.jsonl."""
     items = [(g, i) for g in groups for i in range(len(g["texts"]))]  # (group, index of a completion)
     if 0 < limit < len(items):  # seeded by the data: a rerun draws the same completions
-        items = random.Random(f"{cfg.seed} {rank} {groups[0]['prompt']}").sample(items, limit)
+        rng = random.Random(f"{cfg.seed} {rank} {groups[0]['prompt']}")
+        items = rng.sample(items, limit)
     texts = [g["texts"][i] for g, i in items]
     golds = [g["answer"] for g, _ in items]
     ours = [g["correct"][i] for g, i in items]
@@ -115,5 +118,6 @@ def check_groups(groups: list[dict], cfg, where: str, limit: int = 0, rank: int 
     checked = max(totals["checked"], 1.0)
     return {"crosscheck/ours_only": totals["ours_only"] / checked,
             "crosscheck/theirs_only": totals["theirs_only"] / checked,
-            "crosscheck/checked": totals["checked"], "crosscheck/failed": totals["failed"],
+            "crosscheck/checked": totals["checked"],
+            "crosscheck/failed": totals["failed"],
             "crosscheck_samples": all_gather_list(rows)}

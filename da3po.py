@@ -25,39 +25,50 @@ from dataclasses import dataclass
 
 import torch
 
-from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
-                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
-from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateGuard, dynamic_sampling,
-                    group_advantages, loss_weights, make_batch, micro_batches, old_logprobs, plan_updates,
-                    presets, token_losses, train_metrics)
+from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint,
+                         format_step, load_checkpoint, parse_config, rng_state, save_checkpoint,
+                         set_rng_state, step_bar)
+from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConfig,
+                    UpdateGuard, dynamic_sampling, group_advantages, make_batch,
+                    micro_batches, old_logprobs, plan_updates, presets, token_losses,
+                    train_metrics)
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_policy, model_path, prepare_models
-from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup_dist,
-                   stop_requested, stop_run)
+from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals,
+                   setup_dist, stop_requested, stop_run)
 
 # ------------------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DAA's, the presets, the checks of DAA's flags
 @dataclass
 class Config(TrainConfig):
     """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path; CPU demo defaults."""
-    algo: str = "da3po"  # preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset
-    out_dir: str = "out/da3po"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
-    wandb_project: str = "da3po"  # wandb project of --report_to wandb
-    lam: float = 2.0  # lambda: multiplier of correct completions' advantages on hard prompts; 1 = off (DAPO)
-    tau: float = 0.5  # hard prompt: group pass rate p_hat < tau (strict) [dev 1]
-    adaptive_lam: bool = False  # lambda(p) = 1/gamma(p, G) in place of lam, capped at lam_max [dev 4]
-    lam_max: float = 4.0  # cap of the adaptive factor (p_hat >= 1/G keeps it <= ~1.65; running estimates
-    #                       go lower)
-    p_estimate: str = "group"  # pass rate for DAA: group (p_hat of the G samples) | running (over all
-    #                            epochs) [dev 4]
-    daa_scope: str = "correct"  # correct (the paper: correct completions, A > 0) | all (both signs: a
-    #                             control) [dev 4]
-    theory: bool = False  # print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit
+    algo: str = "da3po"
+    """preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset"""
+    out_dir: str = "out/da3po"
+    """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
+    wandb_project: str = "da3po"
+    """wandb project of --report_to wandb"""
+    lam: float = 2.0
+    """lambda: multiplier of correct completions' advantages on hard prompts; 1 = off (DAPO)"""
+    tau: float = 0.5
+    """hard prompt: group pass rate p_hat < tau (strict) [dev 1]"""
+    adaptive_lam: bool = False
+    """lambda(p) = 1/gamma(p, G) in place of lam, capped at lam_max [dev 4]"""
+    lam_max: float = 4.0
+    """cap of --adaptive_lam's factor"""
+    p_estimate: str = "group"
+    """pass rate for DAA: group (p_hat of the G samples) | running (over all epochs) [dev 4]"""
+    daa_scope: str = "correct"
+    """correct (the paper: correct completions, A > 0) | all (both signs: a control) [dev 4]"""
+    theory: bool = False
+    """print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit"""
 
 
-PRESETS = presets({"da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": False, "tau": 0.5}},  # [dev 1]
-                  off={"lam": 1.0, "adaptive_lam": False})
+OWN_PRESETS = {
+    "da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": False, "tau": 0.5},  # [dev 1]
+}
+PRESETS = presets(OWN_PRESETS, off={"lam": 1.0, "adaptive_lam": False})
 
 
 def check_algorithm_config(cfg: Config):
@@ -68,15 +79,16 @@ def check_algorithm_config(cfg: Config):
         die(f"--lam must be > 0, got {cfg.lam}")
     if cfg.daa_scope not in ("correct", "all"):
         die(f"--daa_scope {cfg.daa_scope!r}: choose one of correct, all")
-    if cfg.p_estimate not in ("group", "running") or cfg.lam_max < 1:
-        die(f"--p_estimate must be group or running and --lam_max >= 1, "
-            f"got {cfg.p_estimate!r}, {cfg.lam_max}")
+    if cfg.p_estimate not in ("group", "running"):
+        die(f"--p_estimate {cfg.p_estimate!r}: choose one of group, running")
+    if cfg.lam_max < 1:
+        die(f"--lam_max must be >= 1, got {cfg.lam_max}")
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Algorithm: Direct Advantage Amplification, and the theory behind it
-def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float, p: torch.Tensor | None = None,
-        scope: str = "correct"):
+def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float,
+        p: torch.Tensor | None = None, scope: str = "correct"):
     """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau (the
     overlong penalty can put a correct one below its group's mean). advantages, correct: (N, G); p (N, 1),
     by default p_hat = #correct / G; lam: a number or (N, 1). scope "all": every advantage of a hard group
@@ -113,7 +125,7 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
             cfg: Config):
     """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for. advantage,
     correct: (N, G). Returns (the amplified advantages (N, G), the daa/* metrics over all ranks)."""
-    p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), float64 with float64 advantages
+    p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), the advantages' dtype
     if cfg.p_estimate == "running":
         counts = [pass_counts[pass_key(g)] for g in groups]
         counts = torch.tensor(counts, dtype=p.dtype, device=p.device)  # (N, 2)
@@ -124,10 +136,13 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
     amplified = amplified & (factors != 1)  # a factor of 1 (lam = 1: DAPO, GSPO) amplifies nothing
     applied = factors[amplified]  # the factor of each amplified one
     num_applied = all_reduce_sum(torch.tensor(float(len(applied)))).item()
+    num_completions = all_reduce_sum(torch.tensor(float(amplified.numel()))).item()
+    largest = applied.max() if len(applied) else p.new_zeros(())
     return advantage, {
-        "daa/amplified_frac": num_applied / all_reduce_sum(torch.tensor(float(amplified.numel()))).item(),
-        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0: none amplified
-        "daa/lam_max": all_reduce_max(applied.max() if len(applied) else p.new_zeros(())).item()}
+        "daa/amplified_frac": num_applied / num_completions,
+        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0: none
+        "daa/lam_max": all_reduce_max(largest).item(),
+    }
 
 
 def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
@@ -147,10 +162,13 @@ def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000,
     g = torch.Generator().manual_seed(seed)
     correct = torch.rand(num_groups, G, generator=g) < p  # (N, G)
     adv = group_advantages(correct.float(), std_norm=True)
-    kept = (correct.sum(-1) > 0) & (correct.sum(-1) < G)
+    mixed = (correct.sum(-1) > 0) & (correct.sum(-1) < G)  # the groups dynamic sampling keeps
     y = correct[:, 0]
-    factor = lambda sel: adv[sel & kept, 0].mean().item() / adv[sel, 0].mean().item()  # noqa: E731
-    alpha_plus, alpha_minus = factor(y), factor(~y)
+
+    def factor(sel):  # E[A | y, kept] / E[A | y] of completion 0
+        return adv[sel & mixed, 0].mean().item() / adv[sel, 0].mean().item()
+    alpha_plus = factor(y)
+    alpha_minus = factor(~y)
     return alpha_plus, alpha_minus, alpha_plus / alpha_minus
 
 
@@ -160,27 +178,23 @@ def print_theory():
     print(f"{'G':>3} {'p':>5} | {columns} | {columns}")
     for G in (4, 8, 16):
         for p in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9):
-            exact, mc = amplification_factors(p, G), monte_carlo_factors(p, G)
-            print(f"{G:3d} {p:5.2f} | " + " ".join(f"{x:7.2f}" for x in exact[:2]) + f" {exact[2]:6.2f} | "
-                  + " ".join(f"{x:7.2f}" for x in mc[:2]) + f" {mc[2]:6.2f}")
+            exact = amplification_factors(p, G)
+            mc = monte_carlo_factors(p, G)
+            cells = [" ".join(f"{x:7.2f}" for x in f[:2]) + f" {f[2]:6.2f}" for f in (exact, mc)]
+            print(f"{G:3d} {p:5.2f} | " + " | ".join(cells))
 
 
-class DAA:
-    """DA3PO's part of the step, at main's ALGO LOGIC lines. State: --p_estimate running's pass counts."""
+class DAA(Algorithm):
+    """DA3PO's part of the step (the hooks: common.Algorithm). State: --p_estimate running's pass counts."""
 
-    def __init__(self, cfg: Config, state: dict):
-        self.cfg, self.pass_counts = cfg, state.get("pass_counts", {})  # prompt -> [#correct, #samples]
+    def __init__(self, cfg: Config, device: torch.device, state: dict):
+        super().__init__(cfg, device, state)
+        self.pass_counts = state.get("pass_counts", {})  # prompt -> [#correct, #samples]
 
     def state_dict(self) -> dict:
         return {"pass_counts": self.pass_counts}
 
-    def step_state(self) -> dict:  # sums over the step that a stop between two updates must keep: none
-        return {}
-
-    def load_step_state(self, state: dict):
-        pass
-
-    def count_passes(self, generated: list[dict]):
+    def after_rollout(self, generated: list[dict]):
         if self.cfg.p_estimate == "running":  # every generated group, kept or not, on every rank
             count_passes(self.pass_counts, generated)
 
@@ -193,15 +207,9 @@ class DAA:
         record.update(daa_metrics)
         return advantage.flatten()
 
-    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
-        """Each token's share of its update's loss: DAPO's token mean over the update, or a baseline's."""
-        return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
-
-    def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
-        return (token_loss * mb["weight"]).sum()
-
     def metrics(self, record: dict) -> dict:
-        return {key: record.get(key, 0.0) for key in ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max")}
+        keys = ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max")
+        return {key: record.get(key, 0.0) for key in keys}  # 0: no group kept, no advantages
 
     def line(self, record: dict) -> str:
         return f" | amp {record['daa/amplified_frac']:.2f}"
@@ -212,61 +220,75 @@ class DAA:
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
-    check_config(cfg, dist_info.world_size, check_algorithm_config)  # a flag that cannot work stops here
     device = dist_info.device
-    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
+    # a flag that cannot work, or a bad file, stops here, before any model is loaded
+    check_config(cfg, dist_info.world_size, check_algorithm_config)
+    train_set, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
-    resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
+    resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
+    base_path = model_path(cfg.model)
     # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen, adapters on it
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
-    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; KL anchor
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    # checked, sharded; ref_model: the KL anchor
+    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)
+    params = model.parameters()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over --warmup_steps RL steps
+        opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
-    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
-    algo = DAA(cfg, state)  # the paper's part of the step (above), and its state in checkpoints
+    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed,
+                                        dist_info)
+    algo = DAA(cfg, device, state)  # the paper's part of the step (above)
 
-    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
-        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream,
-                        {**algo.state_dict(), "eval_due": eval_due}, cfg.keep_last, pending)
+    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):
+        """A checkpoint after `step`, the last step done (`pending`: the rest of the next one)."""
+        algo_state = {**algo.state_dict(), "eval_due": eval_due}
+        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, algo_state,
+                        cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, start_step if resume_from else -1)
-    first_eval = None  # at a fresh run's start (a step-0 checkpoint has it), and the one a stop left due
-    if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
-        first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
+    # the evaluation at the start: of a fresh run, or the one a stop left due
+    start_eval = None
+    fresh = start_step == 0 and not resume_from
+    if fresh or state.get("eval_due") or cfg.eval_only:
+        start_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
     guard = UpdateGuard(cfg.max_bad_updates)
     pending = state["pending"]  # the rest of a step a stop interrupted between two updates, if any
     for step in step_bar(start_step, cfg, dist_info):
         timer = StepTimer()
         sums = Sums(*TRAIN_SUMS)
+        my_groups = []  # (a step that keeps no group is logged, not trained)
+        update_rows = []
+        next_update = 0
         if pending is None:
             # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
-            start = (stream.position, rng_state())
+            position = stream.position
+            rng = rng_state()
             with timer("rollout"):
                 rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
             if rollout is None:  # a stop between generation batches: the step is redone on resume
-                stream.position = start[0]
-                set_rng_state(start[1])
+                stream.position = position
+                set_rng_state(rng)
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
-            kept, generated, record = rollout
-            algo.count_passes(generated)  # --p_estimate running
-            my_groups, update_rows, next_update = [], [], 0  # (a step that keeps no group is logged, skipped)
-            if kept:
+            kept_summaries, generated, record = rollout
+            algo.after_rollout(generated)
+            if kept_summaries:
                 with timer("update"):
-                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
-                    my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
-                                                          cfg.micro_batch_tokens > 0)
+                    # 2) this rank's groups of each update, brought to it, as one batch
+                    balance = cfg.micro_batch_tokens > 0  # packed: each rank as many tokens
+                    my_groups, update_rows = plan_updates(
+                        kept_summaries, cfg.updates_per_step, dist_info, balance)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
                     # ALGO LOGIC: 3) the advantages, the paper's way
                     batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
-                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed), and with
-                    #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
+                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed);
+                    #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
                     record.update(rollout_correction(batch, cfg))
-        else:  # resumed mid-step: the updates left, split by rank anew if the number of ranks changed
+        else:  # resumed mid-step: the updates left (split anew if the number of ranks changed)
             record, my_groups, update_rows, batch, next_update = pending.resume(sums, algo)
             pending = None
         if update_rows:
@@ -275,26 +297,32 @@ def main(cfg: Config):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(next_update, len(update_rows)):
-                    if u > next_update and stop_requested():  # between updates: the checkpoint keeps the rest
-                        save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
-                                                           sums.sums, algo.step_state()))
+                    if u > next_update and stop_requested():  # keep the updates left
+                        rest = PendingStep(step, record, my_groups[:1], update_rows, batch, u,
+                                           sums.values, algo.step_state())
+                        save(step - 1, pending=rest)
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
                     batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
-                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
-                        loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
+                    mbs = micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens)
+                    for _, mb in mbs:
+                        token_loss = token_losses(model, ref_model, mb, cfg, device, sums)  # (B, T)
+                        loss = algo.loss(token_loss, mb)
                         loss.backward()
                         update_loss += loss.item()
-                    guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}")
+                    where = f"step {step} update {u}"
+                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, where):
+                        algo.after_update()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
         # 7) a printed line and a metrics record: sums over micro-batches and ranks, means per token/update
-        record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0],
-                                    not engine.exact_logprobs))
+        lr = sched.get_last_lr()[0]
+        mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
+        record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
         record.update({"step": step, **timer.metrics()})
         record.update(algo.metrics(record))
         logger.log(record)
@@ -304,8 +332,10 @@ def main(cfg: Config):
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:
-            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=first_eval)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping:
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step,
+                             before=start_eval)
+        save_due = cfg.save_every > 0 and step % cfg.save_every == 0
+        if save_due or step == cfg.steps or stopping:
             save(step, eval_due=stopping and eval_due)
         if stopping:
             return stop_run(engine, f"at step {step}")

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint, format_step,
-                         load_checkpoint, parse_config, rng_state, save_checkpoint, set_rng_state, step_bar)
-from common import (BASELINES, TRAIN_SUMS, StepTimer, Sums, TrainConfig, UpdateGuard, dynamic_sampling,
-                    group_advantages, loss_weights, make_batch, micro_batches, old_logprobs, plan_updates,
-                    presets, token_losses, train_metrics)
+from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint,
+                         format_step, load_checkpoint, parse_config, rng_state, save_checkpoint,
+                         set_rng_state, step_bar)
+from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConfig,
+                    UpdateGuard, dynamic_sampling, make_batch, micro_batches,
+                    old_logprobs, plan_updates, presets, token_losses, train_metrics)
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_policy, model_path, prepare_models
@@ -43,28 +44,35 @@ from ranks import (all_reduce_sum, cleanup_dist, die, handle_stop_signals, setup
 @dataclass
 class Config(TrainConfig):
     """DARO (learnable per-difficulty loss weights) and its baselines on one code path; CPU demo defaults."""
-    algo: str = "daro"  # preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override
-    out_dir: str = "out/daro"  # config.json, metrics.jsonl, samples.jsonl, checkpoints
-    wandb_project: str = "daro"  # wandb project of --report_to wandb
-    weighting: str = "learned"  # w_mu: learned (DARO) | closed | uniform (1) | var (sqrt(mu(1-mu))) | none
-    #   (no bins); closed: no optimizer, w_mu = 1 / (|L_mu| + delta) (clamped) from the last applied update's
-    #   L_mu, the weights DARO would converge to, one update late (1 before a bin's first update)
-    weight_lr: float = 1e-3  # Adam learning rate of s_mu = -ln w_mu (paper: 1e-3); whatever the gradient,
-    #   ln w_mu travels at most ~weight_lr x (weight updates): 0.12 in the demo's 120 (w <= 1.13), 0.6 in the
-    #   paper's 600 (w <= 1.8), while the fixed points 1 / (|L_mu| + delta) lie at ~5 to 200: until a bin
-    #   reaches its own, all bins rise together, a loss-scale ramp, not yet a reweighting
-    daro_delta: float = 1e-3  # delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]
-    daro_literal: bool = False  # fit w to L_mu, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]
-    w_min: float = 0.1  # lower clamp of every w_mu, applied after each weight step [dev 1]
-    w_max: float = 10.0  # upper clamp of every w_mu [dev 1]
-    shared_weight: bool = False  # a control: every bin gets the mean of the weights --weighting learned or
-    #   closed fits (each bin's own still fitted): DARO's overall loss scale without its reweighting
+    algo: str = "daro"
+    """preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override"""
+    out_dir: str = "out/daro"
+    """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
+    wandb_project: str = "daro"
+    """wandb project of --report_to wandb"""
+    weighting: str = "learned"
+    """w_mu: learned (DARO) | closed (1 / (|L_mu| + delta), the last update's L_mu) | uniform (1)
+    | var (sqrt(mu(1-mu))) | none (no bins)"""
+    weight_lr: float = 1e-3
+    """Adam learning rate of s_mu = -ln w_mu (the paper: 1e-3; docs/metrics.md: how far w moves)"""
+    daro_delta: float = 1e-3
+    """delta: the weights fit |L_mu| + delta, so w stays finite when L_mu = 0 [dev 1]"""
+    daro_literal: bool = False
+    """fit w to L_mu, Eq. (1) as written (no minimum if L_mu <= 0) [dev 1]"""
+    w_min: float = 0.1
+    """lower clamp of every w_mu, applied after each weight step [dev 1]"""
+    w_max: float = 10.0
+    """upper clamp of every w_mu [dev 1]"""
+    shared_weight: bool = False
+    """a control: every bin weighs the mean of the fitted weights (the loss scale, no reweighting)"""
 
 
-PRESETS = presets({"daro": {**BASELINES["dapo"], "weighting": "learned"},  # DARO on the DAPO loss [dev 4]
-                   "uniform": {**BASELINES["dapo"], "weighting": "uniform"},  # the bins with frozen w = 1
-                   "var": {**BASELINES["dapo"], "weighting": "var"}},  # variance-based static weights
-                  off={"weighting": "none"})
+OWN_PRESETS = {
+    "daro": {**BASELINES["dapo"], "weighting": "learned"},  # DARO on the DAPO loss [dev 4]
+    "uniform": {**BASELINES["dapo"], "weighting": "uniform"},  # the bins with frozen w = 1
+    "var": {**BASELINES["dapo"], "weighting": "var"},  # variance-based static weights
+}
+PRESETS = presets(OWN_PRESETS, off={"weighting": "none"})
 
 
 def check_algorithm_config(cfg: Config):
@@ -91,16 +99,19 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
     a bin of one prompt weighs as much as one of twenty. bins: (B,) #correct of each row's group. Example:
     bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
-    tokens = all_reduce_sum(mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1)))  # (G+1,)
+    mine = mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))  # tokens per bin, this rank
+    tokens = all_reduce_sum(mine)  # (G+1,)
     inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
     return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
 
 
-def bin_weights(neg_log_w: list[torch.Tensor], weighting: str, shared: bool = False) -> torch.Tensor:
+def bin_weights(neg_log_w: list[torch.Tensor], weighting: str,
+                shared: bool = False) -> torch.Tensor:
     """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the closed
     form), or a static function of mu; 0 for mu = 0 and 1; `none` (no bins) weighs every bin 1. shared: every
     bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global loss-scale control)."""
-    G, device = len(neg_log_w) + 1, neg_log_w[0].device
+    G = len(neg_log_w) + 1
+    device = neg_log_w[0].device
     if weighting == "none":
         return torch.ones(G + 1, device=device)
     mu = torch.arange(1, G, device=device) / G  # (G-1,)
@@ -122,7 +133,8 @@ def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, pres
                for i, s in enumerate(neg_log_w, 1) if present[i])
 
 
-def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor, present, cfg):
+def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor,
+                   present: torch.Tensor, cfg):
     """One Adam step of s = -ln w on Eq. (1), then w clamped to [w_min, w_max]. An absent bin keeps .grad
     None, so Adam skips it (with a zero gradient its momentum would still move the weight)."""
     if not present[1:-1].any():
@@ -130,31 +142,37 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
     weight_opt.zero_grad(set_to_none=True)
     weight_objective(neg_log_w, bin_loss, present, cfg.daro_delta, cfg.daro_literal).backward()
     weight_opt.step()
+    low = -math.log(cfg.w_max)  # s = -ln w: w_max is the lowest s
+    high = -math.log(cfg.w_min)
     with torch.no_grad():
         for s in neg_log_w:
-            s.clamp_(-math.log(cfg.w_max), -math.log(cfg.w_min))  # w = exp(-s) in [w_min, w_max] [dev 1]
+            s.clamp_(low, high)  # w = exp(-s) in [w_min, w_max] [dev 1]
 
 
-def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor, cfg):
+def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor,
+                        present: torch.Tensor, cfg):
     """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu| + delta),
     clamped to [w_min, w_max], for each bin present in the update; an absent bin keeps its weight."""
-    low, high = -math.log(cfg.w_max), -math.log(cfg.w_min)
+    low = -math.log(cfg.w_max)  # s = -ln w: w_max is the lowest s
+    high = -math.log(cfg.w_min)
     with torch.no_grad():
         for i, s in enumerate(neg_log_w, 1):
-            if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, an infinite fixed point: w_max
+            if present[i]:  # |L_mu| + delta = 0 (delta 0): ln 0 = -inf, clamped: w_max
                 s.copy_((bin_loss[i].abs() + cfg.daro_delta).log().clamp(low, high))
 
 
-class DARO:
-    """DARO's part of the step, at main's ALGO LOGIC lines. Its state: s_mu = -ln w_mu (mu = 1/G .. (G-1)/G),
-    0 at start, one tensor per bin (Adam skips an absent one), with an Adam of their own, out of the model's
-    weight decay (it would pull w to 0) and gradient clipping (gradients L - 1/w would dominate); --weighting
-    closed sets s_mu itself (its Adam unused). `bins` (3, G+1), per bin over the step's updates, the same on
-    every rank: L_mu summed, updates, groups."""
+class DARO(Algorithm):
+    """DARO's part of the step (the hooks: common.Algorithm). Its state: s_mu = -ln w_mu for
+    mu = 1/G .. (G-1)/G, 0 at start, one tensor per bin (Adam skips an absent one), with an Adam of
+    their own, apart from the model's weight decay and gradient clipping (docs/departures.md);
+    --weighting closed sets s_mu itself. `bins` (3, G+1), per bin over the step's updates, the same
+    on every rank: L_mu summed, updates, groups."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
-        self.cfg, self.G, self.device = cfg, cfg.group_size, device
-        self.neg_log_w = [torch.zeros((), device=device, requires_grad=True) for _ in range(self.G - 1)]
+        super().__init__(cfg, device, state)
+        self.G = cfg.group_size
+        self.neg_log_w = [torch.zeros((), device=device, requires_grad=True)
+                          for _ in range(self.G - 1)]  # s_mu, mu = 1/G .. (G-1)/G
         self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=cfg.weight_lr)  # Eq. (3)
         if "daro_neg_log_w" in state:  # a resumed run
             with torch.no_grad():
@@ -175,8 +193,8 @@ class DARO:
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
                 "weight_optimizer": {**weight_opt, "state": moments}}
 
-    def step_state(self) -> dict:  # the step's sums a stop between two updates keeps: on the CPU, all ranks'
-        return {"bins": self.bins}
+    def step_state(self) -> dict:
+        return {"bins": self.bins}  # on the CPU, the same on every rank
 
     def load_step_state(self, state: dict):
         self.bins = state["bins"]
@@ -184,35 +202,41 @@ class DARO:
     def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
         """GRPO advantages (B,); batch["bin"] (B,): #correct of each completion's group (mu = bin / G)."""
         G = self.G
-        advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
+        advantage = super().advantages(batch, groups, record)  # GRPO's
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
-        if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): their tokens are not trained
+        if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
-        groups = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # groups per bin, this rank
-        self.bins[2] = all_reduce_sum(groups)  # all ranks (like the other step sums: the same on every rank)
+        groups_per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # this rank's
+        self.bins[2] = all_reduce_sum(groups_per_bin)  # all ranks': the same on every rank
         return advantage
 
     def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
         """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins); w_mu."""
         weight, self.bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], self.G)
         if self.cfg.weighting == "none":  # the baselines' own aggregation over the whole update
-            weight = loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
+            weight = super().token_weights(batch, rows)
         self.w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight)  # (G+1,)
-        self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's share of each L_mu
+        self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's part of L_mu
         return weight
 
     def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
         """A micro-batch's share of each L_mu (for the weights' step), and of Eq. (1) on theta's side."""
-        self.bin_loss += torch.zeros_like(self.bin_loss).index_add_(
-            0, mb["bin"], (token_loss.detach() * mb["weight"]).sum(-1))
-        return (token_loss * (mb["weight"] * self.w[mb["bin"]].unsqueeze(-1))).sum()
+        row_loss = (token_loss.detach() * mb["weight"]).sum(-1)  # (B,)
+        self.bin_loss += torch.zeros_like(self.bin_loss).index_add_(0, mb["bin"], row_loss)
+        w_row = self.w[mb["bin"]].unsqueeze(-1)  # (B, 1)
+        return (token_loss * (mb["weight"] * w_row)).sum()
+
+    def after_update(self):
+        """The weights' step, after each applied update."""
+        self.step_weights()
 
     def step_weights(self):
-        """After an applied update (not a non-finite one): L_mu over all ranks, a weight step on each."""
-        bin_loss, present = all_reduce_sum(self.bin_loss), self.bin_tokens > 0  # (G+1,)
+        """L_mu over all ranks, then a weight step on each present bin (or the closed form)."""
+        bin_loss = all_reduce_sum(self.bin_loss)  # (G+1,)
+        present = self.bin_tokens > 0  # the bins in this update
         if self.cfg.weighting == "learned":
             update_weights(self.neg_log_w, self.weight_opt, bin_loss, present, self.cfg)
-        elif self.cfg.weighting == "closed":  # the next update's weights: this one's L_mu (one update late)
+        elif self.cfg.weighting == "closed":  # the next update's w: this one's L_mu
             closed_form_weights(self.neg_log_w, bin_loss, present, self.cfg)
         self.bins[0] += torch.where(present, bin_loss, 0.0).cpu()
         self.bins[1] += present.float().cpu()
@@ -220,8 +244,10 @@ class DARO:
     def metrics(self, record: dict) -> dict:
         """The step's daro/* record (daro/w_0.125: mu to three decimals): w_mu after the step, L_mu (mean over
         the updates with bin mu, else 0), n_mu (groups trained on, all ranks); resets `bins`."""
-        G, bins, self.bins = self.G, self.bins, torch.zeros(3, self.G + 1)
-        w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()  # as applied
+        G = self.G
+        bins = self.bins
+        self.bins = torch.zeros(3, G + 1)  # the next step's
+        w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()
         metrics = {}
         for i in range(G + 1):
             metrics[f"daro/n_{i / G:.3f}"] = bins[2][i].item()  # groups trained on, all ranks
@@ -239,60 +265,75 @@ class DARO:
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
     dist_info = setup_dist(cfg.device)
-    check_config(cfg, dist_info.world_size, check_algorithm_config)  # a flag that cannot work stops here
     device = dist_info.device
-    train_set, eval_sets = load_datasets(cfg)  # a bad file fails here, before any model is loaded
+    # a flag that cannot work, or a bad file, stops here, before any model is loaded
+    check_config(cfg, dist_info.world_size, check_algorithm_config)
+    train_set, eval_sets = load_datasets(cfg)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
-    resume_from, base_path = find_checkpoint(cfg), model_path(cfg.model)
+    resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
+    base_path = model_path(cfg.model)
     # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen, adapters on it
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
-    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)  # checked, sharded; KL anchor
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    # checked, sharded; ref_model: the KL anchor
+    model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)
+    params = model.parameters()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over --warmup_steps RL steps
+        opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
-    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed, dist_info)
-    algo = DARO(cfg, device, state)  # the paper's part of the step (above), and its state in checkpoints
+    start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed,
+                                        dist_info)
+    algo = DARO(cfg, device, state)  # the paper's part of the step (above)
 
-    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):  # step: the last done
-        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream,
-                        {**algo.state_dict(), "eval_due": eval_due}, cfg.keep_last, pending)
+    def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):
+        """A checkpoint after `step`, the last step done (`pending`: the rest of the next one)."""
+        algo_state = {**algo.state_dict(), "eval_due": eval_due}
+        save_checkpoint(cfg.out_dir, step, model, tok, opt, sched, stream, algo_state,
+                        cfg.keep_last, pending)
     logger = Logger(cfg, dist_info, start_step if resume_from else -1)
-    first_eval = None  # at a fresh run's start (a step-0 checkpoint has it), and the one a stop left due
-    if (start_step == 0 and not resume_from) or state.get("eval_due") or cfg.eval_only:
-        first_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
+    # the evaluation at the start: of a fresh run, or the one a stop left due
+    start_eval = None
+    fresh = start_step == 0 and not resume_from
+    if fresh or state.get("eval_due") or cfg.eval_only:
+        start_eval = evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, start_step)
     handle_stop_signals()
     guard = UpdateGuard(cfg.max_bad_updates)
     pending = state["pending"]  # the rest of a step a stop interrupted between two updates, if any
     for step in step_bar(start_step, cfg, dist_info):
         timer = StepTimer()
         sums = Sums(*TRAIN_SUMS)
+        my_groups = []  # (a step that keeps no group is logged, not trained)
+        update_rows = []
+        next_update = 0
         if pending is None:
             # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
-            start = (stream.position, rng_state())
+            position = stream.position
+            rng = rng_state()
             with timer("rollout"):
                 rollout = dynamic_sampling(engine, tok, stream, cfg, dist_info)
             if rollout is None:  # a stop between generation batches: the step is redone on resume
-                stream.position = start[0]
-                set_rng_state(start[1])
+                stream.position = position
+                set_rng_state(rng)
                 save(step - 1)
                 return stop_run(engine, f"in step {step}'s rollout")
-            kept, generated, record = rollout
-            my_groups, update_rows, next_update = [], [], 0  # (a step that keeps no group is logged, skipped)
-            if kept:
+            kept_summaries, generated, record = rollout
+            algo.after_rollout(generated)
+            if kept_summaries:
                 with timer("update"):
-                    # 2) this rank's groups in each update, brought to it, as one batch (common, section 4)
-                    my_groups, update_rows = plan_updates(kept, cfg.updates_per_step, dist_info,
-                                                          cfg.micro_batch_tokens > 0)
+                    # 2) this rank's groups of each update, brought to it, as one batch
+                    balance = cfg.micro_batch_tokens > 0  # packed: each rank as many tokens
+                    my_groups, update_rows = plan_updates(
+                        kept_summaries, cfg.updates_per_step, dist_info, balance)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
                     # ALGO LOGIC: 3) the advantages, the paper's way
                     batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
-                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed), and with
-                    #    --rollout_is the weights pi_old / pi_rollout of the engine's samples
+                    # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed);
+                    #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
                     record.update(rollout_correction(batch, cfg))
-        else:  # resumed mid-step: the updates left, split by rank anew if the number of ranks changed
+        else:  # resumed mid-step: the updates left (split anew if the number of ranks changed)
             record, my_groups, update_rows, batch, next_update = pending.resume(sums, algo)
             pending = None
         if update_rows:
@@ -301,27 +342,32 @@ def main(cfg: Config):
                 # 5) optimizer updates, each the sum of its micro-batches' losses
                 batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
                 for u in range(next_update, len(update_rows)):
-                    if u > next_update and stop_requested():  # between updates: the checkpoint keeps the rest
-                        save(step - 1, pending=PendingStep(step, record, my_groups[:1], update_rows, batch, u,
-                                                           sums.sums, algo.step_state()))
+                    if u > next_update and stop_requested():  # keep the updates left
+                        rest = PendingStep(step, record, my_groups[:1], update_rows, batch, u,
+                                           sums.values, algo.step_state())
+                        save(step - 1, pending=rest)
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
-                    # ALGO LOGIC: the token losses' weights and sum, the paper's way; then a weight step
+                    # ALGO LOGIC: the token losses' weights and sum, the paper's way
                     batch["weight"][rows] = algo.token_weights(batch, rows)
                     update_loss = 0.0
-                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens):
-                        loss = algo.loss(token_losses(model, ref_model, mb, cfg, device, sums), mb)
+                    mbs = micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens)
+                    for _, mb in mbs:
+                        token_loss = token_losses(model, ref_model, mb, cfg, device, sums)  # (B, T)
+                        loss = algo.loss(token_loss, mb)
                         loss.backward()
                         update_loss += loss.item()
-                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, f"step {step} update {u}"):
-                        algo.step_weights()
+                    where = f"step {step} update {u}"
+                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, where):
+                        algo.after_update()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
         # 7) a printed line and a metrics record: sums over micro-batches and ranks, means per token/update
-        record.update(train_metrics(sums.reduce(), len(update_rows), sched.get_last_lr()[0],
-                                    not engine.exact_logprobs))
+        lr = sched.get_last_lr()[0]
+        mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
+        record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
         record.update({"step": step, **timer.metrics()})
         record.update(algo.metrics(record))
         logger.log(record)
@@ -331,8 +377,10 @@ def main(cfg: Config):
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:
-            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step, before=first_eval)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping:
+            evaluate_and_log(engine, tok, eval_sets, cfg, dist_info, logger, step,
+                             before=start_eval)
+        save_due = cfg.save_every > 0 and step % cfg.save_every == 0
+        if save_due or step == cfg.steps or stopping:
             save(step, eval_due=stopping and eval_due)
         if stopping:
             return stop_run(engine, f"at step {step}")

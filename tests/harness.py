@@ -203,10 +203,10 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
     try:
         if case["script"] == "da3po":
             cfg = da3po.Config(**f)
-            algo = da3po.DAA(cfg, {})
+            algo = da3po.DAA(cfg, torch.device("cpu"), {})
             if cfg.p_estimate == "running":  # the earlier steps' counts, then this step's
                 algo.pass_counts = {da3po.pass_key(g): list(g["prior"]) for g in case["groups"]}
-                algo.count_passes(case["groups"])  # as main: every group generated, on every rank
+                algo.after_rollout(case["groups"])  # as main: every group generated, on every rank
         else:
             cfg = daro.Config(**f)
             algo = daro.DARO(cfg, torch.device("cpu"), {})
@@ -250,7 +250,7 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
                            effective[r].tolist(), carried[r].tolist()) for r in rows.tolist()])}
             if case["script"] == "daro":
                 record["bin_loss"] = ranks.all_reduce_sum(algo.bin_loss.clone()).tolist()
-                algo.step_weights()
+                algo.after_update()
                 record["s"] = [s.item() for s in algo.neg_log_w]
             out.append(record)
         return out

@@ -88,8 +88,11 @@ def test_help_documents_every_field(capsys):
         bookkeeping.parse_config(Config, ["--help"], PRESETS)
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
+    helps = bookkeeping.field_help(Config)
     for name in Config.__dataclass_fields__:
         assert f"--{name}" in out
+        assert helps.get(name), f"--{name} has no help: a docstring under the field"
+        assert "".join(f"{helps[name]} (default: ".split()) in "".join(out.split()), name  # wrapped anywhere
     assert "lambda: multiplier of correct completions' advantages on hard prompts" in out
     assert "lambda(p) = 1/gamma(p, G) in place of lam, capped at lam_max [dev 4]" in out
     assert "AdamW learning rate (the papers: 1e-6)" in out  # a shared knob (common.TrainConfig), documented once

@@ -370,7 +370,7 @@ def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys,
 
 
 def test_weight_lr_bounds_how_far_the_weights_travel():
-    """What daro.py --help says of --weight_lr, checked on the real weight step: Adam moves ln w by ~weight_lr per
+    """What docs/metrics.md says of --weight_lr, checked on the real weight step: Adam moves ln w by ~weight_lr per
     update whatever the bin's loss, so after 120 updates at 1e-3 every bin's w is ~exp(0.12) = 1.13, for a loss scale
     of 0.1 (fixed point 9.9) and of 0.004 (fixed point 200) alike: the bins rise together."""
     cfg = bookkeeping.parse_config(daro.Config, ["--group_size", "4"], daro.PRESETS)
@@ -381,7 +381,8 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
         daro.update_weights(neg_log_w, opt, bin_loss, torch.tensor([False, True, True, True, False]), cfg)
     travel = [-s.item() for s in neg_log_w]
     assert all(abs(t - 120 * cfg.weight_lr) < 2e-3 for t in travel), travel
-    assert "travels at most ~weight_lr" in " ".join(bookkeeping._field_comments(daro.Config)["weight_lr"].split())
+    docs = " ".join(open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read().split())
+    assert "ln w_mu travels at most ~weight_lr x (weight updates): 0.12 in the demo's 120 updates (w <= 1.13)" in docs
 
 
 def test_mechanism_trace_records_every_update_and_bin(tmp_path):

@@ -1,6 +1,7 @@
 """The layout by role: common.py holds the step, the files that keep a run going hold the rest, and
 imports point one way. Source checks only (no torch needed); tools/layout.py prints the size figures."""
 import ast
+import difflib
 import glob
 import os
 import re
@@ -193,3 +194,68 @@ def test_the_readme_file_map_and_reading_order_match_the_tree():
     assert not packages - set(names), f"folders the README's map leaves out: {packages - set(names)}"
     cited = set(re.findall(r"`(\w+\.py)`", reading))
     assert cited and not cited - set(top_py), f"the reading order names files not at the top: {cited - set(top_py)}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One loop protocol: the two main()s are the same loop, written twice on purpose (each script reads top to
+# bottom), and every hook that loop calls on the algorithm is written down once, on common.Algorithm.
+SCRIPTS = ("da3po.py", "daro.py")
+# The only lines of main() that may differ between the two scripts: each names its own algorithm class.
+MAIN_MAY_DIFFER = {"da3po.py": ["algo = DAA(cfg, device, state)"],
+                   "daro.py": ["algo = DARO(cfg, device, state)"]}
+
+
+def definition(module: ast.Module, name: str) -> ast.FunctionDef | ast.ClassDef:
+    return next(n for n in module.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
+
+
+def main_lines(script: str) -> list[str]:
+    """main()'s source lines, stripped of indentation, comments included (the loops' prose matches too)."""
+    node = definition(tree(script), "main")
+    with open(os.path.join(ROOT, script), encoding="utf-8") as f:
+        lines = f.read().splitlines()[node.lineno - 1:node.end_lineno]
+    return [line.strip() for line in lines]
+
+
+def calls_on(node: ast.AST, name: str) -> set[str]:
+    """The methods called on the variable `name` anywhere inside `node` (`algo.loss(...)` -> "loss")."""
+    return {n.func.attr for n in ast.walk(node)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == name}
+
+
+def hooks() -> set[str]:
+    base = definition(tree("common.py"), "Algorithm")
+    return {n.name for n in base.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_two_main_loops_differ_only_in_the_lines_that_name_their_algorithm():
+    first, second = (main_lines(s) for s in SCRIPTS)
+    differing = {script: [] for script in SCRIPTS}
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=first, b=second, autojunk=False).get_opcodes():
+        if op != "equal":
+            differing[SCRIPTS[0]] += first[i1:i2]
+            differing[SCRIPTS[1]] += second[j1:j2]
+    for script, lines in zip(SCRIPTS, (first, second)):
+        allowed = MAIN_MAY_DIFFER[script]
+        unexpected = [line for line in differing[script] if not line.startswith(tuple(allowed))]
+        assert not unexpected, f"{script}'s main() differs from the other script's in: {unexpected}"
+        for prefix in allowed:  # the allowed lines exist: the list cannot go stale unnoticed
+            assert sum(line.startswith(prefix) for line in lines) == 1, f"{script}: no line {prefix!r}"
+
+
+def test_every_hook_the_loop_calls_is_on_the_algorithm_base():
+    documented = hooks()
+    for script in SCRIPTS:
+        module = tree(script)
+        called = calls_on(definition(module, "main"), "algo")
+        assert {"advantages", "token_weights", "loss", "after_update"} <= called, f"{script}: {called}"
+        assert not called - documented, f"{script}'s loop calls {sorted(called - documented)}: not on Algorithm"
+        classes = [n for n in module.body if isinstance(n, ast.ClassDef)
+                   and any(isinstance(b, ast.Name) and b.id == "Algorithm" for b in n.bases)]
+        assert len(classes) == 1, f"{script} should define one subclass of common.Algorithm"
+    for name in ("common.py", "bookkeeping.py"):  # the step's functions that are handed the algorithm
+        for fn in ast.walk(tree(name)):
+            if isinstance(fn, ast.FunctionDef) and "algo" in {a.arg for a in fn.args.args}:
+                called = calls_on(fn, "algo")
+                assert not called - documented, f"{name}:{fn.name} calls {sorted(called - documented)}"

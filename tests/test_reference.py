@@ -220,8 +220,9 @@ def test_daa_advantages_and_token_weights(seed):
             for s in seqs]
     groups = [{"prompt": f"problem {i}", "answer": "7", "correct": batch["correct"][i * G:(i + 1) * G].tolist()}
               for i in range(6)]
-    algo, f = da3po.DAA(cfg, {"pass_counts": {da3po.pass_key(g): list(p) for g, p in zip(groups, priors)}}), _flags(cfg)
-    algo.count_passes(groups)  # this step's samples join the running counts before the advantages, as in main
+    counts = {da3po.pass_key(g): list(p) for g, p in zip(groups, priors)}
+    algo, f = da3po.DAA(cfg, torch.device("cpu"), {"pass_counts": counts}), _flags(cfg)
+    algo.after_rollout(groups)  # this step's samples join the running counts before the advantages, as in main
     A = algo.advantages(batch, groups, {})
     A_ref = torch.tensor(reference.advantages(seqs, f), dtype=A.dtype)
     assert torch.allclose(A, A_ref, rtol=1e-6 if cfg.adaptive_lam else 0, atol=harness.TOL)
@@ -308,13 +309,13 @@ def test_daro_loss_step_weights_and_state_dict(weighting, literal):
             ref_loss, bin_loss = _reference_daro(sub, [trained[i] for i in rows.tolist()], f, adam.s, token_loss)
             assert abs(loss - ref_loss) < harness.TOL * max(1.0, abs(ref_loss))
             assert all(abs(algo.bin_loss[b].item() - bin_loss.get(b, 0.0)) < harness.TOL for b in range(G + 1))
-            algo.step_weights()
+            algo.after_update()
             if weighting == "learned":
                 adam.step(reference.weight_objective(bin_loss, adam.s, f)[1])
             assert [s.item() for s in algo.neg_log_w] == pytest.approx(adam.s, abs=harness.TOL)
             if resumed is not None:  # the copy made from the state dict does the same update
                 _daro_update(resumed, copy, rows, random.Random(u))
-                resumed.step_weights()
+                resumed.after_update()
                 assert [s.item() for s in resumed.neg_log_w] == [s.item() for s in algo.neg_log_w]
             if u == 1:
                 resumed = daro.DARO(cfg, torch.device("cpu"), algo.state_dict())

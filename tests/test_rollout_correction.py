@@ -228,4 +228,4 @@ def test_clip_fractions_count_only_the_tokens_the_loss_counts(demo_dir):
         common.token_losses(model, None, mb, cfg, torch.device("cpu"), sums)
     m = common.train_metrics(sums.reduce(), 1, 1e-4, True)
     assert m["train/clipfrac_high"] == 1.0 and m["train/clipfrac_low"] == 0.0
-    assert sums.sums["tokens"] == sums.sums["clip_high"] == kept > 0
+    assert sums.values["tokens"] == sums.values["clip_high"] == kept > 0

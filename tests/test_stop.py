@@ -427,9 +427,9 @@ def test_a_checkpoint_from_a_gpu_resumes_here_and_loads_onto_the_training_device
         assert moments and all(v.device.type == "meta" for v in moments)
         assert steps and all(v.device.type == "cpu" for v in steps)  # where Adam keeps them (not capturable)
         assert algo.bins.device.type == "cpu"
-        algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what step_weights does
+        algo.bins[0] += torch.ones(cfg.group_size + 1).cpu()  # what after_update does
     else:
-        counts = da3po.DAA(cfg, state).pass_counts
+        counts = da3po.DAA(cfg, torch.device("meta"), state).pass_counts
         assert counts and all(type(n) is int for c in counts.values() for n in c)  # plain numbers, no device
 
     run(script, out, *flags, "--resume")  # on this CPU, for real
