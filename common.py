@@ -63,7 +63,7 @@ class TrainConfig:
     """the trainer's attention, by transformers' name ('' = the model's own); docs/gpu.md"""
     cpu_offload: bool = False
     """FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU"""
-    # LoRA (peft, requirements-lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)
+    # LoRA (peft, requirements/lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)
     lora_rank: int = 0
     """r: rank of the adapters; 0 = off (every weight trained)"""
     lora_alpha: float = 32.0
@@ -188,7 +188,7 @@ class TrainConfig:
     eval_only: bool = False
     """evaluate --model on --eval_data and exit"""
     report_to: str = "none"
-    """also log to: none | tensorboard | wandb (requirements-tracking.txt)"""
+    """also log to: none | tensorboard | wandb (requirements/tracking.txt)"""
     wandb_project: str = ""
     """wandb project of --report_to wandb"""
 
