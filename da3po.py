@@ -35,7 +35,7 @@ from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConf
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout, rollout_correction
 from modeling import load_policy, model_path, prepare_models
-from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, handle_stop_signals,
+from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_process, handle_stop_signals,
                    setup_dist, stop_requested, stop_run)
 
 # ------------------------------------------------------------------------------------------------------------
@@ -348,3 +348,4 @@ if __name__ == "__main__":
         print_theory()
     else:
         main(config)
+        end_process()  # under torchrun: exit without the interpreter's shutdown (ranks.end_process)

@@ -3,6 +3,7 @@ Look up when needed: the processes of a run.
 Ranks and their collectives (a plain `python` run is world size 1 and none of this does anything),
 the stop signals the loop polls, and how a run ends early.
 """
+import atexit
 import datetime
 import os
 import signal
@@ -55,14 +56,32 @@ def setup_dist(device: str = "") -> DistInfo:
 
 
 def cleanup_dist(engine=None):
-    """Barrier (else gloo can abort at exit), close the engine (vLLM may destroy the group),
-    destroy the group."""
+    """Barrier (no rank leaves while another still talks), close the engine (vLLM may destroy
+    the group), destroy the group."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if engine is not None:
         engine.close()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(status: int = 0):
+    """A torchrun rank's last call, after cleanup_dist: exit with `status` without Python's
+    interpreter shutdown.
+
+    gloo's worker threads stop only when their group is freed, and torch's DTensor caches keep
+    FSDP2's mesh, and so the group, alive to the end. A worker still releasing the last
+    collective's tensors while Python shuts down is ended inside a C++ destructor: the rank
+    aborts (SIGABRT) after a run that finished, and torchrun reports a failure. So: the exit
+    handlers (the trackers' close), the streams flushed, then os._exit. A plain run is untouched.
+    """
+    if not _launched:
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def is_dist() -> bool:

@@ -876,6 +876,7 @@ def main(argv=None):
               f"{time.time() - t_start:.1f} s; "
               f"per check: {', '.join(f'{k}: {R.status(k)} {R.seconds(k):.1f} s' for k in CHECKS)}; report: {a.out}",
               flush=True)
+    ranks.end_process(1 if c["FAIL"] else 0)  # under torchrun (ranks.end_process says why)
     raise SystemExit(1 if c["FAIL"] else 0)
 
 

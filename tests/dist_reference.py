@@ -36,3 +36,4 @@ for case in cases:
 if d.is_main:
     torch.save(results, out)
 ranks.cleanup_dist()
+ranks.end_process()

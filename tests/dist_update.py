@@ -57,3 +57,4 @@ if d.is_main:
     rollout = {k: v.clone() for k, v in engine.model.state_dict().items()}
     torch.save({"loss": loss_sum, "grad_norm": grad_norm, "params": params, "rollout": rollout}, out)
 ranks.cleanup_dist()
+ranks.end_process()

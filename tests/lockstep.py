@@ -201,3 +201,4 @@ if sys.argv[1] == "--jobs":  # several runs in one process: JOBS.json lists them
 else:
     out_dir, skew = sys.argv[1], sys.argv[3]
     run(sys.argv[2], out_dir, sys.argv[4:])
+ranks.end_process()  # as the scripts' own __main__ ends

@@ -1,11 +1,13 @@
 """torchrun + FSDP2 on CPU (gloo): the same update as one process, and runs/checkpoints of the real script.
 Run: python -m pytest -q tests/test_dist.py"""
+import glob
 import json
+import os
 
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
@@ -50,3 +52,49 @@ def test_torchrun_da3po_checkpoint_loads_and_resumes(demo_dir, tmp_path):
     steps = [json.loads(x)["step"] for x in open(out / "metrics.jsonl") if "train/loss" in x]
     assert steps == [1, 2]
     assert json.load(open(out / "config.json"))["_world_size"] == 2
+
+
+END_OF_RUN = """
+import atexit, os, sys
+import torch
+import ranks
+d = ranks.setup_dist("cpu")
+atexit.register(lambda: open(os.path.join(sys.argv[1], f"atexit{d.rank}"), "w").close())
+total = ranks.all_reduce_sum(torch.tensor(float(d.rank + 1))).item()
+print(f"rank {d.rank} total {total}", end="")  # no newline: block-buffered, a file or pipe sees it on a flush
+ranks.cleanup_dist()
+ranks.end_process(int(sys.argv[2]))
+raise SystemExit(7)  # reached in a plain process only
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_end_process_runs_exit_handlers_flushes_and_exits_with_status(tmp_path, status):
+    """ranks.end_process, a distributed rank's last call: the exit handlers run (the trackers' close), buffered
+    output is written, and the process leaves with the status given, without Python's own shutdown (where gloo's
+    worker threads can abort a finished rank). Under torchrun (which runs python -u), under a launcher that sets
+    the environment only (a 1-rank group, stdout block-buffered: the flush is what writes it), and in a plain
+    process, where it returns."""
+    import socket
+    import subprocess
+    import sys
+    script = tmp_path / "end.py"
+    script.write_text(END_OF_RUN)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    args = [str(script), str(tmp_path), str(status)]
+    r = subprocess.run([sys.executable, *TORCHRUN, "--redirects", "3", "--log_dir", str(tmp_path / "logs"), *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (r.returncode == 0) == (status == 0), r.stderr[-3000:]
+    outs = sorted(glob.glob(str(tmp_path / "logs" / "**" / "stdout.log"), recursive=True))
+    assert [open(f).read() for f in outs] == ["rank 0 total 3.0", "rank 1 total 3.0"], outs
+    assert {p.name for p in tmp_path.glob("atexit*")} == {"atexit0", "atexit1"}
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    one = {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    for launched, code in [(one, status), (env, 7)]:
+        r = subprocess.run([sys.executable, *args], cwd=ROOT, env=launched, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == code and r.stdout == "rank 0 total 1.0", r.stderr[-3000:]

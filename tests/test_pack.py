@@ -360,6 +360,7 @@ model, ref_model = modeling.prepare_models(model, rollout, modeling.model_path("
 with open(f"{out}/rank{{d.rank}}.json", "w") as f:  # (one file each: the ranks' prints would interleave)
     json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal), f)
 ranks.cleanup_dist()
+ranks.end_process()
 """
 
 
