@@ -166,20 +166,29 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 # 2. What both trainers add to GRPOTrainer
 
 
-def _recipe_defaults(args):
-    """Before GRPOConfig's own checks: updates_per_generation updates per generation batch (TRL's
-    steps_per_generation = that many times gradient_accumulation_steps), unless the user set the batch's size."""
-    if args.steps_per_generation is None and args.generation_batch_size is None:
-        args.steps_per_generation = args.updates_per_generation * args.gradient_accumulation_steps
+@dataclass
+class _RecipeConfig(GRPOConfig):
+    """The papers' recipe shape, both configs alike (TRL's defaults: 1 update per generation batch, no weight
+    decay, linear decay to 0, epsilon_high = epsilon)."""
+    updates_per_generation: int = field(default=2, metadata={"help": "optimizer updates per generation batch "
+                                                                     "(sets steps_per_generation if not given)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (DAPO: 0.1)"})
+    lr_scheduler_type: str = field(default="constant_with_warmup", metadata={
+        "help": "learning-rate schedule (DAPO: constant after a linear warm-up of warmup_steps)"})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "DAPO's clip-higher upper epsilon"})
 
-
-def _check_updates(args):
-    """After GRPOConfig's checks: the generation batch splits into whole updates."""
-    if args.steps_per_generation % args.gradient_accumulation_steps:
-        raise ValueError(f"{type(args).__name__}: steps_per_generation ({args.steps_per_generation}) must be a "
-                         f"multiple of gradient_accumulation_steps ({args.gradient_accumulation_steps}): each "
-                         "optimizer update takes whole micro-batches of one generation batch")
-    args.updates_per_generation = args.steps_per_generation // args.gradient_accumulation_steps
+    def __post_init__(self):
+        # before GRPOConfig's checks: updates_per_generation updates per generation batch (TRL's
+        # steps_per_generation = that many times gradient_accumulation_steps), unless the user set the batch's size
+        if self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = self.updates_per_generation * self.gradient_accumulation_steps
+        super().__post_init__()
+        # after them: the generation batch splits into whole updates
+        if self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(f"{type(self).__name__}: steps_per_generation ({self.steps_per_generation}) must be a "
+                             f"multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps}): each "
+                             "optimizer update takes whole micro-batches of one generation batch")
+        self.updates_per_generation = self.steps_per_generation // self.gradient_accumulation_steps
 
 
 class _Common:
@@ -253,7 +262,7 @@ class _Common:
 
 
 @dataclass
-class DA3POConfig(GRPOConfig):
+class DA3POConfig(_RecipeConfig):
     """GRPOConfig plus DAA's knobs (the meanings and defaults of da3po.py's flags) and the recipe's defaults."""
     lam: float = field(default=2.0, metadata={"help": "multiplier of correct completions' advantages on hard prompts"})
     tau: float = field(default=0.5, metadata={"help": "hard prompt: pass rate p < tau (strict)"})
@@ -263,19 +272,9 @@ class DA3POConfig(GRPOConfig):
     daa_scope: str = field(default="correct", metadata={"help": "correct (the paper) | all (a control)"})
     mask_uniform_groups: bool = field(default=True, metadata={"help": "DAPO's filter: all-right/all-wrong groups "
                                                                       "leave the loss and its token count"})
-    # the recipe's shape, both configs alike (TRL's defaults: 1 update per generation batch, no weight decay, linear
-    # decay to 0, epsilon_high = epsilon)
-    updates_per_generation: int = field(default=2, metadata={"help": "optimizer updates per generation batch "
-                                                                     "(sets steps_per_generation if not given)"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (DAPO: 0.1)"})
-    lr_scheduler_type: str = field(default="constant_with_warmup", metadata={
-        "help": "learning-rate schedule (DAPO: constant after a linear warm-up of warmup_steps)"})
-    epsilon_high: float | None = field(default=0.28, metadata={"help": "DAPO's clip-higher upper epsilon"})
 
     def __post_init__(self):
-        _recipe_defaults(self)
         super().__post_init__()
-        _check_updates(self)
         if not 0 < self.tau <= 1 or self.lam <= 0 or self.lam_max < 1:
             raise ValueError(f"DA3POConfig needs 0 < tau <= 1, lam > 0, lam_max >= 1; got tau={self.tau}, "
                              f"lam={self.lam}, lam_max={self.lam_max}")
@@ -346,7 +345,7 @@ class DA3POTrainer(_Common, GRPOTrainer):
 
 
 @dataclass
-class DAROConfig(GRPOConfig):
+class DAROConfig(_RecipeConfig):
     """GRPOConfig plus DARO's knobs (the meanings and defaults of daro.py's flags) and the recipe's defaults.
     L_mu's denominators are bin mu's tokens in each optimizer update (all its micro-batches and processes)."""
     weighting: str = field(default="learned", metadata={"help": "w_mu: learned (DARO) | uniform | var"})
@@ -355,19 +354,9 @@ class DAROConfig(GRPOConfig):
     daro_literal: bool = field(default=False, metadata={"help": "fit the weights to L_mu itself (Eq. 1 as written)"})
     w_min: float = field(default=0.1, metadata={"help": "lower clamp of every w_mu"})
     w_max: float = field(default=10.0, metadata={"help": "upper clamp of every w_mu"})
-    # the recipe's shape, both configs alike (TRL's defaults: 1 update per generation batch, no weight decay, linear
-    # decay to 0, epsilon_high = epsilon)
-    updates_per_generation: int = field(default=2, metadata={"help": "optimizer updates per generation batch "
-                                                                     "(sets steps_per_generation if not given)"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (DAPO: 0.1)"})
-    lr_scheduler_type: str = field(default="constant_with_warmup", metadata={
-        "help": "learning-rate schedule (DAPO: constant after a linear warm-up of warmup_steps)"})
-    epsilon_high: float | None = field(default=0.28, metadata={"help": "DAPO's clip-higher upper epsilon"})
 
     def __post_init__(self):
-        _recipe_defaults(self)
         super().__post_init__()
-        _check_updates(self)
         if self.weighting not in ("learned", "uniform", "var"):
             raise ValueError(f"DAROConfig: weighting {self.weighting!r}: choose one of learned, uniform, var")
         if not 0 < self.w_min <= 1 <= self.w_max:
