@@ -77,3 +77,18 @@ def random_batch(tok, n, seed=0, skew=False):
     ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
     return {"input_ids": ids, "attention_mask": attn, "mask": mask,
             "advantage": torch.randn(n, generator=g)}
+
+
+class ScriptedEngine:
+    """An engine whose k completions of problem i are texts[i] (each 'token' indexes a table of texts), and the
+    tokenizer that decodes them: evaluation then scores completions chosen by hand (problem i's prompt_ids: [i])."""
+
+    def __init__(self, texts: list[list[str]]):
+        self.table = [t for row in texts for t in row]
+
+    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, n, seed=None):
+        ids = [[p[0] * n + j] for p in prompt_ids for j in range(n)]  # prompt_ids [[i]]: problem i
+        return ids, [False] * len(ids), None
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [self.table[i[0]] for i in ids]

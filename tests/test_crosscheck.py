@@ -9,7 +9,7 @@ import pytest
 
 import common
 import crosscheck
-from tests.conftest import run_script
+from tests.conftest import ScriptedEngine, run_script
 from da3po import Config
 
 
@@ -75,20 +75,9 @@ def test_math_verify_judge():
     checker.pool.close()
 
 
-class ScriptedEngine:
-    """Completions chosen by hand: problem i's k completions are TEXTS[i] (each 'token' indexes a table)."""
-    TEXTS = [["\\boxed{5} right", "\\boxed{7}", "\\boxed{5}", "\\boxed{7} right"],  # gold 5
-             ["\\boxed{0.5} right", "\\boxed{3}", "\\boxed{1/2}", "\\boxed{3}"]]  # gold 1/2
-
-    def __init__(self):
-        self.table = [t for texts in self.TEXTS for t in texts]
-
-    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, n, seed=None):
-        ids = [[p[0] * n + j] for p in prompt_ids for j in range(n)]  # prompt_ids [[i]]: problem i
-        return ids, [False] * len(ids), None
-
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [self.table[i[0]] for i in ids]
+# problem i's completions, chosen by hand
+TEXTS = [["\\boxed{5} right", "\\boxed{7}", "\\boxed{5}", "\\boxed{7} right"],  # gold 5
+         ["\\boxed{0.5} right", "\\boxed{3}", "\\boxed{1/2}", "\\boxed{3}"]]  # gold 1/2
 
 
 PROBLEMS = [{"prompt": "a", "answer": "5", "level": 1, "prompt_ids": [0]},
@@ -100,7 +89,7 @@ def test_evaluation_counts_and_file(stub, tmp_path):
     3 (theirs only). The rows reach crosscheck.jsonl through the Logger, with the step and the eval set."""
     import bookkeeping
     import ranks
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(TEXTS)
     cfg = Config(eval_data="one", eval_samples=4, verifier_crosscheck=True, out_dir=str(tmp_path))
     out = common.evaluate_sets(engine, engine, {"one": PROBLEMS}, cfg)
     assert out["eval/acc"] == 0.5  # ours, untouched by the cross-check
@@ -118,7 +107,7 @@ def test_evaluation_counts_and_file(stub, tmp_path):
 
 
 def test_off_by_default_adds_nothing():
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(TEXTS)
     out = common.evaluate_sets(engine, engine, {"one": PROBLEMS}, Config(eval_data="one", eval_samples=4))
     assert not any("crosscheck" in k for k in out)
 

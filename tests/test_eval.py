@@ -9,7 +9,7 @@ import bookkeeping
 import modeling
 import dataset
 import verifier
-from tests.conftest import run_script
+from tests.conftest import ScriptedEngine, run_script
 from da3po import PRESETS, Config
 
 
@@ -26,21 +26,9 @@ def test_majority_vote_by_hand():
     assert verifier.majority_vote([None, None]) == (None, 0) and verifier.majority_vote([]) == (None, 0)
 
 
-class ScriptedEngine:
-    """An engine whose k completions of problem i are TEXTS[i] (each 'token' is an index into a table of texts), and
-    the tokenizer that decodes them: evaluate() then scores completions we chose by hand."""
-    TEXTS = [["\\boxed{5}", "\\boxed{7}", "\\boxed{7}", "no answer"],  # gold 5: 1 right; the majority (7) is wrong
-             ["\\boxed{0.5}", "\\boxed{3}", "\\boxed{\\frac{1}{2}}", "\\boxed{3}"]]  # gold 1/2: 2 right; a 2-2 tie
-
-    def __init__(self):
-        self.table = [t for texts in self.TEXTS for t in texts]
-
-    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, n, seed=None):
-        ids = [[p[0] * n + j] for p in prompt_ids for j in range(n)]  # prompt_ids [[i]]: problem i
-        return ids, [False] * len(ids), None
-
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [self.table[i[0]] for i in ids]
+# problem i's completions, chosen by hand
+TEXTS = [["\\boxed{5}", "\\boxed{7}", "\\boxed{7}", "no answer"],  # gold 5: 1 right; the majority (7) is wrong
+         ["\\boxed{0.5}", "\\boxed{3}", "\\boxed{\\frac{1}{2}}", "\\boxed{3}"]]  # gold 1/2: 2 right; a 2-2 tie
 
 
 def test_evaluate_by_hand():
@@ -48,7 +36,7 @@ def test_evaluate_by_hand():
     Problem 1: c = 2 of 4; 0.5 and \\frac{1}{2} (2 votes) tie with 3 (2 votes), and 0.5, seen first, wins (right)."""
     problems = [{"prompt": "a", "answer": "5", "level": 1, "prompt_ids": [0]},
                 {"prompt": "b", "answer": "1/2", "level": 2, "prompt_ids": [1]}]
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(TEXTS)
     cfg = Config(eval_samples=4)
     out = common.evaluate(engine, engine, problems, cfg)
     assert out["eval/acc"] == pytest.approx(3 / 8)

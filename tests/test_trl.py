@@ -21,6 +21,7 @@ import da3po  # noqa: E402
 import daro  # noqa: E402
 import modeling  # noqa: E402
 from tests.conftest import ROOT, readme_block, run_script  # noqa: E402
+from tests.dropin_formulas import check_copied_formulas  # noqa: E402
 from integrations import golden  # noqa: E402
 from integrations import trl_da3po_daro as drop_in  # noqa: E402
 from integrations.trl_da3po_daro import (ALGO_STATE, DA3POConfig, DA3POTrainer, DAROConfig,  # noqa: E402
@@ -88,38 +89,15 @@ def spy(cls):
 
 def test_formulas_equal_the_projects():
     g = torch.Generator().manual_seed(0)
-    N, B, T = 6, 12, 7
-    correct = torch.rand(N, G, generator=g) < 0.4
-    adv = torch.randn(N, G, generator=g, dtype=F64)
-    for lam, scope in ((2.0, "correct"), (3.0, "all")):
-        assert all(torch.equal(a, b) for a, b in zip(drop_in.daa(adv, correct, lam, 0.5, scope=scope),
-                                                         da3po.daa(adv, correct, lam, 0.5, scope=scope)))
-    p = torch.tensor([[0.0], [1 / 8], [0.3], [0.5], [0.9], [1.0]], dtype=F64)
-    assert torch.equal(drop_in.adaptive_lam(p, G, 4.0), da3po.adaptive_lam(p, G, 4.0))
+    B, T = 12, 7
+    adv, correct, mask = check_copied_formulas(  # the weights' step reads weight_lr and daro_literal off the config
+        drop_in, lambda lr, literal: DAROConfig(output_dir="unused", use_cpu=True, report_to="none", weight_lr=lr,
+                                                daro_literal=literal), g, G, B, T)
     args = DA3POConfig(output_dir="unused", use_cpu=True, report_to="none", num_generations=G,
                        per_device_train_batch_size=G, adaptive_lam=True, lam_max=2.0)
     ours, metrics = drop_in.amplify(adv, correct, [], {}, args)
     theirs, their_metrics = da3po.amplify(adv, correct, [], {}, args)
     assert torch.equal(ours, theirs) and metrics == pytest.approx(their_metrics, rel=1e-6)  # theirs: float32 sums
-
-    mask = (torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)).to(F64)
-    bins = torch.randint(0, G + 1, (B,), generator=g)
-    ours, theirs = drop_in.bin_token_weights(mask, bins, G), daro.bin_token_weights(mask, bins, G)
-    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
-    for weighting in ("learned", "uniform", "var"):
-        s = [torch.tensor(0.1 * i) for i in range(G - 1)]
-        assert torch.equal(drop_in.bin_weights(s, weighting), daro.bin_weights(s, weighting))
-    bin_loss = torch.randn(G + 1, generator=g, dtype=F64)
-    present = torch.rand(G + 1, generator=g) < 0.7
-    cfg = DAROConfig(output_dir="unused", use_cpu=True, report_to="none", weight_lr=0.05)
-    for literal in (False, True):
-        s_ours = [torch.tensor(0.1 * i, dtype=F64, requires_grad=True) for i in range(G - 1)]
-        s_theirs = [s.detach().clone().requires_grad_() for s in s_ours]
-        assert torch.equal(drop_in.weight_objective(s_ours, bin_loss, present, 1e-3, literal),
-                           daro.weight_objective(s_theirs, bin_loss, present, 1e-3, literal))
-        drop_in.update_weights(s_ours, torch.optim.Adam(s_ours, lr=0.05), bin_loss, present, cfg)
-        daro.update_weights(s_theirs, torch.optim.Adam(s_theirs, lr=0.05), bin_loss, present, cfg)
-        assert all(torch.equal(a, b) for a, b in zip(s_ours, s_theirs))
 
     old = -torch.rand(B, T, generator=g, dtype=F64) * 3
     logp = old + torch.randn(B, T, generator=g, dtype=F64) * 0.3  # ratios beyond both clips
