@@ -111,8 +111,8 @@ def reading_path(script: str, modules: dict[str, "Module"]) -> list[tuple[str, a
     while todo:
         mod, node = todo.pop()
         if (mod, id(node)) in reached:
-            continue
-        if isinstance(node, ast.ClassDef):
+            pass  # seen: still look for class methods below once the list runs dry
+        elif isinstance(node, ast.ClassDef):
             classes.append((mod, node))
             reached[(mod, id(node))] = None  # a class: its methods are counted, not its whole body
         else:
