@@ -291,7 +291,6 @@ PACK_REFUSED = {"recurrent_gemma", "granitemoehybrid", "falcon_h1", "inkling_tex
 
 def _own_logprobs(model, batch):
     """Each row's completion log-probs from its own forward (no padding), at the batch's (B, T) places."""
-    T = batch["mask"].shape[1]
     out = torch.zeros(batch["mask"].shape, dtype=torch.float64)
     for i, (ids, attn) in enumerate(zip(batch["input_ids"], batch["attention_mask"])):
         n = int(batch["mask"][i].sum())

@@ -22,7 +22,7 @@ import ranks  # noqa: E402
 import engine as eng  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
-from tests.conftest import ROOT, run_script  # noqa: E402
+from tests.conftest import run_script  # noqa: E402
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",

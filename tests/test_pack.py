@@ -99,7 +99,7 @@ def test_packed_attention_keeps_sequences_apart(float64_model):
     ids, attn, groups = _one_group([5, 3])
     other, _, _ = _one_group([5, 3], prompt=(15, 16, 17))
     ids2 = torch.cat([ids, other])  # two groups, the second with another prompt
-    attn2, groups2 = torch.cat([attn, attn]), torch.tensor([0, 0, 1, 1])
+    attn2 = torch.cat([attn, attn])
     base = modeling.token_logprobs(model, ids2, attn2, 5, pack=True)[0]
     changed = ids2.clone()
     changed[1, 3:6] = 30  # row 1's completion

@@ -9,7 +9,6 @@ import pytest
 
 import bookkeeping
 import dataset
-import ranks
 import da3po
 import daro
 from tests.conftest import ROOT

@@ -21,8 +21,6 @@ for _module in ("verl.workers.engine_workers", "hydra"):  # verl's trainer stack
     pytest.importorskip(_module, reason="the drop-in needs verl's own install: pip install -r requirements/verl.txt")
 
 import common  # noqa: E402
-import da3po  # noqa: E402
-import daro  # noqa: E402
 from tests.conftest import ROOT, run_script  # noqa: E402
 from tests.dropin_formulas import check_copied_formulas  # noqa: E402
 from integrations import golden  # noqa: E402
@@ -37,7 +35,7 @@ RECIPES = {"verl_dapo_da3po.sh": "da3po", "verl_daro.sh": "daro"}
 def verl_batch(inp: dict, seed: int = 0):
     """A golden case as verl hands it to an estimator: the score on each row's last response token, rows shuffled
     (verl does not promise group order), uids as strings. Returns (kwargs, the row order)."""
-    G, rewards, lengths = inp["G"], inp["rewards"], inp["lengths"]
+    rewards, lengths = inp["rewards"], inp["lengths"]
     rows = [(f"uid-{n}", r, max(1, L)) for n, (rs, ls) in enumerate(zip(rewards, lengths)) for r, L in zip(rs, ls)]
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
