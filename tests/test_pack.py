@@ -198,8 +198,12 @@ def test_rows_whole_packed_equal_padded(float64_model, chunk):
     assert max((a - b).abs().max().item() for a, b in zip(grad_padded, grad_packed)) <= 1e-10
 
 
-def test_eager_packed_equals_sdpa_packed(float64_model):
-    """eager and sdpa read transformers' block-causal mask of the packed rows: the same log-probs."""
+def test_eager_packed_equals_sdpa_packed(float64_model, monkeypatch):
+    """eager and sdpa read transformers' block-causal mask of the packed rows: the same log-probs. eager computes
+    its softmax in float32 even on float64 (a gap of ~1e-6 that depends on the CPU's kernels: 1.2e-6 under
+    ATEN_CPU_CAPABILITY=avx2); here it keeps the input's dtype, so the two agree to float64's rounding."""
+    softmax = torch.nn.functional.softmax
+    monkeypatch.setattr(torch.nn.functional, "softmax", lambda x, dim=None, dtype=None: softmax(x, dim=dim))
     model, _ = float64_model
     ids, attn, _ = _one_group([5, 3, 1])
     other, other_attn, _ = _one_group([2, 4], prompt=(15, 16))
@@ -209,7 +213,7 @@ def test_eager_packed_equals_sdpa_packed(float64_model):
     sdpa = modeling.token_logprobs(model, ids, attn, 5, pack=True)[0]
     model.config._attn_implementation = "eager"
     eager = modeling.token_logprobs(model, ids, attn, 5, pack=True)[0]
-    assert (sdpa - eager).abs().max().item() <= 1e-6  # eager's softmax runs in float32, even on float64
+    assert (sdpa - eager).abs().max().item() <= 1e-12
 
 
 # -----------------------------------------------------------------------------------------------------------------
