@@ -1,22 +1,18 @@
 """
-Look up when needed: what keeps a run going around the step. Flags and their checks, records (metrics.jsonl,
-samples.jsonl, config.json, trackers), checkpoints: atomic, resumed exactly on any number of ranks.
+Look up when needed: what keeps a run going around the step. The models at start-up (loaded, sharded,
+checked), records (metrics.jsonl, samples.jsonl, config.json, trackers), checkpoints: atomic, resumed
+exactly on any number of ranks.
 """
-import argparse
-import ast
 import atexit
 import glob
-import inspect
 import json
 import os
 import pickle
 import random
 import shutil
-import subprocess
 import sys
-import textwrap
 import warnings
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -24,214 +20,55 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import crosscheck
 from common import evaluate_sets
-from dataset import PromptStream, parse_eval_data
-from modeling import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_state_dict, full_state_dict, is_lora,
-                      save_adapter)
+from config import config_dict
+from dataset import PromptStream
+from lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_state_dict, is_lora, load_lora_policy,
+                  save_adapter)
+from modeling import full_state_dict, load_model, set_attention, shard_model
 from ranks import DistInfo, all_reduce_max, die, is_dist, print0
+from shortcuts import check_logprob_paths
 
 # torch.distributed.checkpoint warns at each save/load of a plain run that it works in one process: it should
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Flags from a script's Config (the docstring under each field is its --help), and checks of their combinations.
-# --demo: a shipped demo as the flags it stands for. On the command line the default is `reasoning`
-# (demo/reasoning/README.md); `arith` is the dataclass defaults, which is also what Config() in code runs.
-# A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
-# override both. A --model of the user's own is no demo's: no demo applies unless --demo is given (and then a
-# note says which of its values the model runs on), and the knobs the defaults size for a demo (DEMO_SIZED)
-# must be set, by flags or the --algo preset, or the run stops naming them.
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
-_REASONING = os.path.join(DEMO_DIR, "reasoning")
-COMMAND_LINE_DEMO = "reasoning"  # what `python da3po.py` with no flags runs
-DEMOS = {"arith": {},
-         "reasoning": {"model": os.path.join(_REASONING, "model"),
-                       "train_data": os.path.join(_REASONING, "train.jsonl"),
-                       "eval_data": os.path.join(_REASONING, "eval.jsonl"),
-                       "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
-DEMO_MODELS = ("demo", os.path.join(DEMO_DIR, "arith", "model"), os.path.join(_REASONING, "model"))
-# The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch, the tiny
-# model's learning rate): a real run sets each (docs/gpu.md's recipes do); an --eval_only run the first two.
-DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step",
-              "lr")
-EVAL_ONLY_SIZED = ("eval_data", "max_new_tokens")
+# The models at start-up: the policy loaded (with LoRA's adapters), sharded, and checked where it trains.
+def load_policy(resume_from: str | None, base_path: str, cfg):
+    """(model, tokenizer, the folder of its full weights), on the CPU: the checkpoint's model
+    (--resume) or --model's; with --lora_rank, the base with LoRA adapters (lora.load_lora_policy)."""
+    if cfg.lora_rank:
+        return load_lora_policy(resume_from, base_path, cfg)
+    path = resume_from or base_path
+    model, tok = load_model(path)
+    return model, tok, path
 
 
-def is_demo_model(name: str) -> bool:
-    """--model names a shipped demo's model ('demo', or one of the demo folders)."""
-    return any(name == m or os.path.realpath(name) == os.path.realpath(m) for m in DEMO_MODELS)
+def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
+    """(model, ref_model), sharded and checked where they train, and the rollout engine calibrated
+    against the model (vLLM: the weight-sync probe's start-up gap). ref_model, the KL anchor, is
+    the initial model even after a resume: with LoRA the model itself, which token_losses runs
+    with its adapters off (the base: no second copy); None without KL."""
+    set_attention(model, cfg.attn_implementation)
+    model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
+    if cfg.logprob_path == "shortcuts":  # each shortcut checked where training runs (shortcuts.py)
+        check_logprob_paths(model, cfg, dist_info.device)
+    engine.calibrate(model)
+    if cfg.kl_coef <= 0:
+        return model, None
+    return model, (model if is_lora(model) else load_ref_model(base_path, cfg, dist_info))
 
 
-def _demo_sized(given: dict, demo: str, cfg, argv_model: str) -> dict:
-    """The demo-sized knobs a --model of the user's own would get from no flag: with --demo, the demo's (said
-    in one note); without, none (the run stops, naming the flags to set)."""
-    needed = EVAL_ONLY_SIZED if given.get("eval_only") else DEMO_SIZED
-    missing = [k for k in needed if k not in given]
-    if not missing:
-        return {}
-    if not demo:
-        die(f"--model {argv_model} is not a demo's model: set {', '.join('--' + k for k in missing)} (their "
-            f"defaults are sized for the CPU demos; docs/gpu.md has the papers' recipes), or --demo "
-            f"{'|'.join(DEMOS)} for a demo's values")
-    values = {k: DEMOS[demo].get(k, getattr(cfg, k)) for k in missing}
-    if os.environ.get("RANK", "0") == "0":
-        print(f"note: --model {argv_model} runs on --demo {demo}'s "
-              + ", ".join(f"{k} {v}" for k, v in values.items()), flush=True)
-    return values
-
-
-def field_help(cls) -> dict[str, str]:
-    """Each Config field's --help text: the docstring under the field (as cleanrl's Args), read from
-    the source of the class and its bases. Returns {field name: text}."""
-    helps = {}
-    for klass in reversed(cls.__mro__):
-        if not is_dataclass(klass):
-            continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        for statement, after in zip(body, body[1:]):
-            if not isinstance(statement, ast.AnnAssign):
-                continue
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                helps[statement.target.id] = " ".join(str(after.value.value).split())
-    return helps
-
-
-def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Precedence: dataclass defaults < --demo (reasoning unless given; none for a --model of the user's own)
-    < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated
-    flag exits 2 naming it; overriding a preset prints a note; a model of the user's own missing a DEMO_SIZED
-    knob exits 2 naming them all (with --demo: a note naming the demo's values it gets)."""
-    helps = field_help(cls)
-    repo = os.path.dirname(DEMO_DIR)
-    demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
-                  for k, v in DEMOS[COMMAND_LINE_DEMO].items()]
-    sized = ", ".join("--" + k for k in DEMO_SIZED)
-    epilog = (f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
-              f"are --demo arith's. A --model of your own runs on no demo's values: it needs {sized} "
-              f"(docs/gpu.md's recipes set them).")
-    parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]),
-                                     description=(cls.__doc__ or "").strip(),
-                                     epilog=epilog,
-                                     allow_abbrev=False)
-    for f in fields(cls):
-        default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
-        help_text = f"{helps.get(f.name, '')} (default: {default!r})".replace("%", "%%")
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
-        kind = type(f.default)
-        if kind is bool:
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
-        else:
-            parser.add_argument(f"--{f.name}", type=kind, metavar=kind.__name__.upper(), **kw)
-    given = vars(parser.parse_args(argv))
-    cfg = cls()
-    own_model = "model" in given and not is_demo_model(given["model"])  # a model of the user's own
-    demo = given.setdefault("demo", "" if own_model else COMMAND_LINE_DEMO)  # "": no demo applies
-    if demo not in DEMOS and not (own_model and demo == ""):
-        parser.error(f"argument --demo: invalid choice {demo!r} (choose from {', '.join(DEMOS)})")
-    if presets is not None:
-        algo = given.get("algo", cfg.algo)
-        if algo not in presets:
-            parser.error(f"argument --algo: invalid choice {algo!r} (choose from {', '.join(presets)})")
-        for k, v in presets[algo].items():  # a recipe knob changed by hand is allowed, but never silently
-            if k in given and given[k] != v and os.environ.get("RANK", "0") == "0":
-                print(f"note: --{k} {given[k]} overrides the {algo} preset's {k} = {v}", flush=True)
-        given = {**presets[algo], **given}
-    if own_model:
-        given = {**_demo_sized(given, demo, cfg, given["model"]), **given}
-    given = {**DEMOS.get(demo, {}), **given}
-    for k, v in given.items():
-        setattr(cfg, k, v)
-    return cfg
-
-
-def config_dict(cfg, world_size: int = 1) -> dict:
-    """The config used, plus what reproducing a run needs: world size, versions, git commit."""
-    import transformers
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, timeout=5,
-                             capture_output=True, text=True)
-        commit = git.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {**asdict(cfg),
-            "_world_size": world_size,
-            "_torch": torch.__version__,
-            "_transformers": transformers.__version__,
-            "_git_commit": commit}
-
-
-def check_config(cfg, world_size: int, check_algorithm=None):
-    """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded; the
-    script's own last (check_algorithm(cfg))."""
-    choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-               "dtype": ("float32", "bfloat16", "float16"),
-               "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
-               "answer_format": ("boxed", "answer_line", "auto"),
-               "rollout": ("hf", "vllm", "auto"),
-               "rollout_is": ("none", "token", "sequence"),
-               "report_to": ("none", "tensorboard", "wandb")}
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
-    for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer",
-                 "micro_batch_tokens", "logprob_chunk", "crosscheck_train"):
-        if getattr(cfg, name) < 0:
-            die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens",
-                 "max_prompt_length", "eval_samples", "max_gen_batches", "rollout_batch_size",
-                 "eval_batch_size", "keep_last", "max_bad_updates"):
-        if getattr(cfg, name) < 1:
-            die(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.group_size < 2:
-        die(f"--group_size must be >= 2 (advantages are relative to the group), got {cfg.group_size}")
-    if cfg.cpu_offload and not is_dist():
-        die("--cpu_offload needs FSDP2, which runs under torchrun: launch with torchrun --standalone "
-            "--nproc_per_node=1 (one GPU) or more")
-    if cfg.dtype == "float16" and not cfg.eval_only:
-        die("--dtype float16 trains without loss scaling (small gradients underflow): use bfloat16, "
-            "or float16 only with --eval_only")
-    if cfg.prompts_per_step % world_size:
-        die(f"--prompts_per_step {cfg.prompts_per_step} does not divide over {world_size} ranks")
-    if cfg.updates_per_step > cfg.prompts_per_step // world_size:
-        die(f"--updates_per_step {cfg.updates_per_step} is more than the "
-            f"{cfg.prompts_per_step // world_size} prompts per rank "
-            f"(--prompts_per_step {cfg.prompts_per_step} over {world_size} ranks): an update needs a group")
-    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
-        die(f"--out_dir {cfg.out_dir!r} is an existing file, not a folder")
-    if cfg.overlong_buffer >= cfg.max_new_tokens:
-        die(f"--overlong_buffer {cfg.overlong_buffer} must be below --max_new_tokens {cfg.max_new_tokens}")
-    if cfg.rollout_is_cap <= 1:
-        die(f"--rollout_is_cap must be > 1 (weights are kept in [1/cap, cap]), got {cfg.rollout_is_cap}")
-    if cfg.oversample < 1:
-        die(f"--oversample must be >= 1, got {cfg.oversample}")
-    if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
-        die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
-    if cfg.crosscheck_train and not cfg.verifier_crosscheck:
-        die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
-    if cfg.verifier_crosscheck and crosscheck.missing():
-        die(f"--verifier_crosscheck: {crosscheck.missing()}")
-    parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
-    check_lora_config(cfg)
-    if check_algorithm is not None:
-        check_algorithm(cfg)
-
-
-def check_lora_config(cfg):
-    """The --lora_* flags: a rank >= 1 turns LoRA on; the others only tune it, so setting them without a rank
-    is a mistake, not a silent full fine-tune."""
-    tuned = [f"--{f.name}" for f in fields(cfg)
-             if f.name.startswith("lora_") and f.name != "lora_rank" and getattr(cfg, f.name) != f.default]
-    if cfg.lora_rank < 0 or (cfg.lora_rank == 0 and tuned):
-        die(f"--lora_rank {cfg.lora_rank}: LoRA needs a rank >= 1" +
-            (f" ({', '.join(tuned)} set: they only apply to LoRA)" if tuned else ""))
-    if cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
-        die(f"--lora_alpha must be > 0 and --lora_dropout in [0, 1), "
-            f"got {cfg.lora_alpha} and {cfg.lora_dropout}")
-    if cfg.lora_sync not in ("auto", "adapter", "merged"):
-        die(f"--lora_sync {cfg.lora_sync!r}: choose one of auto, adapter, merged")
+def load_ref_model(base_path: str, cfg, dist_info: DistInfo):
+    """--kl_coef > 0 without LoRA: the KL anchor, the initial model frozen, sharded and checked as the
+    policy is (in eval mode: a no-grad forward's gathered parameters are freed after it)."""
+    ref_model = load_model(base_path)[0].requires_grad_(False)
+    set_attention(ref_model, cfg.attn_implementation)
+    ref_model = shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
+    if cfg.logprob_path == "shortcuts":
+        check_logprob_paths(ref_model, cfg, dist_info.device)
+    return ref_model
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -567,14 +404,18 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
             shutil.rmtree(old, ignore_errors=True)
     if is_dist():
         dist.barrier()
-    weights = ADAPTER_WEIGHTS if lora else "model.safetensors"
+        check_every_rank_sees(path, ADAPTER_WEIGHTS if lora else "model.safetensors", world)
+    return path
+
+
+def check_every_rank_sees(path: str, weights: str, world: int):
+    """Exit 2 on every rank unless each rank sees the whole checkpoint (several nodes, one filesystem)."""
     files = ["trainer.pt", weights, os.path.join("optimizer", ".metadata")] + [
         f"rank{r}.pt" for r in range(world)]
     missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
     if all_reduce_max(torch.tensor(float(len(missing)))).item():
         die(f"checkpoint {path}: a rank does not see {', '.join(missing) or 'all of it'}; "
             f"with several nodes, --out_dir must be on a filesystem every node shares")
-    return path
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
@@ -584,9 +425,12 @@ def latest_checkpoint(out_dir: str) -> str | None:
 
 
 def find_checkpoint(cfg) -> str | None:
-    """The checkpoint --resume continues from (rank 0's choice, on every rank; said if none), else None."""
-    if not cfg.resume:
-        return None
+    """The checkpoint --resume continues from (resume_from), else None."""
+    return resume_from(cfg) if cfg.resume else None
+
+
+def resume_from(cfg) -> str | None:
+    """The latest checkpoint in --out_dir (rank 0's choice, on every rank; said if none), checked."""
     ckpt = [latest_checkpoint(cfg.out_dir)]
     if is_dist():
         dist.broadcast_object_list(ckpt, src=0)
@@ -611,16 +455,22 @@ def check_checkpoint_kind(ckpt: str, lora_rank: int):
 
 def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int,
                     dist_info: DistInfo):
-    """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
-    scheduler, data position, this rank's RNGs (a fresh run seeds them instead; so does a run on another
-    number of ranks: the saved streams belong to the old ranks; a stopped step's work is then split anew,
-    reshard_pending). Returns (the step to continue after, the
-    saved state: the algorithm's entries, "eval_due", and "pending": this rank's PendingStep or None)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    """(the step to continue after, the saved state): a fresh run (no `ckpt`) seeds this rank's RNGs and
+    starts at step 0; --resume restores the trainer's state (resume_checkpoint)."""
     if ckpt is None:
         seed_everything(seed + dist_info.rank)
         return 0, {"pending": None}
+    return resume_checkpoint(ckpt, model, opt, sched, stream, seed, dist_info)
+
+
+def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
+    """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
+    scheduler, data position, this rank's RNGs (a run on another number of ranks seeds them afresh: the saved
+    streams belong to the old ranks; a stopped step's work is then split anew, reshard_pending). Returns (the
+    step to continue after, the saved state: the algorithm's entries, "eval_due", and "pending": this rank's
+    PendingStep or None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     state = _load_plain(os.path.join(ckpt, "trainer.pt"))
     if not state.get("optimizer_fresh"):  # (a fresh one stays as it is: see save_checkpoint)
         optim = {"optimizer": get_optimizer_state_dict(model, opt)}  # this run's layout: the state to fill

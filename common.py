@@ -1,13 +1,14 @@
 """
 The RL step both scripts share, in the order the loop takes it: every part of one step that no equation of
-DA3PO or DARO points at. Around it, in files to look up when needed: ranks.py (processes, collectives, stop
-signals), modeling.py (loading, log-probs of any model, sharding, start-up probes), dataset.py (problems,
-prompts, eval sets), bookkeeping.py (flags, records, checkpoints), engine.py (rollout engines), verifier.py.
+DA3PO or DARO points at. Read it after a script's main(). The files around it are to look up when needed:
+config.py (the flags), ranks.py (processes, collectives, stop signals), modeling.py (loading, sharding),
+dataset.py (problems, prompts, eval sets), engine.py (rollout engines), bookkeeping.py (start-up, records,
+checkpoints), verifier.py; and the rooms a real run adds: shortcuts.py, lora.py, vllm_engine.py.
 
-   1. the shared knobs                        5. the update plan and the batch (its contract)
-   2. the presets and the algorithm's hooks   6. pi and pi_old: log-probs of the completions
-   3. the step's record and its metrics       7. the token losses and the guarded update
-   4. rollout, rewards, dynamic sampling      8. evaluation (avg@k, pass@k, maj@k)
+   1. the algorithm's hooks                   5. pi and pi_old: log-probs of the completions
+   2. the step's record and its metrics       6. the token losses and the guarded update
+   3. rollout, rewards, dynamic sampling      7. evaluation (avg@k, pass@k, maj@k)
+   4. the update plan and the batch (its contract)
 
 Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens
 (left padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
@@ -15,213 +16,22 @@ Shapes in comments: B = completions on this rank, G = group size, N = groups (B 
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import crosscheck
+import shortcuts
 from dataset import PromptStream, parse_eval_data
-from modeling import (OUTSIDE_NUCLEUS, adapter_disabled, autocast, forward_tokens, full_tensor,
-                      reshard, token_logprobs)
+from lora import adapter_disabled
+from modeling import OUTSIDE_NUCLEUS, autocast, full_tensor, nucleus, positions, reshard
 from ranks import (DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0,
                    stop_requested)
 from verifier import extract_answer, majority_vote, verify_batch
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run
-#    the CPU demo; the papers' scale is in docs/gpu.md.
-@dataclass
-class TrainConfig:
-    # run
-    algo: str = ""
-    """preset (the script's PRESETS); explicit flags override the preset"""
-    demo: str = "arith"
-    """the shipped demo whose flags apply: reasoning (the default; see below) | arith (the values
-    shown)"""
-    model: str = "demo"
-    """local Hugging Face folder, hub id, or 'demo' (the tiny shipped model)"""
-    train_data: str = "arith"
-    """'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows"""
-    eval_data: str = "arith"
-    """as --train_data ('arith': 200 held-out sums); several sets comma-separated, each with
-    its own k as set@k (aime24.jsonl@32,math500.jsonl@8; no @k: --eval_samples)"""
-    out_dir: str = ""
-    """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
-    seed: int = 0
-    """init seed (same on every rank); sampling uses seed + rank"""
-    steps: int = 60
-    """RL steps (one rollout batch each)"""
-    device: str = ""
-    """'' = cuda if available, else cpu"""
-    dtype: str = "float32"
-    """compute dtype: float32 | bfloat16 (trained weights and optimizer state stay float32)"""
-    grad_checkpointing: bool = False
-    """recompute activations in backward (less memory, ~30% more compute)"""
-    attn_implementation: str = ""
-    """the trainer's attention, by transformers' name ('' = the model's own); docs/gpu.md"""
-    cpu_offload: bool = False
-    """FSDP2 (under torchrun): sharded parameters and optimizer state on the CPU"""
-    # LoRA (peft, requirements/lora.txt): train low-rank adapters, the base frozen (docs/gpu.md)
-    lora_rank: int = 0
-    """r: rank of the adapters; 0 = off (every weight trained)"""
-    lora_alpha: float = 32.0
-    """alpha: the adapters' output is scaled by alpha / r"""
-    lora_target_modules: str = ""
-    """linear layers to adapt, comma-separated (q_proj,v_proj); '' = all in the blocks"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input while training"""
-    lora_sync: str = "auto"
-    """what vLLM receives after each update: adapter | merged | auto (the adapter if it can)"""
-    # rollout
-    prompts_per_step: int = 32
-    """groups trained on per step, across all ranks (train batch size in DAPO)"""
-    group_size: int = 8
-    """G (K in DARO): completions per prompt"""
-    dynamic_sampling: bool = True
-    """DAPO: keep only groups with 0 < #correct < G, refill from fresh prompts"""
-    oversample: float = 1.5
-    """prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step"""
-    max_gen_batches: int = 4
-    """cap on generation batches per step; at the cap, warn and train on what was kept"""
-    max_new_tokens: int = 12
-    """L_max: hard limit on completion length"""
-    max_prompt_length: int = 1024
-    """prompts longer than this (tokens, template included) are dropped at load"""
-    temperature: float = 1.0
-    """rollout sampling temperature"""
-    top_p: float = 1.0
-    """rollout nucleus sampling"""
-    rollout_batch_size: int = 512
-    """sequences per forward of our sampler (memory knob)"""
-    rollout: str = "hf"
-    """rollout engine: hf (our sampler on the HF model) | vllm | auto (vLLM if usable)"""
-    vllm_gpu_memory: float = 0.0
-    """vLLM's share of GPU memory; 0 = the most the trainer leaves (bench/memory.py)"""
-    max_model_len: int = 0
-    """longest sequence vLLM keeps KV cache for; 0 = longest prompt + max_new_tokens"""
-    vllm_cpu_kv_gb: float = 0.5
-    """vLLM on CPU: KV cache size in GiB"""
-    rollout_is: str = "none"
-    """correct the engine/trainer mismatch: none | token | sequence (docs/gpu.md)"""
-    rollout_is_cap: float = 2.0
-    """C: the weight pi_old / pi_rollout is truncated at C"""
-    rollout_is_mask: bool = False
-    """reject tokens (sequences) whose weight is outside [1/C, C] instead"""
-    prompt_template: str = "auto"
-    """chat | plain | dapo | none | auto (none for the demo, else chat if any)"""
-    answer_format: str = "auto"
-    """where the verifier looks: boxed | answer_line | auto"""
-    verifier_crosscheck: bool = False
-    """Math-Verify also judges the eval completions; log where it disagrees with ours
-    (crosscheck/*, crosscheck.jsonl)"""
-    crosscheck_train: int = 0
-    """with --verifier_crosscheck: completions per training step it also judges; 0 = none"""
-    prompt_key: str = ""
-    """data field holding the problem ('' = try problem, question, prompt; dots for nested)"""
-    answer_key: str = ""
-    """data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)"""
-    # reward (DAPO)
-    overlong_buffer: int = 4
-    """L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off"""
-    overlong_penalty: float = 1.0
-    """penalty factor of the overlong shaping"""
-    # advantages and loss
-    std_norm: bool = True
-    """GRPO z-score advantage; off = Dr. GRPO (mean-centred only)"""
-    loss_agg: str = "token-mean"
-    """token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm"""
-    seq_ratio: bool = False
-    """GSPO: length-normalised sequence-level importance ratio"""
-    clip_low: float = 0.2
-    """epsilon_low: ratio clipped below at 1 - clip_low"""
-    clip_high: float = 0.28
-    """epsilon_high: ratio clipped above at 1 + clip_high (clip-higher)"""
-    clip_ratio_c: float = 0.0
-    """dual clip for negative advantages (verl uses 3.0); 0 = off"""
-    kl_coef: float = 0.0
-    """beta: k3 KL penalty to the initial model; 0 = none, as in DAPO"""
-    # optimisation
-    lr: float = 1e-4
-    """AdamW learning rate (the papers: 1e-6)"""
-    weight_decay: float = 0.1
-    """AdamW weight decay (DAPO recipe)"""
-    warmup_steps: int = 0
-    """linear learning-rate warm-up over this many RL steps (not optimizer updates), as verl"""
-    grad_clip: float = 1.0
-    """max global gradient norm"""
-    updates_per_step: int = 2
-    """optimizer updates (mini-batches) per RL step; the step's groups are split evenly"""
-    micro_batch_size: int = 64
-    """sequences per forward/backward on one rank (memory knob; not the math)"""
-    micro_batch_tokens: int = 0
-    """> 0: micro-batches packed by length up to this many tokens, ranks balanced"""
-    logprob_chunk: int = 1024
-    """positions x rows whose logits exist at once (recomputed in backward); 0 = all"""
-    pack: bool = True
-    """pack a micro-batch's rows without padding, as transformers does, where that runs fewer
-    positions; --no-pack: rows padded"""
-    # evaluation, logging, checkpoints
-    eval_every: int = 10
-    """evaluate every N steps (also at step 0 and at the end); 0 = only at start and end"""
-    eval_samples: int = 4
-    """k: completions per eval problem (avg@k, pass@k, maj@k) of the sets without @k"""
-    eval_size: int = 0
-    """eval problems to use, spread evenly over each set (its mix of levels kept); 0 = all"""
-    eval_temperature: float = 1.0
-    """eval sampling temperature"""
-    eval_top_p: float = 1.0
-    """eval nucleus sampling (DAPO reports top_p 0.7)"""
-    eval_batch_size: int = 128
-    """eval problems per generate call"""
-    sample_every: int = 10
-    """write a few completions to samples.jsonl every N steps"""
-    save_every: int = 0
-    """checkpoint every N steps (and at the end, and on a stop request); 0 = only at the end"""
-    keep_last: int = 2
-    """checkpoints kept on disk (older ones are deleted)"""
-    resume: bool = False
-    """continue from the latest checkpoint in out_dir"""
-    max_bad_updates: int = 3
-    """stop the run after this many non-finite losses/gradients in a row (each is skipped)"""
-    eval_only: bool = False
-    """evaluate --model on --eval_data and exit"""
-    report_to: str = "none"
-    """also log to: none | tensorboard | wandb (requirements/tracking.txt)"""
-    wandb_project: str = ""
-    """wandb project of --report_to wandb"""
-
-
-# ------------------------------------------------------------------------------------------------------------
-# 2. The --algo presets, and the hooks the loop calls on a script's algorithm (Algorithm).
-
-# The baselines both papers compare against, each its paper's recipe for every knob that defines the
-# algorithm; the flags give the scale (model, lr, batch sizes, lengths, overlong_buffer where shaping is on).
-# DAPO's 4 techniques (overlong shaping: the default buffer)
-_DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
-         "clip_low": 0.2, "clip_high": 0.28}
-# the baselines below turn DAPO's dynamic sampling, clip-higher and overlong shaping off
-_OFF = {"dynamic_sampling": False, "clip_high": 0.2, "overlong_buffer": 0}
-
-BASELINES = {
-    "dapo": _DAPO,
-    # GRPO, with no KL term as in DAPO, Dr. GRPO and GSPO, so GRPO vs DAPO changes nothing else;
-    # verl's GRPO examples add a k3 KL loss to the initial model (--kl_coef 0.001 runs that),
-    # DeepSeekMath's beta was 0.04
-    "grpo": {**_DAPO, **_OFF, "loss_agg": "seq-mean-token-mean"},
-    # Dr. GRPO: mean-centred advantages, token sums over the constant L_max
-    "dr_grpo": {**_DAPO, **_OFF, "std_norm": False, "loss_agg": "seq-mean-token-sum-norm"},
-    # GSPO: the sequence ratio, its tiny clip range, the rollout batch split into 4 mini-batches
-    "gspo": {**_DAPO, **_OFF, "seq_ratio": True, "loss_agg": "seq-mean-token-mean",
-             "clip_low": 3e-4, "clip_high": 4e-4, "updates_per_step": 4},
-}
-
-def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
-    """A script's --algo presets: its own, then the baselines with its own algorithm switched off (`off`)."""
-    return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
-
-
+# 1. The algorithm's hooks: what main() calls on a script's algorithm (DAA, DARO), in the loop's order.
 class Algorithm:
     """The paper's part of the step: main() calls these hooks, in this order. Each default is the
     baselines' way (GRPO's advantages, --loss_agg's token weights) or does nothing.
@@ -284,7 +94,7 @@ class Algorithm:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 3. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
+# 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
 #    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.
 class Sums:
     """Named sums on this rank; reduce() sums each over all ranks (all ranks hold the same fixed names)."""
@@ -342,17 +152,22 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
         "perf/pad_frac": 1 - totals["real_tokens"] / max(totals["forward_tokens"], 1.0),
     }
     if mismatch:
-        compared = max(totals["compared"], 1.0)  # the tokens both could draw
-        measured = max(totals["compared"] + totals["boundary"], 1.0)  # with those outside pi_old's nucleus
-        record["rollout/logprob_diff"] = totals["logprob_diff"] / compared  # mean |log r|
-        record["rollout/kl_k1"] = totals["kl_k1"] / compared  # KL(rollout || old)
-        record["rollout/kl_k3"] = totals["kl_k3"] / compared
-        record["rollout/nucleus_boundary_frac"] = totals["boundary"] / measured
+        record.update(mismatch_metrics(totals))
     return record
 
 
+def mismatch_metrics(totals: dict) -> dict:
+    """The engine/trainer gap's rollout/* metrics from the reduced sums of mismatch_sums."""
+    compared = max(totals["compared"], 1.0)  # the tokens both could draw
+    measured = max(totals["compared"] + totals["boundary"], 1.0)  # with those outside pi_old's nucleus
+    return {"rollout/logprob_diff": totals["logprob_diff"] / compared,  # mean |log r|
+            "rollout/kl_k1": totals["kl_k1"] / compared,  # KL(rollout || old)
+            "rollout/kl_k3": totals["kl_k3"] / compared,
+            "rollout/nucleus_boundary_frac": totals["boundary"] / measured}
+
+
 # ------------------------------------------------------------------------------------------------------------
-# 4. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
+# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
 #    (DAPO's shaped reward); dynamic sampling keeps the groups of mixed correctness, refilling up to a cap.
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
                           min_width: int = 1):
@@ -444,8 +259,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     generated = []  # every group's summary, all ranks
     kept_summaries = []
     num_batches = 0
-    verify_s = 0.0
-    troubles = torch.zeros(2)  # the verifier's timeouts and refused answers on this rank
+    verify = {"timeouts": 0, "refused": 0, "seconds": 0.0}  # the verifier on this rank
     while len(kept_summaries) < cfg.prompts_per_step and num_batches < max_batches:
         if num_batches and stop_requested():
             return None
@@ -454,8 +268,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
         mine_summaries = [_summary(g, rank, len(my_groups) + i) for i, g in enumerate(mine)]
         summaries = all_gather_list(mine_summaries)
         my_groups += mine
-        troubles += torch.tensor([info["timeouts"], info["refused"]])
-        verify_s += info["seconds"]
+        for key in verify:
+            verify[key] += info[key]
         num_batches += 1
         generated += summaries
         kept_summaries += [g for g in summaries if not cfg.dynamic_sampling or _mixed(g)]
@@ -471,34 +285,38 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     for g in kept_summaries:
         if g["origin"][0] == rank:
             g["group"] = my_groups[g["origin"][1]]
+    stats = rollout_metrics(generated, len(kept_summaries), num_batches, verify)
+    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of the step's completions
+        stats.update(crosscheck.check_train_groups(my_groups, cfg, rank, world))
+    return kept_summaries, generated, stats
+
+
+def rollout_metrics(generated: list[dict], num_kept: int, num_batches: int, verify: dict) -> dict:
+    """The step's rollout metrics (train/reward, train/acc, train/keep_rate, ...) over every generated
+    group of every rank (their summaries); `verify`: this rank's verifier timeouts, refusals and seconds."""
     rewards = [r for g in generated for r in g["reward"]]
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
     lengths = [n for g in generated for n in g["lengths"]]
+    troubles = torch.tensor([verify["timeouts"], verify["refused"]], dtype=torch.float)
     timeouts, refused = all_reduce_sum(troubles).tolist()
-    stats = {
+    return {
         "train/reward": sum(rewards) / len(rewards),
         "train/acc": sum(correct) / len(correct),
         "train/keep_rate": sum(map(_mixed, generated)) / len(generated),
         "train/num_gen_batches": num_batches,
-        "train/num_groups": len(kept_summaries),
+        "train/num_groups": num_kept,
         "train/num_completions": len(lengths),
         "train/response_len": sum(lengths) / len(lengths),
         "train/truncated_frac": sum(truncated) / len(truncated),
         "verify/timeouts": timeouts,
         "verify/refused": refused,
-        "time/verify_s": verify_s,  # this rank's; it is part of time/rollout_s
+        "time/verify_s": verify["seconds"],  # this rank's; it is part of time/rollout_s
     }
-    if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of the step's completions
-        t0 = time.perf_counter()
-        per_rank = math.ceil(cfg.crosscheck_train / world)
-        stats.update(crosscheck.check_groups(my_groups, cfg, "train", per_rank, rank))
-        stats["time/crosscheck_s"] = time.perf_counter() - t0
-    return kept_summaries, generated, stats
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 5. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
+# 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
 #    one dict the update reads; advantages; micro-batches. Its contract (B = this rank's groups x G):
 #    input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
 #    mask                       (B, T)    make_batch          1 = a token the loss counts; zeroed where
@@ -547,19 +365,25 @@ def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
         sizes.append(size // world)
     # a kept summary of this rank's holds its group (a test may plan whole groups, for any rank)
     mine = [summaries[j].get("group", summaries[j]) for j in plan[rank]]
-    if is_dist():  # from each rank in turn, the groups it generated to the ranks that train them
-        for src in range(world):
-            made_by_src = [summaries[j]["origin"][0] == src for j in range(len(summaries))]
-            send = None  # what src sends each rank: the groups src generated that the rank trains
-            if rank == src:
-                send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]]
-                        for r in range(world)]
-            got = [None]
-            dist.scatter_object_list(got, send, src=src)
-            arrived = iter(got[0])
-            mine = [next(arrived) if made_by_src[j] else g for j, g in zip(plan[rank], mine)]
+    if is_dist():  # the groups other ranks generated, brought here
+        mine = _bring_groups(summaries, plan, mine, rank, world)
     bounds = [0] + [sum(sizes[:i + 1]) * G for i in range(len(sizes))]
     return mine, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _bring_groups(summaries: list[dict], plan: list[list[int]], mine: list[dict], rank: int, world: int):
+    """This rank's groups in plan order, each brought from the rank that generated it: from each rank in
+    turn, one scatter of what it sends every rank (the groups it generated that the rank trains)."""
+    for src in range(world):
+        made_by_src = [summaries[j]["origin"][0] == src for j in range(len(summaries))]
+        send = None
+        if rank == src:
+            send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]] for r in range(world)]
+        got = [None]
+        dist.scatter_object_list(got, send, src=src)
+        arrived = iter(got[0])
+        mine = [next(arrived) if made_by_src[j] else g for j, g in zip(plan[rank], mine)]
+    return mine
 
 
 def _balanced_shares(part: list[int], summaries: list[dict], world: int) -> list[list[int]]:
@@ -616,43 +440,14 @@ def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
     return batch["attention_mask"][rows, P:].sum(-1)
 
 
-def _packed_rows(batch: dict, index: torch.Tensor, size: int,
-                 max_tokens: int) -> list[torch.Tensor]:
-    """The rows `index` in micro-batches. max_tokens = 0: chunks of `size` rows in order. Otherwise packed by
-    length: rows sorted longest first, each micro-batch filled while its padded size (rows x (longest prompt +
-    longest completion)) stays within max_tokens and it has at most `size` rows; then every rank splits its
-    largest micro-batches until all make as many as the busiest one (FSDP: collectives must match)."""
-    if max_tokens <= 0:
-        return [index[s:s + size] for s in range(0, len(index), size)]
-    P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-    prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
-    completion_len = completion_lengths(batch, index).tolist()
-    order = sorted(range(len(index)), key=lambda i: -(prompt_len[i] + completion_len[i]))
-    chunks = []
-    width = (0, 0)  # the longest prompt and completion of the current chunk
-    for i in order:
-        wider = (max(width[0], prompt_len[i]), max(width[1], completion_len[i]))
-        too_wide = chunks and (len(chunks[-1]) + 1) * sum(wider) > max_tokens
-        if not chunks or too_wide or len(chunks[-1]) >= size:
-            chunks.append([])
-            wider = (prompt_len[i], completion_len[i])
-        chunks[-1].append(i)
-        width = wider
-    # the busiest rank's number of micro-batches (0: no rank has rows)
-    count = int(all_reduce_max(torch.tensor(float(len(chunks)))).item())
-    assert chunks or not count, ("a rank with no rows where another has some: "
-                                 "plan_updates gives every rank as many")
-    while len(chunks) < count:
-        k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
-        half = len(chunks[k]) // 2
-        chunks[k:k + 1] = [chunks[k][:half], chunks[k][half:]]
-    return [index[torch.tensor(c, dtype=torch.long)] for c in chunks]
-
-
 def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int = 0):
-    """The rows `index` of `batch` in micro-batches (_packed_rows), each with its empty padding columns
-    trimmed away (the loss weights are global, so results are unchanged). Yields (rows, micro-batch)."""
-    for rows in _packed_rows(batch, index, size, max_tokens):
+    """The rows `index` of `batch` in micro-batches of `size` rows (max_tokens > 0: packed by length,
+    shortcuts.token_budget_rows), each with its empty padding columns trimmed away (the loss weights are
+    global, so results are unchanged). Yields (rows, micro-batch)."""
+    chunks = [index[s:s + size] for s in range(0, len(index), size)]
+    if max_tokens > 0:  # --micro_batch_tokens
+        chunks = shortcuts.token_budget_rows(batch, index, size, max_tokens)
+    for rows in chunks:
         mb = {k: v[rows] for k, v in batch.items()}
         # the longest completion, >= 2 (_predicting_outputs)
         T = int(completion_lengths(batch, rows).max().clamp(min=2))
@@ -668,15 +463,43 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. pi and pi_old: the log-probs of a batch's completion tokens (modeling.token_logprobs: a group's prompt
-#    once, the output layer in chunks); pi_old once per step, before the first update, unless exact.
+# 5. pi and pi_old: the log-probs of a batch's completion tokens, from one padded forward (token_logprobs);
+#    pi_old once per step, before the first update, unless the engine's are exact; the rollout correction.
+def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float = 1.0,
+                   with_entropy: bool = False, top_p: float = 1.0):
+    """log pi (B, T) of each row's last T tokens, sampled at `temperature`, and a second (B, T) output
+    without gradient: the entropy (with_entropy), or the log-probs renormalised over the top_p nucleus
+    as a sampler returns them (top_p < 1), else None. One forward of the padded rows.
+    Example: a row [pad, p1, p2, c1, c2] with T = 2: the outputs at p2 and c1 predict c1 and c2."""
+    position_ids = positions(attention_mask)  # 0 at each row's first real token
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=T + 1)
+    logits = out.logits[:, :-1]  # (B, T, V): the position before each completion token predicts it
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax in float32 at least
+    logits = logits / temperature  # the distribution the engine sampled from
+    targets = input_ids[:, -T:, None]  # (B, T, 1)
+    lse = logits.logsumexp(-1)  # (B, T)
+    logp = logits.gather(-1, targets)[..., 0] - lse  # the log-softmax at the targets
+    if with_entropy:  # H = lse - sum_v p_v logit_v
+        with torch.no_grad():
+            return logp, lse - (logits.softmax(-1) * logits).sum(-1)
+    if top_p < 1:  # (OUTSIDE_NUCLEUS, not -inf: a masked-out padding token multiplies to 0)
+        with torch.no_grad():
+            nucleus_logp = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1)  # (B, T, V)
+            return logp, nucleus_logp.gather(-1, targets)[..., 0].clamp(min=OUTSIDE_NUCLEUS)
+    return logp, None
+
+
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
     """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T), the
     entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus), or None)."""
     T = mb["mask"].shape[1]
     top_p = cfg.top_p if with_nucleus else 1.0
-    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
-                          with_entropy, cfg.logprob_chunk, mb.get("group"), top_p, cfg.pack)
+    if cfg.logprob_path == "shortcuts":  # the same numbers, with less time and memory at scale
+        return shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
+                                        with_entropy, cfg.logprob_chunk, mb.get("group"), top_p, cfg.pack)
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature, with_entropy,
+                          top_p)
 
 
 @torch.no_grad()
@@ -701,8 +524,53 @@ def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> 
     return out
 
 
+def rollout_correction(batch: dict, cfg) -> dict:
+    """Weigh each token's clipped surrogate (policy_loss's is_weight) by w = pi_old / pi_rollout,
+    detached and truncated, as the engine does not sample from pi_old exactly:
+      token      w_t = exp(log pi_old_t - log pi_rollout_t)
+      sequence   w_i = exp(sum_t (log pi_old_t - log pi_rollout_t)), on each of its tokens
+    Truncation (default): w <- min(w, C), C = --rollout_is_cap. With --rollout_is_mask, tokens
+    (sequences) with w outside [1/C, C] are rejected instead: batch["mask"] drops them from the
+    loss and its denominators, batch["rejected"] keeps them for mismatch_sums. With top_p < 1,
+    pi_old is renormalised over its own nucleus (old_logp_nucleus), as the engine's log-probs are.
+    docs/gpu.md, "Rollout/trainer mismatch": why each choice, and how verl and TRL differ.
+
+    Sets batch["is_weight"] (B, T); returns the rollout_is/* metrics ({} for an exact engine's batch).
+    """
+    if "rollout_logp" not in batch:  # the engine's log-probs were pi_old itself: weights of 1
+        return {}
+    mask = batch["mask"].to(batch["old_logp"].dtype)  # (B, T), before rejection
+    old_logp = batch.get("old_logp_nucleus", batch["old_logp"])
+    log_r = (old_logp - batch["rollout_logp"]) * mask  # (B, T)
+    if cfg.rollout_is == "sequence":
+        # the sequence's log ratio on each of its tokens
+        log_r = log_r.sum(-1, keepdim=True).expand_as(mask)
+    raw = torch.exp(log_r.clamp(-20, 20))  # (B, T)
+    cap = cfg.rollout_is_cap
+    if cfg.rollout_is_mask:
+        outside = (raw > cap) | (raw < 1 / cap)
+        # out of the loss, still in the mismatch metrics
+        batch["rejected"] = batch["mask"].bool() & outside
+        batch["mask"] = batch["mask"] * ~outside
+        weight = raw
+    else:
+        outside = raw > cap
+        weight = raw.clamp(max=cap)
+    batch["is_weight"] = (weight * mask).detach()
+    tokens = all_reduce_sum(mask.sum()).clamp(min=1)
+    kept = batch["mask"].to(mask.dtype)
+    weight_sum = all_reduce_sum((weight * kept).sum())
+    weight_mean = weight_sum / all_reduce_sum(kept.sum()).clamp(min=1)
+    weight_max = all_reduce_max((weight * kept).max())
+    outside_frac = all_reduce_sum((outside * mask).sum()) / tokens
+    outside_key = "rollout_is/masked_frac" if cfg.rollout_is_mask else "rollout_is/truncated_frac"
+    return {"rollout_is/weight_mean": weight_mean.item(),
+            "rollout_is/weight_max": weight_max.item(),
+            outside_key: outside_frac.item()}
+
+
 # ------------------------------------------------------------------------------------------------------------
-# 7. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
+# 6. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
 #    (loss_weights; DARO's per-bin means times w_mu), one micro-batch's forward, the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
     """Per-token weights (B, T): summed token losses give the chosen aggregation over the WHOLE update, the
@@ -783,14 +651,7 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
     """One micro-batch's forward: each token's loss (B, T) (policy_loss), for the script to weigh and sum; its
     entropy, clipped-token counts, tokens, padding and engine/trainer gap (mismatch_sums) go to `sums`."""
     with autocast(cfg.dtype, device):
-        ref_logp = None
-        # the initial model: a frozen copy, or with LoRA the model with its adapters off
-        # (before pi's forward: see adapter_disabled)
-        if ref_model is not None:
-            with torch.no_grad(), adapter_disabled(ref_model):
-                ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
-            if ref_model is not model:
-                reshard(ref_model)
+        ref_logp = None if ref_model is None else ref_logprobs(model, ref_model, mb, cfg)  # --kl_coef
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights
         sums.add(**mismatch_sums(mb))
@@ -799,7 +660,10 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
         clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
         is_weight=mb.get("is_weight"))
     T = mb["mask"].shape[1]
-    ran, real = forward_tokens(model, mb["attention_mask"], T, mb.get("group"), cfg.pack)
+    if cfg.logprob_path == "shortcuts":  # the positions its forwards ran, and those they needed
+        ran, real = shortcuts.forward_tokens(model, mb["attention_mask"], T, mb.get("group"), cfg.pack)
+    else:  # one padded forward: every position runs
+        ran, real = mb["attention_mask"].numel(), mb["attention_mask"].sum().item()
     sums.add(entropy=(entropy * mb["mask"]).sum().item(),
              clip_low=clipped["clip_low"].item(),
              clip_high=clipped["clip_high"].item(),
@@ -807,6 +671,17 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
              forward_tokens=ran,
              real_tokens=real)
     return token_loss
+
+
+@torch.no_grad()
+def ref_logprobs(model, ref_model, mb: dict, cfg) -> torch.Tensor:
+    """log pi_ref (B, T) under the KL anchor: a frozen copy of the initial model, or with LoRA the model
+    with its adapters off (before pi's forward: see lora.adapter_disabled)."""
+    with adapter_disabled(ref_model):
+        ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
+    if ref_model is not model:
+        reshard(ref_model)
+    return ref_logp
 
 
 class UpdateGuard:
@@ -842,7 +717,7 @@ class UpdateGuard:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 8. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
+# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
 #    answer's accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k, n samples, c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""

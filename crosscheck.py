@@ -17,7 +17,9 @@ time a completion can take, not what eval can do in that process. The cross-chec
 default; verifier.py itself never evaluates model text.
 """
 import atexit
+import math
 import random
+import time
 
 import torch
 
@@ -121,3 +123,12 @@ def check_groups(groups: list[dict], cfg, where: str, limit: int = 0, rank: int 
             "crosscheck/checked": totals["checked"],
             "crosscheck/failed": totals["failed"],
             "crosscheck_samples": all_gather_list(rows)}
+
+
+def check_train_groups(groups: list[dict], cfg, rank: int, world: int) -> dict:
+    """--crosscheck_train: check_groups on a sample of this step's completions (its share of
+    --crosscheck_train on each rank), and the seconds it took (time/crosscheck_s)."""
+    t0 = time.perf_counter()
+    out = check_groups(groups, cfg, "train", math.ceil(cfg.crosscheck_train / world), rank)
+    out["time/crosscheck_s"] = time.perf_counter() - t0
+    return out

@@ -25,16 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from bookkeeping import (Logger, PendingStep, check_config, evaluate_and_log, find_checkpoint,
-                         format_step, load_checkpoint, parse_config, rng_state, save_checkpoint,
+from bookkeeping import (Logger, PendingStep, evaluate_and_log, find_checkpoint, format_step,
+                         load_checkpoint, load_policy, prepare_models, rng_state, save_checkpoint,
                          set_rng_state, step_bar)
-from common import (BASELINES, TRAIN_SUMS, Algorithm, StepTimer, Sums, TrainConfig,
-                    UpdateGuard, dynamic_sampling, group_advantages, make_batch,
-                    micro_batches, old_logprobs, plan_updates, presets, token_losses,
-                    train_metrics)
+from common import (TRAIN_SUMS, Algorithm, StepTimer, Sums, UpdateGuard, dynamic_sampling,
+                    group_advantages, make_batch, micro_batches, old_logprobs, plan_updates,
+                    rollout_correction, token_losses, train_metrics)
+from config import BASELINES, TrainConfig, check_config, parse_config, presets
 from dataset import PromptStream, load_datasets, tokenize_datasets
-from engine import make_rollout, rollout_correction
-from modeling import load_policy, model_path, prepare_models
+from engine import make_rollout
+from modeling import model_path
 from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_process, handle_stop_signals,
                    setup_dist, stop_requested, stop_run)
 
@@ -287,7 +287,8 @@ def main(cfg: Config):
                     # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed);
                     #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
-                    record.update(rollout_correction(batch, cfg))
+                    if cfg.rollout_is != "none":
+                        record.update(rollout_correction(batch, cfg))
         else:  # resumed mid-step: the updates left (split anew if the number of ranks changed)
             record, my_groups, update_rows, batch, next_update = pending.resume(sums, algo)
             pending = None

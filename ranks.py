@@ -67,15 +67,9 @@ def cleanup_dist(engine=None):
 
 
 def end_process(status: int = 0):
-    """A torchrun rank's last call, after cleanup_dist: exit with `status` without Python's
-    interpreter shutdown.
-
-    gloo's worker threads stop only when their group is freed, and torch's DTensor caches keep
-    FSDP2's mesh, and so the group, alive to the end. A worker still releasing the last
-    collective's tensors while Python shuts down is ended inside a C++ destructor: the rank
-    aborts (SIGABRT) after a run that finished, and torchrun reports a failure. So: the exit
-    handlers (the trackers' close), the streams flushed, then os._exit. A plain run is untouched.
-    """
+    """A torchrun rank's last call, after cleanup_dist: the exit handlers, the streams flushed, then
+    os._exit(status), without the interpreter's shutdown that can abort a finished rank (docs/gpu.md,
+    "Stops, preemption and checkpoints", says why). A plain run is untouched."""
     if not _launched:
         return
     atexit._run_exitfuncs()

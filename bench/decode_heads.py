@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-import bookkeeping  # noqa: E402
+import config  # noqa: E402
 import da3po  # noqa: E402
 import dataset  # noqa: E402
 import engine  # noqa: E402
@@ -24,13 +24,13 @@ from ranks import DistInfo  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--demo", default="reasoning", choices=list(bookkeeping.DEMOS))
+    p.add_argument("--demo", default="reasoning", choices=list(config.DEMOS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", args.demo], da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, ["--demo", args.demo], da3po.PRESETS)
     model, tok = modeling.load_model(modeling.model_path(cfg.model), torch.device("cpu"))
     template = dataset.resolve_template(cfg.prompt_template, tok)
     problems = dataset.load_data(cfg.train_data, "train")[:args.prompts]

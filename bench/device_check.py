@@ -24,11 +24,11 @@ to the vocabulary with tokens no text encodes to), and loaded back with modeling
 model. Its final norm is scaled so that the logits have a standard deviation of about --logit_std (GPU 5: a sampling
 entropy of about 3.5 nats, logits of magnitude ~20 like a trained model's, not the near-uniform ~12 nats of a fresh
 one), so the bf16 rounding gaps below are of a realistic size. (CPU 2: the smoke run is float32, where
-modeling.check_chunked_logprobs' tolerance refuses peakier logits.)
+shortcuts.check_chunked_logprobs' tolerance refuses peakier logits.)
 
 Checks (sections of the report):
- 1. Environment: versions, the GPU, eng.vllm_usable, vLLM's model runner (V1 or V2), a bf16 matmul ceiling.
- 2. vLLM engine (eng.VLLMRollout, its memory share from eng.vllm_memory_share as the trainer's --vllm_gpu_memory
+ 1. Environment: versions, the GPU, vllm_engine.vllm_usable, vLLM's model runner (V1 or V2), a bf16 matmul ceiling.
+ 2. vLLM engine (vllm_engine.VLLMRollout, its memory share from vllm_engine.vllm_memory_share as the trainer's --vllm_gpu_memory
     0): start, generate (n samples, temperature 1, top_p 1 and 0.7), sleep (level 2) and wake-up (the memory freed
     and taken back), generation after the wake-up, and the trainer's cycle: a wake-up after check 5's update (what
     PyTorch's caching allocator still holds then must not keep vLLM from its memory).
@@ -40,7 +40,7 @@ Checks (sections of the report):
     (common.token_losses, UpdateGuard, fused AdamW); time, tokens/s, peak memory, MFU and HFU.
  6. The memory of a no-grad log-prob pass with the whole logits vs --logprob_chunk chunks; HF sampler tokens/s.
 With --lora_rank r every check runs as a LoRA run does (requirements/lora.txt): the base frozen in the compute dtype
-(modeling.load_policy), adapters on every linear layer of the blocks (their B set to a trained-looking size), vLLM
+(bookkeeping.load_policy), adapters on every linear layer of the blocks (their B set to a trained-looking size), vLLM
 serving them (enable_lora, a new version per sync, sleep level 1), the update training the adapters only.
 """
 import argparse
@@ -302,11 +302,14 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no network there: nothing to report to
     t_start = time.time()
+    import bookkeeping
     import common
-    import modeling
     import dataset
-    import ranks
     import engine as eng
+    import modeling
+    import ranks
+    import shortcuts
+    import vllm_engine
 
     d = ranks.setup_dist(device_type)
     if d.world_size > 1:
@@ -382,13 +385,13 @@ def main(argv=None):
                 f"{torch.backends.cudnn.version()}")
 
     def vllm_env():
-        why = eng.vllm_usable(d.device)  # sets VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set
+        why = vllm_engine.vllm_usable(d.device)  # sets VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set
         st.why_no_engine = why
         env = (f"VLLM_ENABLE_V1_MULTIPROCESSING={os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')}, "
                f"VLLM_USE_V2_MODEL_RUNNER={os.environ.get('VLLM_USE_V2_MODEL_RUNNER', '(unset: vLLM decides)')}")
         if why:
-            raise Skip(f"eng.vllm_usable: {why} ({env})")
-        return f"eng.vllm_usable: usable ({env})"
+            raise Skip(f"vllm_engine.vllm_usable: {why} ({env})")
+        return f"vllm_engine.vllm_usable: usable ({env})"
 
     def matmul_ceiling():
         n, reps = (8192, 10) if on_gpu else (256, 5)
@@ -421,7 +424,7 @@ def main(argv=None):
         lora = types.SimpleNamespace(lora_rank=a.lora_rank, lora_alpha=32.0, lora_target_modules="",
                                      lora_dropout=0.0, dtype=dtype)
         # float32 master weights as the trainer holds them; with LoRA the base in the compute dtype, and adapters
-        st.model, st.tok, _ = modeling.load_policy(None, st.folder, lora)
+        st.model, st.tok, _ = bookkeeping.load_policy(None, st.folder, lora)
         g = torch.Generator().manual_seed(a.seed)
         for name, p in st.model.named_parameters():  # B = 0 would give sgd_steps' relative steps nothing to scale
             if ".lora_B." in name:
@@ -444,14 +447,14 @@ def main(argv=None):
         if st.why_no_engine:
             raise Skip(st.why_no_engine)
         free0, t0 = free(), time.time()
-        share = eng.vllm_memory_share(st.model, d, False) if on_gpu else 0.0
-        st.engine = eng.VLLMRollout(st.folder, st.tok, d, dtype, seed=a.seed, max_model_len=a.max_model_len,
+        share = vllm_engine.vllm_memory_share(st.model, d, False) if on_gpu else 0.0
+        st.engine = vllm_engine.VLLMRollout(st.folder, st.tok, d, dtype, seed=a.seed, max_model_len=a.max_model_len,
                                        gpu_memory_utilization=share, cpu_kv_cache_gb=0.1, lora_rank=a.lora_rank)
         if a.lora_rank:  # the adapter it serves (the trainer's calibrate loads it before any rollout)
             st.engine.load_adapter(st.model)
         seconds = time.time() - t0
         st.taken = free0 - free()
-        mem = (f"gpu_memory_utilization {share:.2f} (eng.vllm_memory_share), took {st.taken / GiB:.1f} GiB; "
+        mem = (f"gpu_memory_utilization {share:.2f} (vllm_engine.vllm_memory_share), took {st.taken / GiB:.1f} GiB; "
                if on_gpu else "CPU KV cache 0.1 GiB; ")
         return f"{mem}started in {seconds:.1f} s"
 
@@ -503,7 +506,7 @@ def main(argv=None):
         st.hf = eng.HFRollout(st.model, st.tok, d, dtype)  # under FSDP an unsharded copy, as --rollout hf keeps
         modeling.set_attention(st.model, attention)
         st.model = modeling.shard_model(st.model, d, dtype, grad_checkpointing=True)
-        modeling.check_logprob_paths(st.model, cfg, d.device)  # the trainer's start-up checks, as prepare_models
+        shortcuts.check_logprob_paths(st.model, cfg, d.device)  # the trainer's start-up checks, as prepare_models
         return (f"{'FSDP2 (fully_shard per layer and root)' if ranks.is_dist() else 'plain module'} on "
                 f"{d.device}, gradient checkpointing on, attention {attention}; check_logprob_paths passed: packed "
                 f"micro-batches {st.model.pack_refusal or 'yes'}")
@@ -557,7 +560,7 @@ def main(argv=None):
             outside = int((old[mask] <= -1e4 + 1).sum()) if top_p < 1 else 0
             weights = []
             for mode in ("token", "sequence"):
-                m = eng.rollout_correction(batch, types.SimpleNamespace(**{**vars(c), "rollout_is": mode}))
+                m = common.rollout_correction(batch, types.SimpleNamespace(**{**vars(c), "rollout_is": mode}))
                 weights.append(f"{mode}: mean {m['rollout_is/weight_mean']:.4f}, truncated "
                                f"{m['rollout_is/truncated_frac']:.2%}")
             assert bool(torch.isfinite(diff).all()), "non-finite log-prob differences"
@@ -590,7 +593,7 @@ def main(argv=None):
         loss = None
         for _ in range(steps):
             with modeling.autocast(dtype, d.device):
-                logp, _ = modeling.token_logprobs(st.model, ids, attn, mask.shape[1], chunk_tokens=a.logprob_chunk)
+                logp, _ = shortcuts.token_logprobs(st.model, ids, attn, mask.shape[1], chunk_tokens=a.logprob_chunk)
             loss = -(logp.float() * mask).sum() / mask.sum().clamp(min=1)
             loss.backward()
             with torch.no_grad():
@@ -720,7 +723,7 @@ def main(argv=None):
         mb = {"input_ids": ids, "attention_mask": attn, "mask": mask,
               "advantage": torch.randn(B, generator=g).to(d.device), "group": torch.arange(B, device=d.device)}
         with torch.no_grad(), modeling.autocast(dtype, d.device):  # pi_old, as the step computes it before its updates
-            mb["old_logp"] = modeling.token_logprobs(st.model, ids, attn, T, chunk_tokens=a.logprob_chunk)[0].float()
+            mb["old_logp"] = shortcuts.token_logprobs(st.model, ids, attn, T, chunk_tokens=a.logprob_chunk)[0].float()
         modeling.reshard(st.model)
         mb["weight"] = common.loss_weights(mask, "token-mean", T)
         opt = torch.optim.AdamW(st.model.parameters(), lr=1e-6, weight_decay=0.1, fused=True)
@@ -824,7 +827,7 @@ def main(argv=None):
             t0 = time.time()
             try:
                 with torch.no_grad(), modeling.autocast(dtype, d.device):
-                    logp, _ = modeling.token_logprobs(st.model, ids, torch.ones_like(ids), L, chunk_tokens=chunk)
+                    logp, _ = shortcuts.token_logprobs(st.model, ids, torch.ones_like(ids), L, chunk_tokens=chunk)
                 sync()
                 result = f"{time.time() - t0:.2f} s"
                 assert bool(torch.isfinite(logp).all()), "non-finite log-probs"

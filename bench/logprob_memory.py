@@ -22,7 +22,7 @@ V = 151_936
 def child(T: int, chunk: int, hidden: int, threads: int):
     """One measurement, printed as JSON: peak RSS growth (MiB) and seconds of a forward + backward."""
     import torch
-    import modeling
+    import shortcuts
     from transformers import AutoModelForCausalLM, Qwen3Config
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -35,7 +35,7 @@ def child(T: int, chunk: int, hidden: int, threads: int):
     attn = torch.ones_like(ids)
     rss_before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     t0 = time.perf_counter()
-    logp, entropy = modeling.token_logprobs(model, ids, attn, T, 1.0, True, chunk)
+    logp, entropy = shortcuts.token_logprobs(model, ids, attn, T, 1.0, True, chunk)
     (logp.sum() + 0 * entropy.sum()).backward()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux

@@ -81,7 +81,7 @@ def attention_bytes(m: dict, tokens: int, kernel: str = ATTENTION) -> dict:
                          (and its transpose for the backward): 4 int32 tables of (T/128)^2: quadratic in blocks,
                          16,384 times smaller than a dense mask; the log-sum-exp as flash's
       sdpa, eager        a dense (1, 1, T, T) bool mask and sdpa's bf16 additive copy (eager: float32) in each
-                         layer: quadratic, why --pack sends them padded on a GPU (modeling.pack_refusal)"""
+                         layer: quadratic, why --pack sends them padded on a GPU (shortcuts.pack_refusal)"""
     lse = m["heads"] * tokens * 4
     if kernel == "flash_attention_2":
         return dict(whole=4 * (tokens + 1), layer=lse)  # (cu_seqlens: int32, at most one sequence a token)
@@ -109,7 +109,7 @@ def attention_lines(m: dict, recipe: dict, micro_batch_tokens: int) -> list[str]
 def activation_bytes(m: dict, micro_batch_tokens: int, max_len: int, chunk: int) -> dict:
     """ESTIMATE of one micro-batch's forward + backward with per-layer checkpointing (non-reentrant), bf16 compute
     under FSDP2 (the residual stream is bf16), packed rows under the recipes' attention (attention_bytes), chunked
-    log-probs. A row longer than the budget gets a micro-batch of its own (common._packed_rows), so T = max(budget,
+    log-probs. A row longer than the budget gets a micro-batch of its own (shortcuts.token_budget_rows), so T = max(budget,
     longest row)."""
     H, I, L, V = m["H"], m["I"], m["L"], m["V"]
     q, kv, T = m["heads"] * m["hd"], m["kv"] * m["hd"], max(micro_batch_tokens, max_len)

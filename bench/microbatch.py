@@ -16,7 +16,7 @@ import time
 import torch
 
 import common
-import modeling
+import shortcuts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,7 @@ def main():
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "advantage": torch.randn(args.rows, generator=g),
              "weight": common.loss_weights(mask, "token-mean", 512)}
     with torch.no_grad():
-        batch["old_logp"] = modeling.token_logprobs(model, ids, attn, mask.shape[1])[0]
+        batch["old_logp"] = shortcuts.token_logprobs(model, ids, attn, mask.shape[1])[0]
     rows = torch.arange(args.rows)
 
     def update(max_tokens):
@@ -56,7 +56,7 @@ def main():
         t0, total, forwarded, real, count = time.perf_counter(), 0.0, 0, 0, 0
         for _, mb in common.micro_batches(batch, rows, args.micro_batch_size if not max_tokens else args.rows,
                                           max_tokens):
-            logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+            logp, _ = shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
             token_loss = common.policy_loss(logp, mb["old_logp"], mb["advantage"], mb["mask"], 0.2, 0.28)[0]
             loss = (token_loss * mb["weight"]).sum()
             loss.backward()

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-import bookkeeping
+import config
 import common
 import da3po
 import dataset
@@ -19,11 +19,11 @@ import modeling
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="reasoning", choices=list(bookkeeping.DEMOS))
+    p.add_argument("--workload", default="reasoning", choices=list(config.DEMOS))
     p.add_argument("--rounds", type=int, default=14)
     args = p.parse_args()
     torch.set_num_threads(1)
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", args.workload], da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, ["--demo", args.workload], da3po.PRESETS)
     model, tok = modeling.load_model(modeling.model_path(cfg.model))
     template = dataset.resolve_template(cfg.prompt_template, tok)
     problems = dataset.tokenize_problems(dataset.load_data(cfg.train_data, "train"), tok, template,

@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import config
 import bookkeeping  # noqa: E402
 import modeling  # noqa: E402
 import engine as eng  # noqa: E402
@@ -72,7 +73,7 @@ def run(workload: str, steps: int, tmp: str, extra: list[str] = ()):
         flags += ["--model", build_25m(os.path.join(tmp, "model25m")), "--prompt_template", "none",
                   "--prompts_per_step", "16", "--updates_per_step", "4", "--max_new_tokens", "128",
                   "--overlong_buffer", "32", "--no-dynamic_sampling"]
-    cfg = bookkeeping.parse_config(da3po.Config, [*flags, *extra], da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, [*flags, *extra], da3po.PRESETS)
     clock, prof, marks = Clock(), cProfile.Profile(), []
     patches = [(eng.HFRollout, "generate", "generate"), (common, "verify_batch", "verify"),
                (da3po, "old_logprobs", "old log-probs"), (da3po, "token_losses", "forward"),

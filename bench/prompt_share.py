@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-import bookkeeping
+import config
 import da3po
 import dataset
 import engine
@@ -55,7 +55,7 @@ def share(m: dict, groups: list[tuple[int, list[int]]]) -> float:
 
 def demo_groups(name: str, batches: int) -> tuple[dict, list, dict]:
     """A demo's groups as its first steps roll them out (the shipped model, --demo's flags): (shape, groups, cfg)."""
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", name], da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, ["--demo", name], da3po.PRESETS)
     model, tok = modeling.load_model(modeling.model_path(cfg.model))
     template = dataset.resolve_template(cfg.prompt_template, tok)
     problems = dataset.tokenize_problems(dataset.load_data(cfg.train_data, "train"), tok, template,

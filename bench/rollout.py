@@ -16,9 +16,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import shortcuts
 import modeling  # noqa: E402
 import ranks  # noqa: E402
 import engine as eng  # noqa: E402
+import vllm_engine  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="", help="a local Hugging Face folder; '' = a fresh demo-architecture model")
@@ -33,7 +35,7 @@ parser.add_argument("--repeats", type=int, default=3)
 args = parser.parse_args()
 torch.set_num_threads(args.threads)  # before the engine: vLLM's CPU worker blocks later changes
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-why_not = eng.vllm_usable(device)
+why_not = vllm_engine.vllm_usable(device)
 if why_not:
     sys.exit(f"vLLM cannot run here: {why_not}")
 
@@ -64,7 +66,7 @@ def best_of(fn):
 
 
 t0 = time.perf_counter()
-engine = eng.VLLMRollout(path, tok, ranks.DistInfo(device=device), args.dtype, seed=0, cpu_kv_cache_gb=1.0,
+engine = vllm_engine.VLLMRollout(path, tok, ranks.DistInfo(device=device), args.dtype, seed=0, cpu_kv_cache_gb=1.0,
                             max_num_seqs=len(prompts))
 startup = time.perf_counter() - t0
 hf_s, (hf_out, _, _) = best_of(lambda: eng.hf_generate(model, tok, prompts, args.max_new, 1.0, 1.0, len(prompts)))
@@ -78,7 +80,7 @@ ids, attn, mask = common.pad_prompt_completion(prompts, vllm_out, tok.pad_token_
 
 def update():
     for s in range(0, len(prompts), 64):  # micro-batches of 64 sequences
-        logp, _ = modeling.token_logprobs(model, ids[s:s + 64].to(device), attn[s:s + 64].to(device), mask.shape[1])
+        logp, _ = shortcuts.token_logprobs(model, ids[s:s + 64].to(device), attn[s:s + 64].to(device), mask.shape[1])
         (-(logp * mask[s:s + 64].to(device)).sum() / mask.sum()).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -56,11 +56,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-import bookkeeping  # noqa: E402
+import config  # noqa: E402
 import da3po  # noqa: E402
 from common import (group_advantages, loss_weights, make_batch, policy_loss, roll_groups,  # noqa: E402
-                    shaped_reward)
-from modeling import load_model, model_path, token_logprobs  # noqa: E402
+                    shaped_reward, token_logprobs)
+from modeling import load_model, model_path  # noqa: E402
 from dataset import format_prompt, load_data, resolve_template, tokenize_problems  # noqa: E402
 from ranks import DistInfo  # noqa: E402
 from engine import HFRollout  # noqa: E402
@@ -69,7 +69,7 @@ from verifier import verify_batch  # noqa: E402
 # -----------------------------------------------------------------------------------------------------------------
 # Settings shared by both sides
 
-# The work: a shipped demo's model, training prompts, completion cap and overlong buffer (bookkeeping.DEMOS).
+# The work: a shipped demo's model, training prompts, completion cap and overlong buffer (config.DEMOS).
 #   arith      sums answered directly: completions of ~6 tokens, all about as long (the first workload)
 #   reasoning  the default demo: a trace before the answer, 30-72 tokens, wrong ones longer, a fifth truncated
 WORKLOADS = ("arith", "reasoning")
@@ -77,7 +77,7 @@ WORKLOADS = ("arith", "reasoning")
 
 def workload(name: str) -> dict:
     """The Config values of a shipped demo (model, train_data, max_new_tokens, overlong_buffer, ...)."""
-    return vars(da3po.Config()) | bookkeeping.DEMOS[name]
+    return vars(da3po.Config()) | config.DEMOS[name]
 
 
 def parse_args(argv=None):

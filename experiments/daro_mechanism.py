@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-import bookkeeping
+import config
 import daro
 import ranks
 from experiments.learning import ARMS, PROTOCOL, TASKS  # the benchmark's own task definitions
@@ -86,7 +86,7 @@ def trace(task: str, seed: int, steps: int, out_dir: str) -> list[dict]:
              "--seed", str(seed), "--steps", str(steps), "--eval_every", "0", "--eval_size", "4",
              "--eval_samples", "1", "--updates_per_step", str(PROTOCOL["updates_per_step"]), "--sample_every", "0",
              *t["flags"], "--out_dir", out_dir]
-    cfg = bookkeeping.parse_config(daro.Config, flags, daro.PRESETS)
+    cfg = config.parse_config(daro.Config, flags, daro.PRESETS)
     real_prepare = daro.prepare_models
 
     def prepare(*args, **kwargs):

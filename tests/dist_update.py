@@ -7,6 +7,7 @@ import sys
 import torch
 
 import common
+import shortcuts
 import modeling
 import ranks
 import engine as eng
@@ -37,13 +38,13 @@ groups = groups[d.rank::d.world_size]  # each rank its stride, as dynamic_sampli
 batch = common.make_batch(groups, tok.pad_token_id)
 batch["advantage"] = common.group_advantages(batch["reward"].view(-1, 4).double()).flatten()
 with torch.no_grad():
-    batch["old_logp"] = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+    batch["old_logp"] = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                                               batch["mask"].shape[1])[0] - 0.05
 batch["weight"] = common.loss_weights(batch["mask"].double(), "token-mean", 12)
 
 total = 0.0
 for _, mb in common.micro_batches(batch, torch.arange(len(batch["mask"])), 3):  # uneven: 16 rows -> 3+3+3+3+3+1
-    logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], 1.0, False,
+    logp, _ = shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], 1.0, False,
                                     chunk, mb["group"])  # a group's prompt run once, its KV cache shared
     loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
     loss.backward()

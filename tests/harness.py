@@ -22,10 +22,9 @@ import torch
 
 import common
 import modeling
-import ranks
 import da3po
 import daro
-import engine
+import ranks
 from tests.reference import Adam, Flags, Seq, gradient, sequence_logprobs, update, weight_objective
 
 TOL = 1e-10
@@ -55,6 +54,8 @@ def random_case(seed: int, model, script: str | None = None, **fixed) -> dict:
     flags["micro_batch_tokens"] = rng.choice([0, rng.randint(4, 60)])  # small: packs few rows, one row may exceed it
     # --pack from a stream of its own, so that every other draw (and so every earlier case) stays as it was
     flags["pack"] = random.Random(f"pack {seed}").random() < 0.5
+    # the log-prob path, likewise: the plain padded forward, or the shortcuts (--pack, --logprob_chunk read there)
+    flags["logprob_path"] = random.Random(f"path {seed}").choice(["plain", "shortcuts", "shortcuts"])
     if script == "da3po":
         flags.update(lam=rng.choice([1.0, 2.0, 3.0]), tau=rng.choice([0.25, 0.5, 0.75, 1.0]),
                      daa_scope=rng.choice(["correct", "correct", "all"]),
@@ -159,7 +160,7 @@ def _float64_rms_norm(self, x):
 def every_micro_batch_packed(*models):
     """Inside, --pack packs every micro-batch: the models run as ones whose KV cache cannot serve a group's prompt
     once (model.shares_prompts False, as the start-up check leaves a hybrid model), so the padded path would run
-    rows whole and packing always runs fewer positions (modeling._packs)."""
+    rows whole and packing always runs fewer positions (shortcuts._packs)."""
     saved = [m.__dict__.get("shares_prompts") for m in models]
     for m in models:
         m.shares_prompts = False
@@ -226,7 +227,8 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
         batch["advantage"] = algo.advantages(batch, my_groups, {})
         T = batch["mask"].shape[1]
         batch["old_logp"] = _padded([lp for g in my_groups for lp in g["old_logp"]], T)  # pi_old, given
-        engine.rollout_correction(batch, cfg)
+        if cfg.rollout_is != "none":
+            common.rollout_correction(batch, cfg)
         row_ids = [(g["id"], j) for g in my_groups for j in range(len(g["completions"]))]
         batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float64)
         sums, out = common.Sums(*common.TRAIN_SUMS), []

@@ -35,7 +35,7 @@ import sys
 import torch
 
 import common
-import bookkeeping
+import config
 import modeling
 import ranks
 
@@ -167,7 +167,7 @@ def run(script_name: str, out: str, flags: list[str], stop_at: int = 0) -> int:
             ranks._stop_signal = signal.SIGTERM
         return ranks.stop_requested()
     common.stop_requested = script.stop_requested = stop_requested
-    cfg = bookkeeping.parse_config(script.Config, ["--demo", "arith", "--out_dir", out, *flags],
+    cfg = config.parse_config(script.Config, ["--demo", "arith", "--out_dir", out, *flags],
                                    script.PRESETS)  # the sums demo's short completions, unless the flags say otherwise
     script.main(cfg)
     return calls[0]

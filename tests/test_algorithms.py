@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import shortcuts
 import modeling
 import ranks
 import da3po
@@ -179,7 +180,7 @@ def test_microbatch_split_does_not_change_loss_or_gradient(float64_model, loss_a
     ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
     T = mask.shape[1]
     with torch.no_grad():
-        old = modeling.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(12, T, generator=g, dtype=torch.float64)
+        old = shortcuts.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(12, T, generator=g, dtype=torch.float64)
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old,
              "advantage": torch.randn(12, generator=g, dtype=torch.float64),
              "weight": common.loss_weights(mask.double(), loss_agg, 10)}
@@ -191,7 +192,7 @@ def test_microbatch_split_does_not_change_loss_or_gradient(float64_model, loss_a
             rows = torch.arange(start, start + size)
             start += size
             for _, mb in common.micro_batches(batch, rows, size):
-                logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+                logp, _ = shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
                 loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
                 loss.backward()
                 total += loss.item()
@@ -215,7 +216,7 @@ def test_token_logprobs_match_generate_scores(demo_dir):
                          return_dict_in_generate=True, min_new_tokens=5)
     gen_logp = torch.stack([s.log_softmax(-1) for s in out.logits], 1).gather(-1, out.sequences[:, -5:, None])[..., 0]
     full_attn = torch.cat([attn, torch.ones(2, 5, dtype=attn.dtype)], 1)
-    logp, entropy = modeling.token_logprobs(model, out.sequences, full_attn, 5, with_entropy=True)
+    logp, entropy = shortcuts.token_logprobs(model, out.sequences, full_attn, 5, with_entropy=True)
     assert torch.allclose(logp, gen_logp, atol=1e-4)
     assert (entropy >= 0).all()
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import modeling
+import shortcuts
 from tests.conftest import random_batch
 
 
@@ -20,7 +21,7 @@ def test_chunked_logprobs_equal_the_plain_ones(demo_dir, chunk):
     out = []
     for chunk_tokens in (0, chunk):
         model.zero_grad()
-        logp, entropy = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
+        logp, entropy = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
                                               chunk_tokens)
         (logp * batch["mask"] * torch.linspace(-1, 1, T)).sum().backward()
         out.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
@@ -29,5 +30,5 @@ def test_chunked_logprobs_equal_the_plain_ones(demo_dir, chunk):
     for a, b in zip(grads0, grads1):
         assert (a - b).abs().max() <= 1e-6 * max(1.0, a.abs().max().item())
     with torch.no_grad():  # the no-grad path (old log-probs) too
-        again, _ = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, False, chunk)
+        again, _ = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, False, chunk)
     assert torch.allclose(again, lp0, atol=1e-6, rtol=0)

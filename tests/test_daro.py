@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import common
-import bookkeeping
+import shortcuts
+import config
 import modeling
 import daro
 from tests.conftest import ROOT, weighted_loss
@@ -162,7 +163,7 @@ def update_batch(float64_model):
     mask = mask.double()
     T = mask.shape[1]
     with torch.no_grad():
-        old = modeling.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(n, T, generator=g, dtype=torch.float64)
+        old = shortcuts.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(n, T, generator=g, dtype=torch.float64)
     bins = torch.tensor([1, 1, 2, 0, 3, 3, 3, 8, 5, 5, 7, 1, 0, 2, 7, 5])  # bins 4/8 and 6/8 empty
     batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old, "bin": bins,
              "advantage": torch.randn(n, generator=g, dtype=torch.float64),
@@ -187,7 +188,7 @@ def run_update(model, batch, log_w, sizes):
         rows = torch.arange(start, start + size)
         start += size
         for _, mb in common.micro_batches(batch, rows, size):
-            logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+            logp, _ = shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
             weight = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)
             loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], weight, 0.2, 0.28)
             loss.backward()
@@ -197,7 +198,7 @@ def run_update(model, batch, log_w, sizes):
 
 def direct_bin_losses(model, batch):
     """L_mu by the formula, Eq. (2), on the whole batch at once: the token mean of the clipped loss within each bin."""
-    logp, _ = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])
+    logp, _ = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])
     ratio = torch.exp(logp - batch["old_logp"])
     adv = batch["advantage"].unsqueeze(-1)
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28)) * batch["mask"]
@@ -349,7 +350,7 @@ def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys,
     (main(parse_config(argv)), the script's own entry) to save two interpreter start-ups."""
     out = tmp_path / "run"
     args = daro_args(coin, out, "--steps", "3", "--save_every", "1", "--weight_lr", "0.2", *mode)[1:]
-    daro.main(bookkeeping.parse_config(Config, args, PRESETS))
+    daro.main(config.parse_config(Config, args, PRESETS))
     straight = train_records(out)[-1]
     state = torch.load(out / "step_000002" / "trainer.pt", weights_only=False)
     assert state["daro_neg_log_w"].shape == (G - 1,) and state["daro_neg_log_w"].abs().max() > 0.1
@@ -358,7 +359,7 @@ def test_resume_restores_the_weights_and_their_optimizer(coin, tmp_path, capsys,
     assert (max(ws) == pytest.approx(min(ws), rel=1e-6)) == ("--shared_weight" in mode) and max(ws) != 1
     shutil.rmtree(out / "step_000003")
     capsys.readouterr()
-    daro.main(bookkeeping.parse_config(Config, args + ["--resume"], PRESETS))
+    daro.main(config.parse_config(Config, args + ["--resume"], PRESETS))
     stdout = capsys.readouterr().out
     assert "resumed from" in stdout and "(step 2)" in stdout
     resumed = train_records(out)
@@ -373,7 +374,7 @@ def test_weight_lr_bounds_how_far_the_weights_travel():
     """What docs/metrics.md says of --weight_lr, checked on the real weight step: Adam moves ln w by ~weight_lr per
     update whatever the bin's loss, so after 120 updates at 1e-3 every bin's w is ~exp(0.12) = 1.13, for a loss scale
     of 0.1 (fixed point 9.9) and of 0.004 (fixed point 200) alike: the bins rise together."""
-    cfg = bookkeeping.parse_config(daro.Config, ["--group_size", "4"], daro.PRESETS)
+    cfg = config.parse_config(daro.Config, ["--group_size", "4"], daro.PRESETS)
     neg_log_w = [torch.zeros((), requires_grad=True) for _ in range(3)]
     opt = torch.optim.Adam(neg_log_w, lr=cfg.weight_lr)
     bin_loss = torch.tensor([0.0, 0.1, 0.004, -0.05, 0.0])  # per bin mu = 0, 1/4, .., 1; |L_mu| is what the weights fit

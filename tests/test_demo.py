@@ -5,7 +5,7 @@ import json
 import torch
 
 import common
-import bookkeeping
+import config
 import modeling
 import dataset
 import ranks
@@ -31,7 +31,7 @@ def test_reasoning_demo_data_are_calibrated_right_and_disjoint():
     """--demo reasoning's files: 200 eval sums in 5 levels of 40 (each row in its band), every answer the sum, no eval
     problem a training row, and the weights demo/reasoning/README.md names by their sha256."""
     import hashlib
-    cfg = bookkeeping.parse_config(__import__("da3po").Config, ["--demo", "reasoning"])
+    cfg = config.parse_config(__import__("da3po").Config, ["--demo", "reasoning"])
     rows = [json.loads(line) for line in open(cfg.eval_data)]
     train = [json.loads(line) for line in open(cfg.train_data)]
     assert len(rows) == 200 and all(sum(r["level"] == level for r in rows) == 40 for level in LEVEL_BANDS)
@@ -49,7 +49,7 @@ def test_shipped_model_starts_where_the_readme_says():
     """eval/acc at step 0 of `python da3po.py --demo arith` (the whole eval set, 4 samples, seed 0): 0.445 on the machine that
     built it; another machine's kernels change a few samples, not the level structure."""
     model, tok = modeling.load_model(modeling.model_path("demo"), torch.device("cpu"))
-    cfg = bookkeeping.parse_config(__import__("da3po").Config, ["--demo", "arith"])
+    cfg = config.parse_config(__import__("da3po").Config, ["--demo", "arith"])
     cfg.prompt_template = dataset.resolve_template(cfg.prompt_template, tok)
     assert cfg.prompt_template == "none"  # the demo model is recognised by its chat template
     problems = dataset.tokenize_problems(dataset.load_data("arith", "eval"), tok, "none", 64, "arith")
@@ -63,7 +63,7 @@ def test_shipped_model_starts_where_the_readme_says():
 def test_no_flags_run_the_reasoning_demo_which_starts_where_the_readme_says():
     """`python da3po.py` with no flags: the reasoning demo's model and sets; eval/acc at step 0 (the whole eval set,
     4 samples, seed 0) is 0.444 in the README; another machine's kernels change a few samples, not the levels."""
-    cfg = bookkeeping.parse_config(__import__("da3po").Config, [])
+    cfg = config.parse_config(__import__("da3po").Config, [])
     assert cfg.demo == "reasoning" and cfg.max_new_tokens == 72 and cfg.eval_data.endswith("reasoning/eval.jsonl")
     model, tok = modeling.load_model(modeling.model_path(cfg.model), torch.device("cpu"))
     cfg.prompt_template = dataset.resolve_template(cfg.prompt_template, tok)

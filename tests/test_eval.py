@@ -5,7 +5,7 @@ import json
 import pytest
 
 import common
-import bookkeeping
+import config
 import modeling
 import dataset
 import verifier
@@ -69,9 +69,9 @@ def test_eval_data_with_k(eval_data, k):
     ("a.jsonl,,b.jsonl", "--eval_data 'a.jsonl,,b.jsonl': an empty set name"),
     ("@8", "--eval_data '@8': an empty set name")])
 def test_bad_eval_data_exits_2_in_one_line(eval_data, message, capsys):
-    cfg = bookkeeping.parse_config(Config, ["--eval_data", eval_data], PRESETS)
+    cfg = config.parse_config(Config, ["--eval_data", eval_data], PRESETS)
     with pytest.raises(SystemExit) as e:
-        bookkeeping.check_config(cfg, 1)
+        config.check_config(cfg, 1)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
@@ -86,7 +86,7 @@ def test_bad_eval_data_stops_the_script_before_loading(tmp_path):
 
 def test_help_shows_the_set_at_k_syntax(capsys):
     with pytest.raises(SystemExit):
-        bookkeeping.parse_config(Config, ["--help"], PRESETS)
+        config.parse_config(Config, ["--help"], PRESETS)
     assert "aime24.jsonl@32,math500.jsonl@8" in " ".join(capsys.readouterr().out.split())
 
 

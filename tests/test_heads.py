@@ -2,7 +2,7 @@
 default --logprob_chunk): the chunks must compute what the model's own forward computes, including what that
 forward does around its output layer (Gemma's final logit soft-cap, Cohere's logit_scale, Granite's logits_scaling,
 Falcon-H1's lm_head_multiplier, MiniCPM3's scaled hidden state, ...), and the start-up probe
-modeling.check_chunked_logprobs must refuse a head it does not know (exit 2, one line).
+shortcuts.check_chunked_logprobs must refuse a head it does not know (exit 2, one line).
 
 Tiny random models built in code, in float64, with the output layer's weights drawn large enough that each family's
 transform bites (test_each_family_transforms_its_logits_as_surveyed checks that it does)."""
@@ -17,7 +17,7 @@ import transformers
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import common
-import modeling
+import shortcuts
 from tests.conftest import ROOT
 
 V, H = 64, 32
@@ -124,7 +124,7 @@ def run(model, batch, temperature, chunk_tokens, groups):
     """log-probs, entropies and parameter gradients of a scalar loss, through token_logprobs."""
     T = batch["mask"].shape[1]
     model.zero_grad()
-    logp, entropy = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, temperature, True,
+    logp, entropy = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, temperature, True,
                                           chunk_tokens, groups)
     (logp * batch["mask"] * torch.linspace(-1, 1, T, dtype=logp.dtype)).sum().backward()
     mask = batch["mask"].bool()
@@ -151,7 +151,7 @@ def test_chunked_logprobs_equal_the_whole_logits(family, tied):
     probe accepts the family."""
     model = build(family, tied)
     assert_chunked_equals_whole(model, grouped_batch(), None)
-    modeling.check_chunked_logprobs(model)  # returns (does not exit) for a family the table knows
+    shortcuts.check_chunked_logprobs(model)  # returns (does not exit) for a family the table knows
 
 
 @pytest.mark.parametrize("family,tied", CASES)
@@ -166,7 +166,7 @@ def test_chunked_logprobs_equal_the_whole_logits_shared_prompts(family, tied):
         for chunk_tokens in (0, 13):
             with pytest.raises(error, match=message):
                 run(model, batch, 1.0, chunk_tokens, batch["group"])
-    modeling.check_logprob_paths(model, types.SimpleNamespace(logprob_chunk=13, dtype="float32"))
+    shortcuts.check_logprob_paths(model, types.SimpleNamespace(logprob_chunk=13, dtype="float32"))
     assert model.shares_prompts == (family not in SHARED_PROMPT_FAILS)
     assert_chunked_equals_whole(model, batch, batch["group"])
 
@@ -192,7 +192,7 @@ def test_each_family_transforms_its_logits_as_surveyed(family):
 
 
 class SinQwen3(transformers.Qwen3ForCausalLM):
-    """A forward that applies a nonlinearity to its logits that modeling.head_logits cannot know."""
+    """A forward that applies a nonlinearity to its logits that shortcuts.head_logits cannot know."""
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
@@ -218,7 +218,7 @@ def test_probe_refuses_a_head_it_does_not_know(cls, dtype, capsys):
     torch.manual_seed(0)
     model = cls(config).float().train()
     with pytest.raises(SystemExit) as exit_info:
-        modeling.check_chunked_logprobs(model, dtype)
+        shortcuts.check_chunked_logprobs(model, dtype)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and cls.__name__ in err and "--logprob_chunk 0" in err
@@ -227,7 +227,7 @@ def test_probe_refuses_a_head_it_does_not_know(cls, dtype, capsys):
 @pytest.mark.parametrize("family", ["gemma2", "cohere", "granite", "falcon_h1", "minicpm3", "inkling_text"])
 def test_probe_accepts_known_heads_under_bfloat16_autocast(family):
     """The probe's tolerance follows the compute dtype: no false refusal of a family the table knows in bfloat16."""
-    modeling.check_chunked_logprobs(build(family).float(), "bfloat16")
+    shortcuts.check_chunked_logprobs(build(family).float(), "bfloat16")
 
 
 def test_chunked_path_raises_when_the_head_is_not_called():
@@ -235,7 +235,7 @@ def test_chunked_path_raises_when_the_head_is_not_called():
     model = HeadlessQwen3(transformers.Qwen3Config(**BASE, tie_word_embeddings=False)).double()
     batch = grouped_batch()
     with pytest.raises(RuntimeError, match="HeadlessQwen3"):
-        modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1],
+        shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1],
                               chunk_tokens=13)
 
 
@@ -249,13 +249,13 @@ from tests import test_heads
 d = ranks.setup_dist("cpu")
 model = test_heads.build("gemma2", tied=True).float()  # the same seed, so the same weights, on every rank
 model = modeling.shard_model(model, d)
-modeling.check_chunked_logprobs(model)  # every rank, in the same order: forwards of the sharded model
+shortcuts.check_chunked_logprobs(model)  # every rank, in the same order: forwards of the sharded model
 batch = test_heads.grouped_batch()
 T = batch["mask"].shape[1]
 out = []
 for chunk_tokens in (0, 13):
     model.zero_grad()
-    logp, _ = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.7, False, chunk_tokens,
+    logp, _ = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.7, False, chunk_tokens,
                                     batch["group"])
     (logp * batch["mask"]).sum().backward()
     out.append((logp.detach(), [modeling.full_tensor(p.grad) for p in model.parameters()]))
@@ -264,7 +264,7 @@ gap = max([(out[0][0] - out[1][0]).abs().max().item()]
 print(f"rank {d.rank}: gemma2 accepted, chunked gap {gap:.1e}", flush=True)
 assert gap < 1e-5, gap
 refused = modeling.shard_model(test_heads.SinQwen3(test_heads.transformers.Qwen3Config(**test_heads.BASE)), d)
-modeling.check_chunked_logprobs(refused)  # exits 2 on every rank
+shortcuts.check_chunked_logprobs(refused)  # exits 2 on every rank
 print("not refused", flush=True)
 """
 
@@ -295,7 +295,7 @@ def _own_logprobs(model, batch):
     for i, (ids, attn) in enumerate(zip(batch["input_ids"], batch["attention_mask"])):
         n = int(batch["mask"][i].sum())
         if n:
-            out[i, :n] = modeling.token_logprobs(model, ids[attn.bool()][None], attn[attn.bool()][None], n)[0][0]
+            out[i, :n] = shortcuts.token_logprobs(model, ids[attn.bool()][None], attn[attn.bool()][None], n)[0][0]
     return out * batch["mask"]
 
 
@@ -305,7 +305,7 @@ def test_start_up_check_packs_a_family_or_refuses_it(family, capsys):
     are each row's own (float64); the families whose layers carry a state across sequences (PACK_REFUSED) are
     refused with one line and run padded."""
     model, batch = build(family, family not in UNTIED_ONLY), grouped_batch()
-    modeling.check_logprob_paths(model, types.SimpleNamespace(logprob_chunk=13, dtype="float32", pack=True))
+    shortcuts.check_logprob_paths(model, types.SimpleNamespace(logprob_chunk=13, dtype="float32", pack=True))
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --pack:")]
     assert bool(model.pack_refusal) == (family in PACK_REFUSED) == (len(notes) == 1), (model.pack_refusal, notes)
     if family in PACK_REFUSED:
@@ -313,8 +313,8 @@ def test_start_up_check_packs_a_family_or_refuses_it(family, capsys):
     T = batch["mask"].shape[1]
     with torch.no_grad():  # (the batch's second group is left padded)
         own = _own_logprobs(model, batch)
-        packed = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, pack=True)[0]
-        padded = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] * batch["mask"]
+        packed = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, pack=True)[0]
+        padded = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] * batch["mask"]
     tol = 1e-10 if own.dtype == packed.dtype else 1e-5  # (Mllama: float32 logits)
     assert (packed - own).abs().max().item() <= tol * own.abs().max().item()
     assert (packed - padded).abs().max().item() <= tol * own.abs().max().item()

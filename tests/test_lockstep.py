@@ -124,9 +124,9 @@ def test_vllm_ranks_issue_the_same_collectives(tmp_path):
     pytest.importorskip("vllm")
     import torch
 
-    import engine as eng
-    if eng.vllm_usable(torch.device("cpu")):
-        pytest.skip(eng.vllm_usable(torch.device("cpu")))
+    import vllm_engine
+    if vllm_engine.vllm_usable(torch.device("cpu")):
+        pytest.skip(vllm_engine.vllm_usable(torch.device("cpu")))
     code, _, stderr = launch(tmp_path, "da3po.py", "real", [*SMALL, "--rollout", "vllm", "--eval_size", "9",
                                                               "--eval_batch_size", "4", "--micro_batch_tokens", "120",
                                                               "--rollout_is", "token"])

@@ -16,10 +16,14 @@ import torch
 peft = pytest.importorskip("peft")
 
 import bookkeeping  # noqa: E402
+import shortcuts
+import lora
+import config
 import common  # noqa: E402
 import modeling  # noqa: E402
 import ranks  # noqa: E402
 import engine as eng  # noqa: E402
+import vllm_engine  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
 from tests.conftest import run_script  # noqa: E402
@@ -36,7 +40,7 @@ def lora_cfg(**flags):
 
 def lora_model(demo_dir, **flags):
     model, tok = modeling.load_model(demo_dir)
-    return modeling.add_lora(model, lora_cfg(**flags)), tok
+    return lora.add_lora(model, lora_cfg(**flags)), tok
 
 
 def one_line_exit(capsys, call) -> str:
@@ -55,7 +59,7 @@ def records(path):
 
 
 def run(script, out, *flags):
-    script.main(bookkeeping.parse_config(script.Config, ["--out_dir", str(out), *SMALL, *flags], script.PRESETS))
+    script.main(config.parse_config(script.Config, ["--out_dir", str(out), *SMALL, *flags], script.PRESETS))
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -68,13 +72,13 @@ def run(script, out, *flags):
     (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha must be > 0"),
     (["--lora_rank", "8", "--lora_sync", "weights"], "--lora_sync 'weights': choose one of auto, adapter, merged")])
 def test_bad_lora_flags_stop_with_one_line(capsys, flags, says):
-    cfg = bookkeeping.parse_config(da3po.Config, flags, da3po.PRESETS)
-    assert says in one_line_exit(capsys, lambda: bookkeeping.check_config(cfg, 1))
+    cfg = config.parse_config(da3po.Config, flags, da3po.PRESETS)
+    assert says in one_line_exit(capsys, lambda: config.check_config(cfg, 1))
 
 
 def test_lora_flags_default_to_off_and_every_linear_layer_of_the_blocks(demo_dir):
-    cfg = bookkeeping.parse_config(da3po.Config, [], da3po.PRESETS)
-    bookkeeping.check_config(cfg, 1)
+    cfg = config.parse_config(da3po.Config, [], da3po.PRESETS)
+    config.check_config(cfg, 1)
     assert cfg.lora_rank == 0
     model, _ = lora_model(demo_dir)
     assert sorted(model.peft_config["default"].target_modules) == [
@@ -86,7 +90,7 @@ def test_lora_flags_default_to_off_and_every_linear_layer_of_the_blocks(demo_dir
 @pytest.mark.parametrize("targets,missing", [("q_proj,lm_head", "lm_head"), ("qproj", "qproj")])
 def test_a_target_the_blocks_lack_stops_with_one_line(demo_dir, capsys, targets, missing):
     model, _ = modeling.load_model(demo_dir)
-    line = one_line_exit(capsys, lambda: modeling.add_lora(model, lora_cfg(lora_target_modules=targets)))
+    line = one_line_exit(capsys, lambda: lora.add_lora(model, lora_cfg(lora_target_modules=targets)))
     assert f"--lora_target_modules: Qwen3ForCausalLM has no linear layer named {missing} in its blocks" in line
     assert "(it has down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)" in line
 
@@ -95,7 +99,7 @@ def test_without_peft_it_says_what_to_install(demo_dir, capsys, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "peft", None)
     model, _ = modeling.load_model(demo_dir)
-    assert "pip install -r requirements/lora.txt" in one_line_exit(capsys, lambda: modeling.add_lora(model, lora_cfg()))
+    assert "pip install -r requirements/lora.txt" in one_line_exit(capsys, lambda: lora.add_lora(model, lora_cfg()))
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -110,7 +114,7 @@ def micro_batch(tok, model, seed=0, G=4):
                "reward": [1.0, -1.0] * (G // 2), "correct": [True, False] * (G // 2)} for p in prompts]
     batch = common.make_batch(groups, tok.pad_token_id)
     with torch.no_grad():
-        logp = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])[0]
+        logp = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])[0]
     batch["old_logp"] = logp + 0.1 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)
     batch["advantage"] = torch.randn(len(batch["mask"]), generator=g, dtype=logp.dtype)
     batch["mask"] = batch["mask"].to(logp.dtype)
@@ -149,7 +153,7 @@ def test_the_kl_reference_is_the_base_with_no_second_copy(float64_model, demo_di
     (float64, to 1e-12), and prepare_models loads no second model: the reference is the model, adapters off."""
     base, tok = float64_model
     frozen_base = copy.deepcopy(base).requires_grad_(False)
-    model = modeling.add_lora(base, lora_cfg()).double()
+    model = lora.add_lora(base, lora_cfg()).double()
     g = torch.Generator().manual_seed(1)
     for n, p in model.named_parameters():  # trained adapters: pi differs from the base
         if ".lora_B." in n:
@@ -169,7 +173,7 @@ def test_the_kl_reference_is_the_base_with_no_second_copy(float64_model, demo_di
         assert abs(loss_and_grads(model, model, mb, cfg)[0] - loss) > 1e-4
     loads = []
     monkeypatch.setattr(modeling, "load_model", lambda *a, **k: loads.append(a) or modeling_load(*a, **k))
-    trained, ref = modeling.prepare_models(model, eng.HFRollout(model, tok, ranks.DistInfo()), demo_dir, cfg,
+    trained, ref = bookkeeping.prepare_models(model, eng.HFRollout(model, tok, ranks.DistInfo()), demo_dir, cfg,
                                            ranks.DistInfo())
     assert ref is trained is model and loads == []
 
@@ -209,12 +213,12 @@ def test_the_checkpoint_is_peft_format_and_merges(lora_checkpoints, tmp_path, de
     assert {"adapter_config.json", "adapter_model.safetensors", "trainer.pt", "rank0.pt"} <= set(os.listdir(ckpt))
     assert "model.safetensors" not in os.listdir(ckpt)  # the base is --model's: no copy of it
     ids = torch.tensor([[4, 10, 11, 12, 13, 5, 14, 15]])
-    ours = modeling.load_policy(ckpt, demo_dir, lora_cfg(lora_alpha=32.0))[0]
+    ours = bookkeeping.load_policy(ckpt, demo_dir, lora_cfg(lora_alpha=32.0))[0]
     peft_model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_dir), ckpt)
     with torch.no_grad():
         logits = ours(ids).logits
         assert torch.allclose(peft_model(ids).logits, logits, atol=1e-5)
-        with modeling.adapter_disabled(ours):
+        with lora.adapter_disabled(ours):
             assert (ours(ids).logits - logits).abs().max() > 1e-3  # the trained adapter moves the logits
         from tools.merge_lora import merge
         merge(ckpt, str(tmp_path / "merged"))
@@ -224,19 +228,19 @@ def test_the_checkpoint_is_peft_format_and_merges(lora_checkpoints, tmp_path, de
 
 
 def test_resuming_the_other_kind_stops_with_one_line(lora_checkpoints, tmp_path, capsys):
-    cfg = bookkeeping.parse_config(da3po.Config, ["--out_dir", str(lora_checkpoints), "--resume"], da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, ["--out_dir", str(lora_checkpoints), "--resume"], da3po.PRESETS)
     assert "holds a LoRA adapter of rank 4: resume it with its --lora_* flags" in one_line_exit(
         capsys, lambda: bookkeeping.find_checkpoint(cfg))
     full = tmp_path / "full"
     run(da3po, full, "--steps", "1")
-    cfg = bookkeeping.parse_config(da3po.Config, ["--out_dir", str(full), "--resume", "--lora_rank", "4"],
+    cfg = config.parse_config(da3po.Config, ["--out_dir", str(full), "--resume", "--lora_rank", "4"],
                                    da3po.PRESETS)
     assert "was written without LoRA" in one_line_exit(capsys, lambda: bookkeeping.find_checkpoint(cfg))
-    cfg = bookkeeping.parse_config(da3po.Config, ["--out_dir", str(lora_checkpoints), "--resume", "--lora_rank",
+    cfg = config.parse_config(da3po.Config, ["--out_dir", str(lora_checkpoints), "--resume", "--lora_rank",
                                                   "8", "--lora_alpha", "8"], da3po.PRESETS)
     ckpt = bookkeeping.find_checkpoint(cfg)
     assert "adapter has r 4, this run's --lora_rank gives 8" in one_line_exit(
-        capsys, lambda: modeling.load_policy(ckpt, modeling.model_path("demo"), cfg))
+        capsys, lambda: bookkeeping.load_policy(ckpt, modeling.model_path("demo"), cfg))
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -284,11 +288,11 @@ def vllm_setup(demo_dir, lora_checkpoints):
     process-wide state); the tests leave it synced with the trainer. Made after lora_checkpoints' run: a script's
     main() ends by destroying the process group, which in a plain run is the one this engine opened."""
     pytest.importorskip("vllm")
-    why_not = eng.vllm_usable(torch.device("cpu"))
+    why_not = vllm_engine.vllm_usable(torch.device("cpu"))
     if why_not:
         pytest.skip(why_not)
     model, tok = lora_model(demo_dir, lora_rank=8, lora_alpha=16.0)
-    engine = eng.VLLMRollout(demo_dir, tok, ranks.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25, lora_rank=8)
+    engine = vllm_engine.VLLMRollout(demo_dir, tok, ranks.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25, lora_rank=8)
     texts = [tok.apply_chat_template([{"role": "user", "content": f"{a}+{b}"}], tokenize=False,
                                      add_generation_prompt=True) for a in (3, 17, 250, 4096) for b in (5, 61, 708)]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -303,7 +307,7 @@ def sgd_steps(model, tok, prompts, steps=3, lr=0.5):
     ids, attn, mask = common.pad_prompt_completion(prompts, [answer] * len(prompts), tok.pad_token_id)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     for _ in range(steps):
-        loss = -(modeling.token_logprobs(model, ids, attn, mask.shape[1])[0] * mask).sum() / mask.sum()
+        loss = -(shortcuts.token_logprobs(model, ids, attn, mask.shape[1])[0] * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -334,7 +338,7 @@ def test_the_probe_catches_a_stale_adapter(vllm_setup, capsys, tmp_path):
     from vllm.lora.request import LoRARequest
     model, tok, engine, prompts = vllm_setup
     sgd_steps(model, tok, prompts, steps=1)
-    modeling.save_adapter(model, modeling.adapter_state_dict(model), str(tmp_path / "new"))
+    lora.save_adapter(model, lora.adapter_state_dict(model), str(tmp_path / "new"))
     old = engine.lora_request
     engine.lora_request = LoRARequest(old.lora_name, old.lora_int_id, str(tmp_path / "new"))  # same id, new path
     failed_sync(capsys, lambda: engine.check_sync(model))
@@ -367,10 +371,10 @@ def test_what_vllm_gets_after_an_update(demo_dir, capsys):
     the adapter where it cannot stops with one line."""
     pytest.importorskip("vllm")
     model, tok = lora_model(demo_dir)
-    assert eng.vllm_serves_adapter(model, "auto") == eng.vllm_serves_adapter(model, "adapter") == ""
-    assert eng.vllm_serves_adapter(model, "merged") == "--lora_sync merged"
+    assert vllm_engine.vllm_serves_adapter(model, "auto") == vllm_engine.vllm_serves_adapter(model, "adapter") == ""
+    assert vllm_engine.vllm_serves_adapter(model, "merged") == "--lora_sync merged"
     model.peft_config["default"].r = 1024
-    assert eng.vllm_serves_adapter(model, "auto") == "rank 1024 is above vLLM's largest, 512"
+    assert vllm_engine.vllm_serves_adapter(model, "auto") == "rank 1024 is above vLLM's largest, 512"
     cfg = lora_cfg(lora_rank=1024, rollout="vllm", lora_sync="adapter")
     line = one_line_exit(capsys, lambda: eng.make_rollout(cfg, model, tok, ranks.DistInfo(), demo_dir))
     assert "--lora_sync adapter: vLLM cannot serve this adapter (rank 1024" in line
@@ -401,8 +405,8 @@ def test_lora_ranks_issue_the_same_collectives(tmp_path, script, skew, flags):
     from tests.test_lockstep import SMALL as LOCKSTEP, launch
     if skew == "real":
         pytest.importorskip("vllm")
-        if eng.vllm_usable(torch.device("cpu")):
-            pytest.skip(eng.vllm_usable(torch.device("cpu")))
+        if vllm_engine.vllm_usable(torch.device("cpu")):
+            pytest.skip(vllm_engine.vllm_usable(torch.device("cpu")))
     code, _, stderr = launch(tmp_path, script, skew, [*LOCKSTEP, "--lora_rank", "4", *flags])
     assert code == 0, stderr[-3000:]
     traces = [json.load(open(tmp_path / f"collectives_rank{r}.json")) for r in (0, 1)]

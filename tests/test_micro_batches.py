@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-import bookkeeping
+import shortcuts
+import config
 import common
 import da3po
 import modeling
@@ -22,7 +23,7 @@ def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir
     batch = random_batch(tok, 24, seed=1, skew=True)
     T = batch["mask"].shape[1]
     with torch.no_grad():
-        batch["old_logp"] = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] - 0.05
+        batch["old_logp"] = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] - 0.05
     batch["weight"] = common.loss_weights(batch["mask"].double(), "token-mean", 40)
     batch["advantage"] = batch["advantage"].double()
     rows = torch.arange(24)
@@ -35,7 +36,7 @@ def test_token_budget_micro_batches_same_loss_and_gradient_less_padding(demo_dir
             padded += mb["attention_mask"].numel()
             real += mb["attention_mask"].sum().item()
             assert len(r) <= size and (max_tokens == 0 or len(r) == 1 or mb["attention_mask"].numel() <= max_tokens)
-            logp, _ = modeling.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+            logp, _ = shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
             loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
             loss.backward()
             total += loss.item()
@@ -67,7 +68,7 @@ def test_plan_updates_balances_tokens_over_ranks():
 
 
 def test_token_budget_run_logs_padding(tmp_path):
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "1", "--out_dir", str(tmp_path),
+    cfg = config.parse_config(da3po.Config, ["--demo", "arith", "--steps", "1", "--out_dir", str(tmp_path),
                                                   "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
                                                   "--micro_batch_tokens", "120"], da3po.PRESETS)
     da3po.main(cfg)

@@ -1,5 +1,5 @@
 """--pack: a micro-batch's rows packed the way transformers packs (position_ids restarting at 0 for each sequence, no
-mask, no cache: modeling._packed_outputs) give the padded path's loss and gradient, in float64 to harness.TOL (1e-10
+mask, no cache: shortcuts._packed_outputs) give the padded path's loss and gradient, in float64 to harness.TOL (1e-10
 of their scale; tests/harness.py derives it), on the demo model and on other families, sliding windows included; the
 start-up check; nothing of transformers changed at import. The reference harness runs packed cases too
 (tests/test_reference.py: harness.random_case draws --pack, and other families' cases run both ways).
@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import common
+import shortcuts
+import config
 import da3po
 from tests import harness
 import modeling
@@ -29,7 +31,7 @@ def models(float64_model):
 def _update(model, ref_model, case, pad_id, pack: bool, every: bool = False):
     """The case's updates through the real pipeline with --pack on or off (`every`: every micro-batch packed, not
     only those where packing runs fewer positions than a group's prompt once)."""
-    case = {**case, "flags": {**case["flags"], "pack": pack}}
+    case = {**case, "flags": {**case["flags"], "pack": pack, "logprob_path": "shortcuts"}}
     with harness.every_micro_batch_packed(model, ref_model) if every else contextlib.nullcontext():
         return harness.run_pipeline(model, ref_model if case["flags"]["kl_coef"] > 0 else None, case, pad_id)
 
@@ -84,9 +86,9 @@ def test_one_token_completions_keep_the_forward_count(float64_model):
     handle = model.register_forward_hook(lambda *args: calls.append(1))
     try:
         T = attn.shape[1] - 3
-        packed = modeling.token_logprobs(model, ids, attn, T, pack=True)[0]  # (rows whole: packing runs fewer)
+        packed = shortcuts.token_logprobs(model, ids, attn, T, pack=True)[0]  # (rows whole: packing runs fewer)
         assert len(calls) == 1
-        padded = modeling.token_logprobs(model, ids, attn, T, groups=groups)[0] * attn[:, 3:]
+        padded = shortcuts.token_logprobs(model, ids, attn, T, groups=groups)[0] * attn[:, 3:]
     finally:
         handle.remove()
     assert (packed - padded).abs().max().item() <= 1e-12
@@ -100,11 +102,11 @@ def test_packed_attention_keeps_sequences_apart(float64_model):
     other, _, _ = _one_group([5, 3], prompt=(15, 16, 17))
     ids2 = torch.cat([ids, other])  # two groups, the second with another prompt
     attn2 = torch.cat([attn, attn])
-    base = modeling.token_logprobs(model, ids2, attn2, 5, pack=True)[0]
+    base = shortcuts.token_logprobs(model, ids2, attn2, 5, pack=True)[0]
     changed = ids2.clone()
     changed[1, 3:6] = 30  # row 1's completion
     changed[2:, :3] = 31  # group 1's prompt
-    moved = modeling.token_logprobs(model, changed, attn2, 5, pack=True)[0]
+    moved = shortcuts.token_logprobs(model, changed, attn2, 5, pack=True)[0]
     assert torch.equal(base[0], moved[0])  # its prompt and its completion as they were
     assert not torch.equal(base[2], moved[2]) and not torch.equal(base[1], moved[1])
 
@@ -114,19 +116,19 @@ def test_pack_refusal_names_what_does_not_pack(float64_model):
     GPU they would get a dense mask per packed row); the verdict comes from the model and config (the same on every
     rank), said once at start-up. A `meta` model stands in for one on a GPU."""
     model, _ = float64_model
-    assert modeling.pack_refusal(model) == ""
+    assert shortcuts.pack_refusal(model) == ""
     for implementation in ("flash_attention_2", "flex_attention"):
         model.config._attn_implementation = implementation
-        assert modeling.pack_refusal(model) == "" and modeling.pack_refusal(model.to("meta")) == ""
+        assert shortcuts.pack_refusal(model) == "" and shortcuts.pack_refusal(model.to("meta")) == ""
     model.config._attn_implementation = "sdpa"
-    assert "dense mask" in modeling.pack_refusal(model) and "flash_attention_2" in modeling.pack_refusal(model)
+    assert "dense mask" in shortcuts.pack_refusal(model) and "flash_attention_2" in shortcuts.pack_refusal(model)
     model.config._attn_implementation = "paged|eager"
-    assert "paged|eager" in modeling.pack_refusal(model)
+    assert "paged|eager" in shortcuts.pack_refusal(model)
 
 
 def test_start_up_check_compares_packed_and_padded(float64_model):
     model, _ = float64_model
-    modeling.check_logprob_paths(model, common.TrainConfig(pack=True))
+    shortcuts.check_logprob_paths(model, config.TrainConfig(pack=True))
     assert model.pack_refusal == ""
 
 
@@ -134,16 +136,16 @@ def test_forward_tokens_count_what_the_forwards_run(float64_model):
     """perf/pad_frac's counts: one group, a prompt of 3, completions of 5, 3 and 1 tokens (T = 5)."""
     model, _ = float64_model
     ids, attn, groups = _one_group([5, 3, 1])
-    assert modeling.forward_tokens(model, attn, 5) == (3 * 8, 3 * 3 + 6)  # rows whole, padded
-    assert modeling.forward_tokens(model, attn, 5, groups) == (3 + 3 * 4, 3 + 4 + 2)  # the prompt once, padded
+    assert shortcuts.forward_tokens(model, attn, 5) == (3 * 8, 3 * 3 + 6)  # rows whole, padded
+    assert shortcuts.forward_tokens(model, attn, 5, groups) == (3 + 3 * 4, 3 + 4 + 2)  # the prompt once, padded
     # packed: each row's tokens but its last, 7, 5 and 3, in rows of 7, 8, 10, 12 or 14 (first fit, longest first):
     # 21, 16, 20, 24, 28 positions: rows [7], [5, 3] of 8 hold 15 tokens in the fewest; under a kernel that reads
     # boundaries, one row of 15
-    assert modeling.forward_tokens(model, attn, 5, pack=True) == (2 * 8, 15)
+    assert shortcuts.forward_tokens(model, attn, 5, pack=True) == (2 * 8, 15)
     # where the prompt could run once, packing only where it runs fewer positions: here 15 < 16, padded
-    assert modeling.forward_tokens(model, attn, 5, groups, pack=True) == (15, 9)
+    assert shortcuts.forward_tokens(model, attn, 5, groups, pack=True) == (15, 9)
     model.config._attn_implementation = "flash_attention_2"
-    assert modeling.forward_tokens(model, attn, 5, pack=True) == (15, 15)
+    assert shortcuts.forward_tokens(model, attn, 5, pack=True) == (15, 15)
 
 
 def test_packing_where_it_runs_fewer_positions(float64_model):
@@ -157,13 +159,13 @@ def test_packing_where_it_runs_fewer_positions(float64_model):
         for lengths, packs in (([9, 1, 1, 1], True), ([5, 3, 1], False)):
             ids, attn, groups = _one_group(lengths)
             T = attn.shape[1] - 3
-            run, _ = modeling.forward_tokens(model, attn, T, groups, pack=True)
-            padded = modeling.forward_tokens(model, attn, T, groups)[0]
+            run, _ = shortcuts.forward_tokens(model, attn, T, groups, pack=True)
+            padded = shortcuts.forward_tokens(model, attn, T, groups)[0]
             assert (run < padded) == packs and (run == padded) != packs
             calls.clear()
-            logp = modeling.token_logprobs(model, ids, attn, T, groups=groups, pack=True)[0] * attn[:, 3:]
+            logp = shortcuts.token_logprobs(model, ids, attn, T, groups=groups, pack=True)[0] * attn[:, 3:]
             assert len(calls) == (1 if packs else 2)
-            assert (logp - modeling.token_logprobs(model, ids, attn, T)[0] * attn[:, 3:]).abs().max() <= 1e-12
+            assert (logp - shortcuts.token_logprobs(model, ids, attn, T)[0] * attn[:, 3:]).abs().max() <= 1e-12
     finally:
         handle.remove()
 
@@ -186,7 +188,7 @@ def test_rows_whole_packed_equal_padded(float64_model, chunk):
         calls = []
         handle = model.register_forward_hook(lambda *args: calls.append(1))
         try:
-            logp = modeling.token_logprobs(model, ids, attn, 5, chunk_tokens=chunk, groups=groups, pack=pack)[0]
+            logp = shortcuts.token_logprobs(model, ids, attn, 5, chunk_tokens=chunk, groups=groups, pack=pack)[0]
         finally:
             handle.remove()
         logp = logp * attn[:, -5:]
@@ -210,9 +212,9 @@ def test_eager_packed_equals_sdpa_packed(float64_model, monkeypatch):
     width = ids.shape[1]
     ids = torch.cat([ids, torch.nn.functional.pad(other, (width - other.shape[1], 0))])
     attn = torch.cat([attn, torch.nn.functional.pad(other_attn, (width - other.shape[1], 0))])
-    sdpa = modeling.token_logprobs(model, ids, attn, 5, pack=True)[0]
+    sdpa = shortcuts.token_logprobs(model, ids, attn, 5, pack=True)[0]
     model.config._attn_implementation = "eager"
-    eager = modeling.token_logprobs(model, ids, attn, 5, pack=True)[0]
+    eager = shortcuts.token_logprobs(model, ids, attn, 5, pack=True)[0]
     assert (sdpa - eager).abs().max().item() <= 1e-12
 
 
@@ -255,7 +257,7 @@ def test_sliding_window_families_get_each_rows_own_logprobs(family, checkpointin
     cfg = da3po.Config(grad_checkpointing=checkpointing)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    modeling.check_logprob_paths(model, cfg)
+    shortcuts.check_logprob_paths(model, cfg)
     assert model.pack_refusal == ""  # packed: no family here is refused
     groups, batch = _windowed_batch()
     rows, mb = next(common.micro_batches(batch, torch.arange(len(batch["mask"])), cfg.micro_batch_size))
@@ -301,9 +303,9 @@ def test_a_flash_style_kernel_gets_one_row_and_no_mask(monkeypatch):
     model = harness.family_model("mistral", WINDOW)
     groups, batch = _windowed_batch()
     T = batch["mask"].shape[1]
-    padded = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] * batch["mask"]
+    padded = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0] * batch["mask"]
     model.config._attn_implementation = "flash_attention_2"
-    packed = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, pack=True)[0]
+    packed = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, pack=True)[0]
     assert seen and all(mask is None and rows == (1,) for mask, rows, _ in seen)
     starts = (seen[0][2][0] == 0).sum().item()
     assert starts == 5  # five sequences in the one row
@@ -334,7 +336,7 @@ import torch
 import common, engine, modeling, ranks
 d = ranks.setup_dist("cpu")
 torch.manual_seed(0)
-cfg = common.TrainConfig(dtype="bfloat16", kl_coef=0.1)  # --pack, --logprob_chunk 1024 by default; a KL anchor
+cfg = config.TrainConfig(dtype="bfloat16", kl_coef=0.1)  # --pack, --logprob_chunk 1024 by default; a KL anchor
 seen, load_model = [], modeling.load_model
 
 
@@ -360,7 +362,7 @@ def watched(model):
 modeling.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)  # the KL anchor prepare_models loads
 model, tok = load_model(modeling.model_path("demo"))
 rollout = engine.HFRollout(watched(model), tok, d, cfg.dtype)
-model, ref_model = modeling.prepare_models(model, rollout, modeling.model_path("demo"), cfg, d)
+model, ref_model = bookkeeping.prepare_models(model, rollout, modeling.model_path("demo"), cfg, d)
 with open(f"{out}/rank{{d.rank}}.json", "w") as f:  # (one file each: the ranks' prints would interleave)
     json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal), f)
 ranks.cleanup_dist()

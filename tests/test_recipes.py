@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 import bookkeeping
+import config
 import dataset
 import da3po
 import daro
@@ -37,8 +38,8 @@ def run_config(argv: list[str], capsys, monkeypatch):
     monkeypatch.setattr(bookkeeping, "is_dist", lambda: True)  # as under torchrun, where --cpu_offload is allowed
     cls, presets = SCRIPTS[script]
     capsys.readouterr()
-    cfg = bookkeeping.parse_config(cls, argv[argv.index(script) + 1:], presets)
-    bookkeeping.check_config(cfg, nproc * nnodes)
+    cfg = config.parse_config(cls, argv[argv.index(script) + 1:], presets)
+    config.check_config(cfg, nproc * nnodes)
     notes = capsys.readouterr().out.strip().splitlines()
     return script, nproc * nnodes, cfg, notes
 
@@ -60,19 +61,19 @@ def test_every_command_parses_and_passes_the_checks(recipes):
     assert len(recipes) == 11 + 3 + 4 and all(w in (1, 8) for _, w, _, _ in recipes)
     assert len({c.out_dir for _, _, c, _ in recipes}) == len(recipes)  # no two runs write into one folder
     assert all(c.demo == "" for _, _, c, _ in recipes)  # a model of the user's own: no demo's value applies
-    # packed micro-batches on a GPU need an attention that takes them without a dense mask (modeling.pack_refusal)
+    # packed micro-batches on a GPU need an attention that takes them without a dense mask (shortcuts.pack_refusal)
     assert all(c.pack and c.attn_implementation == "flash_attention_2" for _, _, c, _ in recipes)
 
 
 def test_a_recipe_without_a_flag_the_demos_size_stops_naming_it(capsys, monkeypatch):
-    """Every command sets each knob whose default is a demo's (bookkeeping.DEMO_SIZED), on its line or through
+    """Every command sets each knob whose default is a demo's (config.DEMO_SIZED), on its line or through
     its preset: drop any one of them and the command stops with one line naming it, instead of running on the
     sums demo's value."""
     dropped = 0
     for argv in doc_commands():
         script, _, cfg, _ = run_config(argv, capsys, monkeypatch)
         preset = SCRIPTS[script][1][cfg.algo]  # (GRPO's and Dr. GRPO's set overlong_buffer 0 themselves)
-        for flag in {a for a in argv if a.lstrip("-") in bookkeeping.DEMO_SIZED and a.lstrip("-") not in preset}:
+        for flag in {a for a in argv if a.lstrip("-") in config.DEMO_SIZED and a.lstrip("-") not in preset}:
             without = [a for i, a in enumerate(argv) if flag not in argv[max(i - 1, 0):i + 1]]  # (every time)
             with pytest.raises(SystemExit) as e:
                 run_config(without, capsys, monkeypatch)

@@ -58,17 +58,19 @@ def test_ci_cases_cover_every_flag(float64_model):
     seen = set()
     for seed, script, rollout in CI_CASES:
         f = harness.random_case(seed, model, script, **rollout)["flags"]
+        shortcuts = f["logprob_path"] == "shortcuts"  # --logprob_chunk and --pack are read there only
         seen |= {f["loss_agg"] if f.get("weighting", "none") == "none" else f["weighting"],
-                 f"updates{f['updates_per_step']}", f"chunk{f['logprob_chunk']}"}
+                 f"updates{f['updates_per_step']}", f["logprob_path"]}
+        seen |= {f"chunk{f['logprob_chunk']}"} if shortcuts else set()
         seen |= {name for name, on in [("gspo", f["seq_ratio"]), ("dual", f["clip_ratio_c"] > 1), ("kl", f["kl_coef"]),
-                                       ("packed", f["micro_batch_tokens"]), ("pack", f["pack"]),
+                                       ("packed", f["micro_batch_tokens"]), ("pack", f["pack"] and shortcuts),
                                        ("dr_grpo", not f["std_norm"]),
                                        ("scope_all", f.get("daa_scope") == "all"), ("literal", f.get("daro_literal")),
                                        ("running", f.get("p_estimate") == "running")]
                  if on}
     wanted = {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "learned", "uniform", "var", "updates1",
               "updates2", "chunk0", "chunk7", "chunk1024", "gspo", "dual", "kl", "packed", "pack", "dr_grpo",
-              "scope_all", "literal", "running"}
+              "scope_all", "literal", "running", "plain", "shortcuts"}
     assert wanted <= seen, wanted - seen
 
 
@@ -76,14 +78,14 @@ def test_ci_cases_cover_every_flag(float64_model):
 def test_other_families_packed_and_padded_match_reference(family):
     """The harness's random cases on other families (tiny random Llama, Qwen2 with its q/k/v biases, GPT-NeoX, and the
     sliding-window families with a window of 6 tokens against rows of up to 14): each case through the real pipeline
-    padded and with every micro-batch packed, both equal to the reference, so packed == padded, in float64
-    (harness.FAMILY_TOL: MoE)."""
+    on the plain path, on the shortcuts padded and with every micro-batch packed, each equal to the reference, so
+    the three are equal, in float64 (harness.FAMILY_TOL: MoE)."""
     model = harness.family_model(family)
     ref_model = harness.ref_model_of(model)
     for seed in range(4):
-        for pack in (False, True):
+        for path, pack in (("plain", False), ("shortcuts", False), ("shortcuts", True)):
             with harness.every_micro_batch_packed(model, ref_model) if pack else contextlib.nullcontext():
-                case, errors = harness.check_case(model, ref_model, 0, seed, pack=pack)
+                case, errors = harness.check_case(model, ref_model, 0, seed, pack=pack, logprob_path=path)
             bad = harness.failures(errors, harness.FAMILY_TOL.get(family, harness.TOL))
             assert not bad, (seed, harness.describe(case), bad)
 

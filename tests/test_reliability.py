@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+import config
 import bookkeeping
 import modeling
 import da3po
@@ -119,7 +120,7 @@ def test_bad_input_stops_with_one_line_and_exit_2(flags, message, tmp_path, caps
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
         argv = ["--out_dir", str(tmp_path / "out"), "--demo", "arith", *flags]
-        da3po.main(bookkeeping.parse_config(da3po.Config, argv, da3po.PRESETS))
+        da3po.main(config.parse_config(da3po.Config, argv, da3po.PRESETS))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message.format(tmp=tmp_path) in err[0], err
@@ -141,7 +142,7 @@ def test_nan_loss_skips_the_update_and_leaves_parameters_unchanged(demo_dir, tmp
         return loss * float("nan"), stats
 
     monkeypatch.setattr(common, "policy_loss", nan_loss)
-    cfg = bookkeeping.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path),
+    cfg = config.parse_config(da3po.Config, ["--steps", "2", "--out_dir", str(tmp_path),
                                              "--max_bad_updates", "100", "--no-dynamic_sampling", *SMALL],
                               da3po.PRESETS)
     da3po.main(cfg)

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-import bookkeeping
+import shortcuts
+import config
 import common
 import da3po
 import engine as eng
@@ -27,13 +28,13 @@ def correction_batch():
 
 
 def cfg_for(level, cap=2.0, mask=False):
-    return bookkeeping.parse_config(da3po.Config, ["--rollout_is", level, "--rollout_is_cap", str(cap)]
+    return config.parse_config(da3po.Config, ["--rollout_is", level, "--rollout_is_cap", str(cap)]
                                + (["--rollout_is_mask"] if mask else []), da3po.PRESETS)
 
 
 def test_rollout_is_token_truncation_by_hand():
     batch = correction_batch()
-    metrics = eng.rollout_correction(batch, cfg_for("token", cap=2.0))
+    metrics = common.rollout_correction(batch, cfg_for("token", cap=2.0))
     r = [[math.exp(0.1), math.exp(-0.9), math.exp(0.3)], [math.exp(1.0), math.exp(0.2), 0.0]]
     expected = [[r[0][0], r[0][1], r[0][2]], [2.0, r[1][1], 0.0]]  # e^1 = 2.72 truncated at C = 2
     assert torch.allclose(batch["is_weight"], torch.tensor(expected, dtype=torch.float64), atol=1e-12)
@@ -45,7 +46,7 @@ def test_rollout_is_token_truncation_by_hand():
 
 def test_rollout_is_sequence_level_by_hand():
     batch = correction_batch()
-    eng.rollout_correction(batch, cfg_for("sequence", cap=3.0))
+    common.rollout_correction(batch, cfg_for("sequence", cap=3.0))
     w0, w1 = math.exp(0.1 - 0.9 + 0.3), min(math.exp(1.2), 3.0)  # products of the token ratios; e^1.2 = 3.32 > C
     assert torch.allclose(batch["is_weight"], torch.tensor([[w0] * 3, [w1, w1, 0.0]], dtype=torch.float64))
 
@@ -54,10 +55,10 @@ def test_rollout_is_mask_leaves_the_denominator():
     """A rejected token is out of the loss AND out of its token-mean denominator: the loss equals the formula over
     the kept tokens only (zeroing its weight but still counting it would divide by 5 instead of 4)."""
     batch = correction_batch()
-    metrics = eng.rollout_correction(batch, cfg_for("token", cap=2.0, mask=True))
+    metrics = common.rollout_correction(batch, cfg_for("token", cap=2.0, mask=True))
     assert batch["mask"].tolist() == [[1, 0, 1], [0, 1, 0]]  # e^-0.9 = 0.41 < 1/2 and e^1 = 2.72 > 2: rejected
     batch2 = correction_batch()
-    eng.rollout_correction(batch2, cfg_for("token", cap=3.0, mask=True))
+    common.rollout_correction(batch2, cfg_for("token", cap=3.0, mask=True))
     assert batch2["mask"].tolist() == [[1, 1, 1], [1, 1, 0]]  # within [1/3, 3] everything stays
     assert metrics["rollout_is/masked_frac"] == pytest.approx(2 / 5)
     logp = batch["old_logp"] + 0.05  # the policy moved a little
@@ -71,7 +72,7 @@ def test_rollout_is_mask_leaves_the_denominator():
     assert len(kept) == 3 and loss.item() == pytest.approx(expected, abs=1e-12)
     # a sequence rejected whole also leaves the per-sequence mean (seq-mean-token-mean counts 1 sequence, not 2)
     seq = correction_batch()
-    eng.rollout_correction(seq, cfg_for("sequence", cap=3.0, mask=True))
+    common.rollout_correction(seq, cfg_for("sequence", cap=3.0, mask=True))
     assert seq["mask"].tolist() == [[1, 1, 1], [0, 0, 0]]
     w = common.loss_weights(seq["mask"].to(torch.float64), "seq-mean-token-mean", 3)
     assert torch.allclose(w[0], torch.full((3,), 1 / 3, dtype=torch.float64)) and w[1].sum() == 0
@@ -87,7 +88,7 @@ def test_mismatch_metrics_do_not_depend_on_rollout_is_mask(demo_dir, level):
     batch = random_batch(tok, 8, seed=5)
     T = batch["mask"].shape[1]
     with torch.no_grad():
-        batch["old_logp"] = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
+        batch["old_logp"] = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
     g = torch.Generator().manual_seed(0)
     batch["old_logp_nucleus"] = batch["old_logp"].clone()
     batch["old_logp_nucleus"][[0, 3], [0, 1]] = modeling.OUTSIDE_NUCLEUS  # pi_old's nucleus left them out
@@ -95,9 +96,9 @@ def test_mismatch_metrics_do_not_depend_on_rollout_is_mask(demo_dir, level):
     metrics = []
     for mask in (False, True):
         b = {k: v.clone() for k, v in batch.items()}
-        cfg = bookkeeping.parse_config(da3po.Config, ["--top_p", "0.9", "--rollout_is", level, "--rollout_is_cap",
+        cfg = config.parse_config(da3po.Config, ["--top_p", "0.9", "--rollout_is", level, "--rollout_is_cap",
                                                       "3"] + (["--rollout_is_mask"] if mask else []), da3po.PRESETS)
-        correction = eng.rollout_correction(b, cfg)
+        correction = common.rollout_correction(b, cfg)
         b["weight"] = common.loss_weights(b["mask"], "token-mean", 40)
         sums = common.Sums(*common.TRAIN_SUMS)
         for _, mb in common.micro_batches(b, torch.arange(8), 3):
@@ -161,7 +162,7 @@ class MismatchedRollout(eng.HFRollout):
 def test_rollout_is_with_a_mismatched_engine(tmp_path, monkeypatch, level):
     monkeypatch.setattr(da3po, "make_rollout", lambda cfg, model, tok, dist_info, path: MismatchedRollout(
         model, tok, dist_info))
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
+    cfg = config.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
                                                   "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
                                                   "--rollout_is", level, "--rollout_is_cap", "1.05"], da3po.PRESETS)
     da3po.main(cfg)
@@ -177,7 +178,7 @@ def test_importance_weights_of_our_sampler_are_1_under_top_p(demo_dir):
     is then compared renormalised over its own nucleus: weights of 1 (float32, the same weights), token and sequence.
     Against the full softmax they would be below 1 on every token whose nucleus left mass out."""
     model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
-    cfg = bookkeeping.parse_config(da3po.Config, ["--top_p", "0.7", "--rollout_is", "sequence"], da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, ["--top_p", "0.7", "--rollout_is", "sequence"], da3po.PRESETS)
     engine = eng.HFRollout(model, tok, ranks.DistInfo(), "float32", 512, cfg.top_p)
     assert not engine.exact_logprobs  # at top_p < 1 they are not pi_old: the trainer recomputes it
     problems = [{"prompt": p, "answer": "1", "prompt_ids": tok(p, add_special_tokens=False)["input_ids"]}
@@ -186,7 +187,7 @@ def test_importance_weights_of_our_sampler_are_1_under_top_p(demo_dir):
     groups = common.roll_groups(engine, tok, problems, cfg, 4, 1.0, cfg.top_p)[0]
     batch = common.make_batch(groups, tok.pad_token_id)
     batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
-    m = eng.rollout_correction(batch, cfg)
+    m = common.rollout_correction(batch, cfg)
     assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
     token_full = torch.exp((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"])
     assert token_full.min() < 0.9  # what comparing with the full softmax would have weighed
@@ -214,14 +215,14 @@ def test_clip_fractions_count_only_the_tokens_the_loss_counts(demo_dir):
     batch = random_batch(tok, 6, seed=3)
     T = batch["mask"].shape[1]
     with torch.no_grad():
-        logp = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
+        logp = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T)[0]
     batch["old_logp"] = logp - 5.0  # ratio e^5
     batch["rollout_logp"] = batch["old_logp"] + 5.0 * (torch.arange(6) % 2 == 1)[:, None]  # odd rows: w = e^-5
     batch["advantage"] = torch.ones(6)
-    cfg = bookkeeping.parse_config(da3po.Config, ["--logprob_chunk", "0", "--rollout_is", "token", "--rollout_is_mask"],
+    cfg = config.parse_config(da3po.Config, ["--logprob_chunk", "0", "--rollout_is", "token", "--rollout_is_mask"],
                               da3po.PRESETS)
     kept = int((batch["mask"] * (torch.arange(6) % 2 == 0)[:, None]).sum())
-    eng.rollout_correction(batch, cfg)
+    common.rollout_correction(batch, cfg)
     batch["weight"] = common.loss_weights(batch["mask"], "token-mean", 40)
     sums = common.Sums(*common.TRAIN_SUMS)
     for _, mb in common.micro_batches(batch, torch.arange(6), 6):

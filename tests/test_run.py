@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import common
-import bookkeeping
+import shortcuts
+import config
 import modeling
 import dataset
 import ranks
@@ -116,7 +117,7 @@ SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--eval_size", "16", "--e
 def run_main(demo_dir, tmp_path, *flags):
     """da3po.main in this process (so tests can wrap its functions); returns the train records of metrics.jsonl."""
     import da3po
-    cfg = bookkeeping.parse_config(da3po.Config, ["--out_dir", str(tmp_path), *SMALL, *flags], da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, ["--out_dir", str(tmp_path), *SMALL, *flags], da3po.PRESETS)
     da3po.main(cfg)
     return [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
 
@@ -169,7 +170,7 @@ def test_gradient_checkpointing_recomputes_activations(demo_dir):
             return real_forward(*args, **kwargs)
         mlp.forward = counted
         ids = torch.tensor([[4, 10, 11, 12, 5, 20, 21]])
-        logp, _ = modeling.token_logprobs(model, ids, torch.ones_like(ids), 3)
+        logp, _ = shortcuts.token_logprobs(model, ids, torch.ones_like(ids), 3)
         logp.sum().backward()
         calls[checkpointing] = count[0]
     assert calls == {False: 1, True: 2}

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import common
-import bookkeeping
+import shortcuts
+import config
 import modeling
 import dataset
 import engine as eng
@@ -110,7 +111,7 @@ def test_rollout_logprobs_are_the_trainers(model_tok):
     rows = [p for p in prompts for _ in range(4)]
     ids, attn, mask = common.pad_prompt_completion(rows, completions, tok.pad_token_id)
     with torch.no_grad():
-        trainer, _ = modeling.token_logprobs(model, ids, attn, mask.shape[1], 0.8)
+        trainer, _ = shortcuts.token_logprobs(model, ids, attn, mask.shape[1], 0.8)
     rollout = torch.tensor([lp + [0.0] * (mask.shape[1] - len(lp)) for lp in logps])
     gap = (trainer - rollout).abs() * mask  # float32: the KV cache's incremental attention vs the whole sequence
     assert gap.max() < 1e-4 and gap.sum() / mask.sum() < 2e-6, (gap.max(), gap.sum() / mask.sum())
@@ -132,7 +133,7 @@ def test_shared_prompt_logprobs_equal_the_rows_run_whole(model_tok):
     for shared in (None, batch["group"]):
         for chunk in (0, 9):
             model.zero_grad()
-            logp, entropy = modeling.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
+            logp, entropy = shortcuts.token_logprobs(model, batch["input_ids"], batch["attention_mask"], T, 0.9, True,
                                                   chunk, shared)
             (logp * batch["mask"] * torch.linspace(-1, 1, T)).sum().backward()
             out.append((logp.detach() * batch["mask"], entropy * batch["mask"],
@@ -149,7 +150,7 @@ def test_first_update_rows_take_their_current_logprobs(model_tok, tmp_path):
     flags = ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path), "--prompts_per_step", "8",
              "--eval_size", "10", "--eval_samples", "2", "--updates_per_step", "1",
              "--dtype", "bfloat16", "--clip_low", "0.0", "--clip_high", "0.0"]
-    cfg = bookkeeping.parse_config(da3po.Config, flags, da3po.PRESETS)
+    cfg = config.parse_config(da3po.Config, flags, da3po.PRESETS)
     da3po.main(cfg)
     train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in r]
     assert train and all(r["train/clipfrac_low"] == 0 and r["train/clipfrac_high"] == 0 for r in train)

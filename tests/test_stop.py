@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+import config
 import bookkeeping
 import modeling
 import dataset
@@ -34,7 +35,7 @@ def records(path):
 
 
 def run(script, out, *flags):
-    script.main(bookkeeping.parse_config(script.Config, ["--out_dir", str(out), *SMALL, *flags], script.PRESETS))
+    script.main(config.parse_config(script.Config, ["--out_dir", str(out), *SMALL, *flags], script.PRESETS))
 
 
 def stop_when(monkeypatch, obj, name, when):
@@ -330,7 +331,7 @@ def test_a_stop_at_every_point_resumes_exactly(tmp_path, monkeypatch, script):
     and later ones), then resumed. Each resumed run's metrics.jsonl equals the uninterrupted one's: every step and
     every evaluation exactly once, with the same numbers (a stop in step 1 once repeated the step-0 evaluation)."""
     def run(out, *flags):
-        script.main(bookkeeping.parse_config(script.Config, ["--out_dir", str(out), *EVERYWHERE, *flags], script.PRESETS))
+        script.main(config.parse_config(script.Config, ["--out_dir", str(out), *EVERYWHERE, *flags], script.PRESETS))
 
     with monkeypatch.context() as m:
         calls = stop_at_call(m, script, 0)  # counts the checks of an uninterrupted run
@@ -417,7 +418,7 @@ def test_a_checkpoint_from_a_gpu_resumes_here_and_loads_onto_the_training_device
     assert pending is not None and pending.step == 1 and pending.next_update == 1
     assert {v.device.type for v in pending.batch.values()} == {"meta"}
     assert all(r.device.type == "cpu" for r in pending.update_rows)
-    cfg = bookkeeping.parse_config(script.Config, ["--device", "meta", *flags], script.PRESETS)
+    cfg = config.parse_config(script.Config, ["--device", "meta", *flags], script.PRESETS)
     if script is daro:
         algo = daro.DARO(cfg, torch.device("meta"), state)
         algo.load_step_state(pending.algo)

@@ -4,14 +4,14 @@ import os
 
 import pytest
 
-import bookkeeping
+import config
 import da3po
 
 
 def test_tensorboard_gets_the_metrics(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
+    cfg = config.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
                                                   "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
                                                   "--report_to", "tensorboard"], da3po.PRESETS)
     da3po.main(cfg)
@@ -56,7 +56,7 @@ def test_wandb_offline_gets_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = bookkeeping.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
+    cfg = config.parse_config(da3po.Config, ["--demo", "arith", "--steps", "2", "--out_dir", str(tmp_path),
                                                   "--prompts_per_step", "8", "--eval_size", "10", "--eval_samples", "2",
                                                   "--report_to", "wandb"], da3po.PRESETS)
     da3po.main(cfg)

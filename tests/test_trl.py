@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements/trl.txt")
 
 import common  # noqa: E402
+import shortcuts
 import da3po  # noqa: E402
 import daro  # noqa: E402
 import modeling  # noqa: E402
@@ -215,12 +216,12 @@ def test_da3po_each_update_is_a_token_mean_over_its_own_tokens(demo_dir, tmp_pat
 
 class Float64DARO(DAROTrainer):
     """TRL 1.16 scores tokens through transformers' fused LM head, in float32 whatever the model's dtype. For a
-    float64 comparison this test class scores them with the project's modeling.token_logprobs (float64) instead; what
+    float64 comparison this test class scores them with the project's shortcuts.token_logprobs (float64) instead; what
     is compared is DARO's part: the bins, Eq. (2)'s weights, w_mu, the loss, its gradient and the weights' steps."""
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            compute_entropy=False, **kwargs):
-        logp, entropy = modeling.token_logprobs(model, input_ids, attention_mask, logits_to_keep,
+        logp, entropy = shortcuts.token_logprobs(model, input_ids, attention_mask, logits_to_keep,
                                               with_entropy=compute_entropy)
         return logp, entropy, None
 
@@ -282,7 +283,7 @@ def test_daro_two_updates_equal_daro_py(float64_model, tmp_path, float64_default
         weight = ref.token_weights(batch, torch.arange(len(bin_)))
         ids = torch.cat([s["prompt_ids"], s["completion_ids"]], 1)
         attention = torch.cat([s["prompt_mask"], s["completion_mask"]], 1)
-        logp, _ = modeling.token_logprobs(t.model, ids, attention, ids.shape[1] - s["prompt_ids"].shape[1])
+        logp, _ = shortcuts.token_logprobs(t.model, ids, attention, ids.shape[1] - s["prompt_ids"].shape[1])
         token_loss, clipped = common.policy_loss(logp, s["old_per_token_logps"], s["advantages"], batch["mask"],
                                                  0.2, 0.28)
         ref_loss = ref.loss(token_loss, {"bin": bin_, "weight": weight})

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import common
+import shortcuts
 import modeling
 import ranks
 import engine as eng
+import vllm_engine
 from tests.conftest import run_script
 
 
@@ -29,18 +31,18 @@ def test_auto_falls_back_to_hf_without_vllm(monkeypatch, capsys):
 def test_vllm_must_run_in_the_training_process(monkeypatch):
     """The weights are handed to the engine in memory: a multiprocess engine cannot take them, so it is refused."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in eng.vllm_usable(torch.device("cpu"))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in vllm_engine.vllm_usable(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
 def setup(demo_dir):
     """(trainer model, tokenizer, engine, prompts), the engine built from the same folder as the trainer."""
     pytest.importorskip("vllm")
-    why_not = eng.vllm_usable(torch.device("cpu"))
+    why_not = vllm_engine.vllm_usable(torch.device("cpu"))
     if why_not:
         pytest.skip(why_not)
     model, tok = modeling.load_model(demo_dir, torch.device("cpu"))
-    engine = eng.VLLMRollout(demo_dir, tok, ranks.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
+    engine = vllm_engine.VLLMRollout(demo_dir, tok, ranks.DistInfo(), "float32", seed=0, cpu_kv_cache_gb=0.25)
     problems = [f"{a}+{b}" for a in (3, 17, 250, 4096) for b in (5, 61, 708, 12)]
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in problems]
@@ -55,7 +57,7 @@ def sgd_steps(model, tok, prompts, steps=3, lr=0.5):
     ids, attn, mask = common.pad_prompt_completion(prompts, [answer] * len(prompts), tok.pad_token_id)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for _ in range(steps):
-        logp, _ = modeling.token_logprobs(model, ids, attn, mask.shape[1])
+        logp, _ = shortcuts.token_logprobs(model, ids, attn, mask.shape[1])
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
@@ -134,7 +136,7 @@ def test_sampling_logprobs_match_the_trainers(setup):
     completions, _, logps = engine.generate(group_prompts, 12, temperature=temperature)
     ids, attn, mask = common.pad_prompt_completion(group_prompts, completions, tok.pad_token_id)
     with torch.no_grad():
-        trainer, _ = modeling.token_logprobs(model, ids, attn, mask.shape[1], temperature)  # (B, T)
+        trainer, _ = shortcuts.token_logprobs(model, ids, attn, mask.shape[1], temperature)  # (B, T)
     engine_logp = common.make_batch([{"prompt_ids": p, "completions": [c], "reward": [0.0], "correct": [False],
                                       "rollout_logp": [lp]} for p, c, lp in zip(group_prompts, completions, logps)],
                                     tok.pad_token_id)["rollout_logp"][:, :mask.shape[1]]  # (B, T)
@@ -154,7 +156,7 @@ def test_importance_weights_of_a_perfect_engine_are_1_under_top_p(setup):
                                 4, cfg.temperature, cfg.top_p)[0]
     batch = common.make_batch(groups, tok.pad_token_id)
     batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
-    m = eng.rollout_correction(batch, cfg)
+    m = common.rollout_correction(batch, cfg)
     assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
     full = torch.exp(((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"]).sum(-1))
     assert full.min() < 0.5, "against the full softmax the sequence weights would be far below 1"

@@ -1,20 +1,28 @@
 """How the code reads, in figures: line widths, the reading path of one step, and the house's hygiene.
 
-  python -m tools.layout            # the figures for the tree as it is
+  python -m tools.layout            # the figures for the tree as it is (runs each script for 2 steps)
 
 Every figure is counted from the files as they are:
   - per core file (every top-level .py but verifier.py): lines, the mean non-blank line, the share of
     lines of 100 characters or more, the longest section (`# ----` rule to rule), its project imports;
   - the reading path: the definitions one step reaches from a script's loop, found by following calls
     through the project's modules (each definition counted once), with their lines and characters;
+  - what one default run executes: every core function that `python <script> --steps 2 --eval_every 0`
+    calls at least once (a profile hook records them), the union of their line spans, lines and characters;
   - main()'s length in each script, and how many lines the two main()s differ in;
+  - comment and docstring paragraphs that end on a one-word line (prose wrapped to a column);
   - files that edit sys.path, and public files that cite an internal issue number.
 """
 import ast
 import difflib
 import glob
+import json
 import os
 import re
+import subprocess
+import sys
+import tempfile
+import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("da3po.py", "daro.py")
@@ -155,6 +163,105 @@ def path_figures(script: str, modules: dict[str, "Module"]) -> tuple[int, int, i
     return len(found), lines, chars
 
 
+
+# ------------------------------------------------------------------------------------------------------------
+# What one default run executes: the core functions a short run calls, found by a profile hook, not by reading.
+DEFAULT_RUN = ["--steps", "2", "--eval_every", "0"]
+# Runs the script under a profile hook that records the (file, first line) of every call into a core file.
+TRACER = """
+import json, os, runpy, sys, threading
+out, script, core = sys.argv[1], sys.argv[2], set(json.loads(sys.argv[3]))
+seen = set()
+def hook(frame, event, arg):
+    if event == "call" and frame.f_code.co_filename in core:
+        seen.add((frame.f_code.co_filename, frame.f_code.co_firstlineno))
+def dump():
+    with open(out, "w") as f:
+        json.dump(sorted(seen), f)
+import atexit; atexit.register(dump)
+sys.setprofile(hook); threading.setprofile(hook)
+sys.argv = [script] + sys.argv[4:]
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    sys.setprofile(None)
+    dump()
+"""
+
+
+def called_functions(script: str, args: list[str] | None = None) -> list[tuple[str, int]]:
+    """(core file, first line) of every function `python <script> <args>` calls at least once."""
+    core = [os.path.join(ROOT, f) for f in core_files()]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "called.json")
+        argv = [*DEFAULT_RUN, "--out_dir", os.path.join(tmp, "run")] if args is None else args
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        path = os.path.join(ROOT, script)  # (runpy names the script's code by the path it is given)
+        subprocess.run([sys.executable, "-c", TRACER, out, path, json.dumps(core), *argv], cwd=ROOT,
+                       env=env, check=True, capture_output=True)
+        with open(out) as f:
+            return [(os.path.relpath(path, ROOT), line) for path, line in json.load(f)]
+
+
+def executed_figures(called: list[tuple[str, int]]) -> tuple[int, int, int]:
+    """(functions, lines, characters): the union of the called functions' line spans (decorators included),
+    a nested function inside its parent's span; lambdas, comprehensions and module code are not functions."""
+    spans = {}  # file -> set of line numbers
+    count = 0
+    for name in sorted({f for f, _ in called}):
+        starts = {line for f, line in called if f == name}
+        for node in ast.walk(ast.parse(read(name))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if first in starts:
+                    count += 1
+                    spans.setdefault(name, set()).update(range(first, node.end_lineno + 1))
+    lines = sum(len(s) for s in spans.values())
+    chars = sum(len(read(f).splitlines()[i - 1]) + 1 for f, s in spans.items() for i in s)
+    return count, lines, chars
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Prose wrapped to a column: a comment block or docstring paragraph whose last line is a single word.
+def widows(name: str) -> list[int]:
+    """The lines that end a comment or docstring paragraph with a lone word (a wrapped sentence's leftover)."""
+    src = read(name)
+    found = []
+    comments = []  # the current run of full-line comments: (line number, text)
+
+    def close_comments():
+        if len(comments) > 1 and len(comments[-1][1].split()) == 1:
+            found.append(comments[-1][0])
+        comments.clear()
+
+    for tok in tokenize.generate_tokens(iter(src.splitlines(keepends=True)).__next__):
+        if tok.type == tokenize.COMMENT and tok.line.strip().startswith("#"):
+            text = tok.string.lstrip("#").strip()
+            if not text or set(text) <= set("-="):
+                close_comments()
+            elif comments and comments[-1][0] != tok.start[0] - 1:
+                close_comments()
+                comments.append((tok.start[0], text))
+            else:
+                comments.append((tok.start[0], text))
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            close_comments()
+            if tok.type == tokenize.STRING and tok.string.startswith(('"""', "'''")):
+                paragraph = []
+                for i, line in enumerate(tok.string.splitlines()):
+                    words = line.strip().strip('"').strip("'").split()
+                    if words:
+                        paragraph.append((tok.start[0] + i, words))
+                        continue
+                    if len(paragraph) > 1 and len(paragraph[-1][1]) == 1:
+                        found.append(paragraph[-1][0])
+                    paragraph = []
+                if len(paragraph) > 1 and len(paragraph[-1][1]) == 1:
+                    found.append(paragraph[-1][0])
+    close_comments()
+    return found
+
+
 def main_lines(name: str) -> list[str]:
     src = read(name)
     fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "main")
@@ -187,6 +294,13 @@ def main():
         count, lines, chars = path_figures(s, modules)
         print(f"reading path of {s}: {count} functions, {lines} lines, {chars:,} characters; "
               f"main() {len(main_lines(s))} lines")
+    for s in SCRIPTS:
+        count, lines, chars = executed_figures(called_functions(s))
+        print(f"what `python {s} {' '.join(DEFAULT_RUN)}` executes: {count} functions, {lines:,} lines, "
+              f"{chars:,} characters")
+    lone = {f: widows(f) for f in files}
+    print(f"paragraphs ending on a lone word: {sum(map(len, lone.values()))}"
+          + "".join(f" {f}:{','.join(map(str, v))}" for f, v in lone.items() if v))
     a, b = main_lines(SCRIPTS[0]), main_lines(SCRIPTS[1])
     differ = sum(1 for line in difflib.ndiff(a, b) if line.startswith(("- ", "+ ")))
     print(f"the two main()s differ in {differ} lines")

@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 
-from modeling import ADAPTER_CONFIG, model_path
+from modeling import model_path
+from lora import ADAPTER_CONFIG
 from ranks import die
 
 
