@@ -17,6 +17,7 @@ Importing it registers, with verl's own registries:
            own aggregation does. The weights s_mu = -ln w_mu live in each actor worker with their own Adam, step
            after each optimizer update (fit to |L_mu| + delta, clamped to [w_min, w_max]), are logged as
            actor/daro/w_0.125 ..., and are saved with verl's actor checkpoint (daro_weights.pt) and loaded on resume.
+Both estimators set verl's padding aside: a uid none of whose rows has a response token gets advantage 0 (bin 0).
 DARO needs what verl's policy-loss interface does not carry (the bins, per-bin token counts of the whole update, a
 step after the optimizer's, state in the checkpoint): the one patch is verl's own subclassing hook,
 ActorRolloutRefWorker.actor_worker_cls = DAROTrainingWorker, set on import. That worker behaves as verl's
@@ -134,20 +135,27 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 # 2. The estimators: rows of any order, grouped by uid
 
 
-def _groups(token_level_rewards: torch.Tensor, index):
-    """Each row's score and the rows of each group. Returns (scores (bs,), order (N, G): row indices by group)."""
+def _groups(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index):
+    """Each row's score and the rows of each group, verl's padding set aside. verl 0.9.1 pads a batch to a multiple
+    of lcm(data-parallel size, mini-batch x n) with rows that share one uid (pad<hex>) and have no response token;
+    a uid none of whose rows has a response token is such padding and joins no group (its rows carry no loss).
+    Every other uid must hold G >= 2 rows. Returns (scores (bs,), order (N, G): row indices by group)."""
     scores = token_level_rewards.sum(-1)  # (bs,): verl puts a row's score on its last response token
     _, group, sizes = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
-    if len(set(sizes.tolist())) != 1 or sizes[0] < 2:
-        raise ValueError(f"DA3PO and DARO need every uid to have the same number G >= 2 of completions; got group "
-                         f"sizes {sorted(set(sizes.tolist()))}")
-    order = torch.as_tensor(np.argsort(group, kind="stable"), device=scores.device).view(-1, int(sizes[0]))
-    return scores, order
+    answered = (response_mask.sum(-1) > 0).cpu().numpy()  # (bs,)
+    rows = np.flatnonzero(np.bincount(group, weights=answered)[group] > 0)  # the rows of groups with a response
+    real_sizes = sorted(set(sizes[group[rows]].tolist()))
+    if len(real_sizes) != 1 or real_sizes[0] < 2:
+        raise ValueError(f"DA3PO and DARO need every uid to have the same number G >= 2 of completions (a uid "
+                         f"whose rows have no response token, verl's padding, aside); got group sizes {real_sizes}. "
+                         f"An agent loop that returns several outputs per session puts each under the prompt's uid")
+    order = rows[np.argsort(group[rows], kind="stable")]  # the rows by group, each group's in batch order
+    return scores, torch.as_tensor(order, device=scores.device).view(-1, real_sizes[0])
 
 
 def _per_row(values: torch.Tensor, order: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(N, G) values of the groups' rows back to verl's rows, on every response token: (bs, T)."""
-    per_row = torch.empty(order.numel(), dtype=values.dtype, device=values.device)
+    """The groups' (N, G) values back on verl's rows, on every response token: (bs, T); 0 on padding rows."""
+    per_row = values.new_zeros(len(response_mask))
     return per_row.index_put_((order.flatten(),), values.flatten()).unsqueeze(-1) * response_mask
 
 
@@ -157,7 +165,7 @@ def daa_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     """verl's estimator interface: (bs, T) token rewards and mask, `index` (bs,) the group (uid) of each row, in any
     order. GRPO's advantages per group (unbiased std, as verl's grpo; Dr. GRPO when config.norm_adv_by_std_in_grpo
     is false), then DAA. Returns (advantages, returns), both (bs, T)."""
-    scores, order = _groups(token_level_rewards, index)
+    scores, order = _groups(token_level_rewards, response_mask, index)
     rewards = scores[order]  # (N, G)
     correct = rewards > correct_above
     std_norm = True if config is None else config.get("norm_adv_by_std_in_grpo", True)
@@ -173,7 +181,7 @@ def daro_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tens
                     epsilon: float = 1e-6, config=None, **kwargs):
     """GRPO's advantages (as daa_advantages, without DAA) and, in place of returns, each row's bin: the number of
     correct completions of its group (0..G) on every response token, for the DARO policy loss."""
-    scores, order = _groups(token_level_rewards, index)
+    scores, order = _groups(token_level_rewards, response_mask, index)
     rewards = scores[order]
     std_norm = True if config is None else config.get("norm_adv_by_std_in_grpo", True)
     advantages = _per_row(group_advantages(rewards, std_norm, epsilon), order, response_mask)

@@ -1,7 +1,8 @@
 """The verl drop-in (integrations/verl_da3po_daro.py, verl==0.9.1) on the CPU, in verl's own install
 (requirements/verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
 registry lookup equals the golden vectors and, with lam 1, verl's own grpo; the default counts a correct answer at
-the length cap as correct; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c = 1e9); DARO's estimator
+the length cap as correct; on 24 GPUs, where verl pads the recipes' batches, the padding rows get advantage 0 and the
+others their values without it; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c = 1e9); DARO's estimator
 and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its weights saved with the actor's
 checkpoint and loaded back; the two recipe scripts compose on verl's config and pass verl's checks. Skips without
 verl (pip install -r requirements/verl.txt, in a venv of its own).
@@ -254,9 +255,14 @@ def test_clear_errors():
     inp = golden.load()["advantages"][1]["inputs"]
     kwargs, _ = verl_batch(inp)
     kwargs["index"][0] = "a lone uid"  # one group of 1, one of 7
+    padded = {key: torch.cat([value, value.new_zeros(3, value.shape[1])]) for key, value in kwargs.items()
+              if key != "index"}  # 3 rows with no response token, as verl pads
+    padded["index"] = np.concatenate([kwargs["index"], np.array(["pad0"] * 3, dtype=object)])
     for name in ("da3po", "daro"):
-        with pytest.raises(ValueError, match=r"same number G >= 2 of completions; got group sizes \[1, 7, 8\]"):
-            core_algos.get_adv_estimator_fn(name)(**kwargs)
+        for batch in (kwargs, padded):  # the padding is set aside, the real groups of the wrong size are not
+            with pytest.raises(ValueError, match=r"G >= 2 of completions \(a uid whose rows have no response "
+                                                 r"token, verl's padding, aside\); got group sizes \[1, 7, 8\]"):
+                core_algos.get_adv_estimator_fn(name)(**batch)
     with pytest.raises(ValueError, match="tau"):
         register_da3po("bad", tau=0.0)
     register_da3po("da3po_x", lam=3.0)
@@ -323,3 +329,82 @@ def test_a_wrong_override_path_fails_to_compose():
     for wrong in ("actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.clip_ratio_hihg=0.28"):
         with pytest.raises(ConfigCompositionException):
             compose([wrong])
+
+# -----------------------------------------------------------------------------------------------------------------
+# verl's batches as its trainer hands them to an estimator
+
+
+def recipe_rows(script: str, nnodes: int, seed: int = 0):
+    """One step's rows of a recipe on `nnodes` nodes of 8 GPUs, as verl 0.9.1's V1 trainer holds them before its
+    advantages: train_batch_size x n rows (DAPO's +1/-1 on each row's last response token, some with an overlong
+    penalty), then the padding of its _balance_batch: the multiple from the trainer's own
+    _get_required_batch_multiple on the recipe's config, the rows from its padding template under one pad<hex> uid;
+    all rows shuffled, as the balancing reorders them. Returns (rows, padding (bs,) bool, the composed config)."""
+    from types import SimpleNamespace
+    from uuid import UUID
+    from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
+    from verl.trainer.ppo.utils import need_critic
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    overrides = [o for o in recipe_overrides(script) if not o.startswith("trainer.nnodes=")]
+    config = compose(overrides + [f"trainer.nnodes={nnodes}"])
+    trainer = SimpleNamespace(config=config, use_critic=need_critic(config), global_steps=1)
+    dp_size = config.trainer.n_gpus_per_node * nnodes
+    multiple = PPOTrainer._get_required_batch_multiple(trainer, dp_size)
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(config.data.train_batch_size):
+        uid = str(UUID(int=rng.getrandbits(128), version=4))  # verl's uids are uuid4 strings
+        pass_rate = rng.random()
+        for _ in range(config.actor_rollout_ref.rollout.n):
+            length = rng.randint(1, 24)
+            score = torch.zeros(length)  # float32, as verl's rm_scores
+            score[-1] = (1.0 if rng.random() < pass_rate else -1.0) - (rng.random() if rng.random() < 0.1 else 0.0)
+            rows.append({"response_mask": torch.ones(length, dtype=torch.int64), "rm_scores": score, "uid": uid})
+    template, tag = construct_minimal_padding_template(rows[0], {}, eos_token_id=0)
+    assert tag["is_padding"] and not template["response_mask"].any() and not template["rm_scores"].any()
+    pad_uid = f"pad{rng.getrandbits(128):032x}"  # verl: f"pad{uuid.uuid4().hex}", one for all the padding
+    pad_size = -len(rows) % multiple  # verl's batch_multiple - remainder, none when the multiple divides
+    rows += [{"response_mask": template["response_mask"], "rm_scores": template["rm_scores"], "uid": pad_uid}
+             for _ in range(pad_size)]
+    padding = torch.arange(len(rows)) >= len(rows) - pad_size
+    order = rng.sample(range(len(rows)), len(rows))
+    return [rows[i] for i in order], padding[order], config
+
+
+def through_verl(rows: list[dict], config):
+    """The rows' advantages as the V1 trainer's _compute_advantage computes them: its padded tensors, uids as an
+    object array, then verl's compute_advantage_for_multi_trajectories, which calls the registered estimator."""
+    from verl import DataProto
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+    data = DataProto(batch=list_of_dict_to_tensordict(rows).to_padded_tensor())
+    data.batch["token_level_scores"] = data.batch["rm_scores"]
+    data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # no KL in the reward
+    keys = [f"{uid}_{i}_0" for i, uid in enumerate(data.non_tensor_batch["uid"])]  # {uid}_{session}_{output}
+    return compute_advantage_for_multi_trajectories(
+        data, batch_keys=keys, adv_estimator=config.algorithm.adv_estimator,
+        num_repeat=config.actor_rollout_ref.rollout.n, config=config.algorithm)
+
+
+@pytest.mark.parametrize("script", sorted(RECIPES))
+def test_verls_padding_at_24_gpus(script):
+    """On 3 nodes of 8 GPUs verl 0.9.1 pads the recipes' 8,192 and 1,024 rows to a multiple of lcm(24, mini-batch x
+    n) = 1,536 with 1,024 and 512 rows of one uid and no response token. Those rows get advantage 0 (DARO: bin 0
+    and no token in any bin's count), and every other row exactly what the batch without the padding gives it."""
+    rows, padding, config = recipe_rows(script, nnodes=3)
+    assert (len(rows), int(padding.sum())) == {"da3po": (9216, 1024), "daro": (1536, 512)}[RECIPES[script]]
+    padded = through_verl(rows, config)
+    alone = through_verl([row for row, pad in zip(rows, padding) if not pad], config)
+    for key in ("advantages", "returns"):
+        assert torch.equal(padded.batch[key][~padding], alone.batch[key])
+        assert not padded.batch[key][padding].any()
+    assert alone.batch["advantages"].abs().sum() > 0
+    if RECIPES[script] == "daro":  # the actor's side: each row's bin and Eq. (2) weights
+        G = config.actor_rollout_ref.rollout.n
+        bins, mask = drop_in._bins_and_mask(padded.batch)
+        eq2, tokens = drop_in.bin_token_weights(mask, bins, G)
+        bins_alone, mask_alone = drop_in._bins_and_mask(alone.batch)
+        eq2_alone, tokens_alone = drop_in.bin_token_weights(mask_alone, bins_alone, G)
+        assert torch.equal(tokens, tokens_alone) and tokens[1:G].sum() > 0
+        assert torch.equal(eq2[~padding], eq2_alone) and not eq2[padding].any()
