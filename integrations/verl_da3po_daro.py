@@ -10,7 +10,8 @@ Importing it registers, with verl's own registries:
            of groups whose pass rate p_hat < tau; lam 2, tau 0.5). verl hands an estimator the scores, not the
            verifier's verdicts: a completion is correct when its score is above correct_above = -0.5, right for
            DAPO's +1/-1 with or without the overlong penalty (correct in [0, 1], wrong in [-2, -1]: a correct answer
-           at the length cap scores 0 and counts as correct). For 0/1 scores register_da3po(correct_above=0.5).
+           at the length cap scores 0 and counts as correct). For 0/1 scores register_da3po(correct_above=0.5); a
+           batch of 0s and 1s that the threshold puts all on one side warns, once per process.
   "daro"   advantage estimator (GRPO's advantages; each row's bin, #correct of its group, in `returns`, which only
            a critic reads) and policy loss: sum_mu w_mu L_mu, L_mu = bin mu's clipped token losses over bin mu's
            tokens in the optimizer update (all micro-batches and data-parallel ranks), times the ranks as verl's
@@ -28,6 +29,7 @@ equal, and equal to the golden vectors (tests/data/golden.json).
 """
 import math
 import os
+import warnings
 from functools import partial
 
 import numpy as np
@@ -159,6 +161,26 @@ def _per_row(values: torch.Tensor, order: torch.Tensor, response_mask: torch.Ten
     return per_row.index_put_((order.flatten(),), values.flatten()).unsqueeze(-1) * response_mask
 
 
+_warned_one_sided = False  # the warning below: once per process
+
+
+def _warn_if_one_sided(rewards: torch.Tensor, correct: torch.Tensor, correct_above: float, register: str,
+                       effect: str):
+    """Warn once per process when every score is 0 or 1, both occur, and correct_above puts them all on one side:
+    a 0/1 scorer (verl's default reward manager on gsm8k) under the default -0.5, where every answer is correct."""
+    global _warned_one_sided
+    zero_one = bool(((rewards == 0) | (rewards == 1)).all() and (rewards == 0).any() and (rewards == 1).any())
+    one_side = bool(correct.all() or not correct.any())
+    if _warned_one_sided or not (zero_one and one_side):
+        return
+    _warned_one_sided = True
+    side = "correct" if correct.all() else "wrong"
+    warnings.warn(f"every score is 0 or 1 and correct_above={correct_above} counts all of them {side}, so {effect}. "
+                  f"For a 0/1 scorer set correct_above=0.5: {register}(correct_above=0.5) at the end of "
+                  f"verl_da3po_daro.py, or {register}(your_name, correct_above=0.5) and your_name in verl's config "
+                  f"(warned once per process)", stacklevel=2)
+
+
 def daa_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, lam: float = 2.0,
                    tau: float = 0.5, adaptive: bool = False, lam_max: float = 4.0, scope: str = "correct",
                    correct_above: float = -0.5, epsilon: float = 1e-6, config=None, **kwargs):
@@ -168,6 +190,8 @@ def daa_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     scores, order = _groups(token_level_rewards, response_mask, index)
     rewards = scores[order]  # (N, G)
     correct = rewards > correct_above
+    _warn_if_one_sided(rewards, correct, correct_above, "register_da3po",
+                       "DAA amplifies nothing: DA3PO is plain GRPO")
     std_norm = True if config is None else config.get("norm_adv_by_std_in_grpo", True)
     advantages = group_advantages(rewards, std_norm, epsilon)
     p = correct.to(rewards.dtype).mean(-1, keepdim=True)  # p_hat
@@ -183,9 +207,12 @@ def daro_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tens
     correct completions of its group (0..G) on every response token, for the DARO policy loss."""
     scores, order = _groups(token_level_rewards, response_mask, index)
     rewards = scores[order]
+    correct = rewards > correct_above
+    _warn_if_one_sided(rewards, correct, correct_above, "register_daro",
+                       "every row is in bin 0 or G, of weight 0: DARO's loss is 0 and the model does not train")
     std_norm = True if config is None else config.get("norm_adv_by_std_in_grpo", True)
     advantages = _per_row(group_advantages(rewards, std_norm, epsilon), order, response_mask)
-    bins = (rewards > correct_above).sum(-1, keepdim=True).expand_as(rewards).to(rewards.dtype)  # (N, G)
+    bins = correct.sum(-1, keepdim=True).expand_as(rewards).to(rewards.dtype)  # (N, G)
     return advantages, _per_row(bins, order, response_mask)
 
 

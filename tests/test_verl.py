@@ -151,6 +151,38 @@ def test_daro_estimator_is_grpo_with_the_bins():
     assert torch.equal(back_to_groups(bins, kwargs["response_mask"], order, 8), expected)
 
 
+def test_zero_one_scores_warn_once(monkeypatch, recwarn):
+    """A 0/1 scorer (verl's default reward manager on gsm8k) under the default correct_above = -0.5: every answer
+    counts as correct, so `da3po` is verl's grpo and every `daro` row is in bin G, of weight 0. The first batch of
+    0s and 1s that falls on one side warns, once per process, with the setting to change; DAPO's +1/-1 scores and
+    correct_above = 0.5 do not warn. (pytest's recwarn records every warning: Python's once-per-line filter is off,
+    so the count is the file's own.)"""
+    inp = golden.load()["advantages"][1]["inputs"]  # G = 8, every pass rate, +1/-1
+    kwargs, _ = verl_batch(inp, seed=4)
+    zero_one = {**kwargs, "token_level_rewards": (kwargs["token_level_rewards"] > 0).to(F64)}  # +1 -> 1, -1 -> 0
+    register_da3po("da3po_01", correct_above=0.5)
+    register_daro("daro_01", correct_above=0.5)
+    verls, _ = core_algos.get_adv_estimator_fn("grpo")(**zero_one, config=AlgoConfig())
+    for name in ("da3po", "daro"):
+        monkeypatch.setattr(drop_in, "_warned_one_sided", False)  # a fresh process
+        recwarn.clear()
+        estimator = core_algos.get_adv_estimator_fn(name)
+        estimator(**kwargs)
+        core_algos.get_adv_estimator_fn(f"{name}_01")(**zero_one)
+        assert not [w for w in recwarn if "0 or 1" in str(w.message)]
+        advantages, returns = estimator(**zero_one)
+        estimator(**zero_one)
+        messages = [str(w.message) for w in recwarn if "0 or 1" in str(w.message)]
+        assert len(messages) == 1 and "correct_above=-0.5 counts all of them correct" in messages[0]
+        assert f"register_{name}(correct_above=0.5)" in messages[0]
+        if name == "da3po":  # silently plain GRPO
+            assert (advantages - verls).abs().max() < 1e-12
+        else:  # every row in bin G: Eq. (2) weighs none of them
+            assert torch.equal(returns, 8 * zero_one["response_mask"])
+    amplified, _ = core_algos.get_adv_estimator_fn("da3po_01")(**zero_one)
+    assert (amplified - verls).abs().max() > 0.1  # with the threshold between 0 and 1, DAA amplifies
+
+
 def test_dapo_loss_is_verls_vanilla():
     """DA3PO's loss needs nothing registered: verl's vanilla loss with token-mean and clip 0.2 / 0.28 is
     common.policy_loss aggregated by common.loss_weights, in float64; with the recipes' clip_ratio_c = 1e9, verl's
