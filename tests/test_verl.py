@@ -1,13 +1,15 @@
 """The verl drop-in (integrations/verl_da3po_daro.py, verl==0.9.1) on the CPU, in verl's own install
 (requirements/verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
 registry lookup equals the golden vectors and, with lam 1, verl's own grpo; the default counts a correct answer at
-the length cap as correct; on 24 GPUs, where verl pads the recipes' batches, the padding rows get advantage 0 and the
-others their values without it; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c = 1e9); DARO's estimator
-and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its weights saved with the actor's
-checkpoint and loaded back; the two recipe scripts compose on verl's config and pass verl's checks. Skips without
-verl (pip install -r requirements/verl.txt, in a venv of its own).
+the length cap as correct, and 0/1 scores under it warn once; on 24 GPUs, where verl pads the recipes' batches, the
+padding rows get advantage 0 and the others their values without it; an agent loop's several outputs per session
+reach the estimators as rows of the prompt's uid; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c =
+1e9); DARO's estimator and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its
+weights saved with the actor's checkpoint and loaded back; the two recipe scripts compose on verl's config and pass
+verl's checks. Skips without verl (pip install -r requirements/verl.txt, in a venv of its own).
 Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_verl.py"""
 import json
+import math
 import os
 import random
 import re
@@ -403,9 +405,10 @@ def recipe_rows(script: str, nnodes: int, seed: int = 0):
     return [rows[i] for i in order], padding[order], config
 
 
-def through_verl(rows: list[dict], config):
+def through_verl(rows: list[dict], algorithm, n: int, keys: list[str] | None = None):
     """The rows' advantages as the V1 trainer's _compute_advantage computes them: its padded tensors, uids as an
-    object array, then verl's compute_advantage_for_multi_trajectories, which calls the registered estimator."""
+    object array, then verl's compute_advantage_for_multi_trajectories, which calls algorithm.adv_estimator. keys:
+    each row's {uid}_{session}_{output}, by default one output per session."""
     from verl import DataProto
     from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -413,10 +416,9 @@ def through_verl(rows: list[dict], config):
     data.batch["token_level_scores"] = data.batch["rm_scores"]
     data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
     data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # no KL in the reward
-    keys = [f"{uid}_{i}_0" for i, uid in enumerate(data.non_tensor_batch["uid"])]  # {uid}_{session}_{output}
-    return compute_advantage_for_multi_trajectories(
-        data, batch_keys=keys, adv_estimator=config.algorithm.adv_estimator,
-        num_repeat=config.actor_rollout_ref.rollout.n, config=config.algorithm)
+    keys = keys or [f"{uid}_{i}_0" for i, uid in enumerate(data.non_tensor_batch["uid"])]
+    return compute_advantage_for_multi_trajectories(data, batch_keys=keys, adv_estimator=algorithm.adv_estimator,
+                                                    num_repeat=n, config=algorithm)
 
 
 @pytest.mark.parametrize("script", sorted(RECIPES))
@@ -426,17 +428,50 @@ def test_verls_padding_at_24_gpus(script):
     and no token in any bin's count), and every other row exactly what the batch without the padding gives it."""
     rows, padding, config = recipe_rows(script, nnodes=3)
     assert (len(rows), int(padding.sum())) == {"da3po": (9216, 1024), "daro": (1536, 512)}[RECIPES[script]]
-    padded = through_verl(rows, config)
-    alone = through_verl([row for row, pad in zip(rows, padding) if not pad], config)
+    n = config.actor_rollout_ref.rollout.n
+    padded = through_verl(rows, config.algorithm, n)
+    alone = through_verl([row for row, pad in zip(rows, padding) if not pad], config.algorithm, n)
     for key in ("advantages", "returns"):
         assert torch.equal(padded.batch[key][~padding], alone.batch[key])
         assert not padded.batch[key][padding].any()
     assert alone.batch["advantages"].abs().sum() > 0
     if RECIPES[script] == "daro":  # the actor's side: each row's bin and Eq. (2) weights
-        G = config.actor_rollout_ref.rollout.n
         bins, mask = drop_in._bins_and_mask(padded.batch)
-        eq2, tokens = drop_in.bin_token_weights(mask, bins, G)
+        eq2, tokens = drop_in.bin_token_weights(mask, bins, n)
         bins_alone, mask_alone = drop_in._bins_and_mask(alone.batch)
-        eq2_alone, tokens_alone = drop_in.bin_token_weights(mask_alone, bins_alone, G)
-        assert torch.equal(tokens, tokens_alone) and tokens[1:G].sum() > 0
+        eq2_alone, tokens_alone = drop_in.bin_token_weights(mask_alone, bins_alone, n)
+        assert torch.equal(tokens, tokens_alone) and tokens[1:n].sum() > 0
         assert torch.equal(eq2[~padding], eq2_alone) and not eq2[padding].any()
+
+
+def test_agent_loops_with_several_outputs_per_session():
+    """verl 0.9.1 stores each output of an agent loop that returns several per session (one per turn, say) as a row
+    under the prompt's uid, each with the session's final score. Only verl's grpo computes its statistics on each
+    session's last output and gives that advantage to the session's other outputs. da3po and daro count every
+    output as a completion. With k outputs per session a group holds n k rows: DAA amplifies the same sessions,
+    the std is over n k rows, and DARO's bins are k x #correct, past the actor's G = n. Sessions with different
+    numbers of outputs make groups of different sizes, the estimators' error."""
+    n, k = 4, 3
+    rows, keys = [], []
+    rng = random.Random(5)
+    for prompt in range(1, 4):  # 1, 2, 3 correct sessions of 4
+        for session in range(n):
+            for output in range(k):
+                score = torch.zeros(rng.randint(1, 6))
+                score[-1] = 1.0 if session < prompt else -1.0
+                rows.append({"response_mask": torch.ones_like(score, dtype=torch.int64), "rm_scores": score,
+                             "uid": f"uid-{prompt}"})
+                keys.append(f"uid-{prompt}_{session}_{output}")
+    outputs = {name: through_verl(rows, AlgoConfig(adv_estimator=name), n, keys) for name in ("grpo", "da3po", "daro")}
+    per_row = {name: out.batch["advantages"][:, 0] for name, out in outputs.items()}  # a row's first token
+    last = through_verl(rows[k - 1::k], AlgoConfig(adv_estimator="grpo"), n)  # one row per session: its last
+    sessions = last.batch["advantages"][:, 0]
+    assert torch.equal(per_row["grpo"], sessions.repeat_interleave(k))
+    correct = torch.tensor([session < prompt for prompt in range(1, 4) for session in range(n)])
+    amplified = correct & (correct.view(-1, n).sum(-1, keepdim=True) < n / 2).expand(-1, n).flatten()  # p < tau
+    ratio = math.sqrt((n * k - 1) / (k * (n - 1))) * (1 + amplified.float())  # the std over n k rows; DAA's lam 2
+    assert torch.allclose(per_row["da3po"] / per_row["grpo"], ratio.repeat_interleave(k), rtol=1e-5, atol=0)
+    bins = outputs["daro"].batch["returns"].amax(-1)
+    assert torch.equal(bins, (k * correct.view(-1, n).sum(-1)).repeat_interleave(n * k).to(bins.dtype))
+    with pytest.raises(ValueError, match="several outputs per session puts each under the prompt's uid"):
+        through_verl(rows[1:], AlgoConfig(adv_estimator="da3po"), n, keys[1:])  # one session with 2 outputs
