@@ -10,13 +10,15 @@ Importing it registers, with verl's own registries:
            of groups whose pass rate p_hat < tau; lam 2, tau 0.5). verl hands an estimator the scores, not the
            verifier's verdicts: a completion is correct when its score is above correct_above = -0.5, right for
            DAPO's +1/-1 with or without the overlong penalty (correct in [0, 1], wrong in [-2, -1]: a correct answer
-           at the length cap scores 0 and counts as correct). For 0/1 scores register_da3po(correct_above=0.5).
+           at the length cap scores 0 and counts as correct). For 0/1 scores register_da3po(correct_above=0.5); a
+           batch of 0s and 1s that the threshold puts all on one side warns, once per process.
   "daro"   advantage estimator (GRPO's advantages; each row's bin, #correct of its group, in `returns`, which only
            a critic reads) and policy loss: sum_mu w_mu L_mu, L_mu = bin mu's clipped token losses over bin mu's
            tokens in the optimizer update (all micro-batches and data-parallel ranks), times the ranks as verl's
            own aggregation does. The weights s_mu = -ln w_mu live in each actor worker with their own Adam, step
            after each optimizer update (fit to |L_mu| + delta, clamped to [w_min, w_max]), are logged as
            actor/daro/w_0.125 ..., and are saved with verl's actor checkpoint (daro_weights.pt) and loaded on resume.
+Both estimators set verl's padding aside: a uid none of whose rows has a response token gets advantage 0 (bin 0).
 DARO needs what verl's policy-loss interface does not carry (the bins, per-bin token counts of the whole update, a
 step after the optimizer's, state in the checkpoint): the one patch is verl's own subclassing hook,
 ActorRolloutRefWorker.actor_worker_cls = DAROTrainingWorker, set on import. That worker behaves as verl's
@@ -27,6 +29,7 @@ equal, and equal to the golden vectors (tests/data/golden.json).
 """
 import math
 import os
+import warnings
 from functools import partial
 
 import numpy as np
@@ -134,21 +137,48 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 # 2. The estimators: rows of any order, grouped by uid
 
 
-def _groups(token_level_rewards: torch.Tensor, index):
-    """Each row's score and the rows of each group. Returns (scores (bs,), order (N, G): row indices by group)."""
+def _groups(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index):
+    """Each row's score and the rows of each group, verl's padding set aside. verl 0.9.1 pads a batch to a multiple
+    of lcm(data-parallel size, mini-batch x n) with rows that share one uid (pad<hex>) and have no response token;
+    a uid none of whose rows has a response token is such padding and joins no group (its rows carry no loss).
+    Every other uid must hold G >= 2 rows. Returns (scores (bs,), order (N, G): row indices by group)."""
     scores = token_level_rewards.sum(-1)  # (bs,): verl puts a row's score on its last response token
     _, group, sizes = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
-    if len(set(sizes.tolist())) != 1 or sizes[0] < 2:
-        raise ValueError(f"DA3PO and DARO need every uid to have the same number G >= 2 of completions; got group "
-                         f"sizes {sorted(set(sizes.tolist()))}")
-    order = torch.as_tensor(np.argsort(group, kind="stable"), device=scores.device).view(-1, int(sizes[0]))
-    return scores, order
+    answered = (response_mask.sum(-1) > 0).cpu().numpy()  # (bs,)
+    rows = np.flatnonzero(np.bincount(group, weights=answered)[group] > 0)  # the rows of groups with a response
+    real_sizes = sorted(set(sizes[group[rows]].tolist()))
+    if len(real_sizes) != 1 or real_sizes[0] < 2:
+        raise ValueError(f"DA3PO and DARO need every uid to have the same number G >= 2 of completions (a uid "
+                         f"whose rows have no response token, verl's padding, aside); got group sizes {real_sizes}. "
+                         f"An agent loop that returns several outputs per session puts each under the prompt's uid")
+    order = rows[np.argsort(group[rows], kind="stable")]  # the rows by group, each group's in batch order
+    return scores, torch.as_tensor(order, device=scores.device).view(-1, real_sizes[0])
 
 
 def _per_row(values: torch.Tensor, order: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(N, G) values of the groups' rows back to verl's rows, on every response token: (bs, T)."""
-    per_row = torch.empty(order.numel(), dtype=values.dtype, device=values.device)
+    """The groups' (N, G) values back on verl's rows, on every response token: (bs, T); 0 on padding rows."""
+    per_row = values.new_zeros(len(response_mask))
     return per_row.index_put_((order.flatten(),), values.flatten()).unsqueeze(-1) * response_mask
+
+
+_warned_one_sided = False  # the warning below: once per process
+
+
+def _warn_if_one_sided(rewards: torch.Tensor, correct: torch.Tensor, correct_above: float, register: str,
+                       effect: str):
+    """Warn once per process when every score is 0 or 1, both occur, and correct_above puts them all on one side:
+    a 0/1 scorer (verl's default reward manager on gsm8k) under the default -0.5, where every answer is correct."""
+    global _warned_one_sided
+    zero_one = bool(((rewards == 0) | (rewards == 1)).all() and (rewards == 0).any() and (rewards == 1).any())
+    one_side = bool(correct.all() or not correct.any())
+    if _warned_one_sided or not (zero_one and one_side):
+        return
+    _warned_one_sided = True
+    side = "correct" if correct.all() else "wrong"
+    warnings.warn(f"every score is 0 or 1 and correct_above={correct_above} counts all of them {side}, so {effect}. "
+                  f"For a 0/1 scorer set correct_above=0.5: {register}(correct_above=0.5) at the end of "
+                  f"verl_da3po_daro.py, or {register}(your_name, correct_above=0.5) and your_name in verl's config "
+                  f"(warned once per process)", stacklevel=2)
 
 
 def daa_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, lam: float = 2.0,
@@ -157,9 +187,11 @@ def daa_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     """verl's estimator interface: (bs, T) token rewards and mask, `index` (bs,) the group (uid) of each row, in any
     order. GRPO's advantages per group (unbiased std, as verl's grpo; Dr. GRPO when config.norm_adv_by_std_in_grpo
     is false), then DAA. Returns (advantages, returns), both (bs, T)."""
-    scores, order = _groups(token_level_rewards, index)
+    scores, order = _groups(token_level_rewards, response_mask, index)
     rewards = scores[order]  # (N, G)
     correct = rewards > correct_above
+    _warn_if_one_sided(rewards, correct, correct_above, "register_da3po",
+                       "DAA amplifies nothing: DA3PO is plain GRPO")
     std_norm = True if config is None else config.get("norm_adv_by_std_in_grpo", True)
     advantages = group_advantages(rewards, std_norm, epsilon)
     p = correct.to(rewards.dtype).mean(-1, keepdim=True)  # p_hat
@@ -173,11 +205,14 @@ def daro_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tens
                     epsilon: float = 1e-6, config=None, **kwargs):
     """GRPO's advantages (as daa_advantages, without DAA) and, in place of returns, each row's bin: the number of
     correct completions of its group (0..G) on every response token, for the DARO policy loss."""
-    scores, order = _groups(token_level_rewards, index)
+    scores, order = _groups(token_level_rewards, response_mask, index)
     rewards = scores[order]
+    correct = rewards > correct_above
+    _warn_if_one_sided(rewards, correct, correct_above, "register_daro",
+                       "every row is in bin 0 or G, of weight 0: DARO's loss is 0 and the model does not train")
     std_norm = True if config is None else config.get("norm_adv_by_std_in_grpo", True)
     advantages = _per_row(group_advantages(rewards, std_norm, epsilon), order, response_mask)
-    bins = (rewards > correct_above).sum(-1, keepdim=True).expand_as(rewards).to(rewards.dtype)  # (N, G)
+    bins = correct.sum(-1, keepdim=True).expand_as(rewards).to(rewards.dtype)  # (N, G)
     return advantages, _per_row(bins, order, response_mask)
 
 

@@ -1,12 +1,15 @@
 """The verl drop-in (integrations/verl_da3po_daro.py, verl==0.9.1) on the CPU, in verl's own install
 (requirements/verl.txt): its formulas equal the project's and the golden vectors; DA3PO's estimator through verl's
 registry lookup equals the golden vectors and, with lam 1, verl's own grpo; the default counts a correct answer at
-the length cap as correct; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c = 1e9); DARO's estimator
-and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its weights saved with the actor's
-checkpoint and loaded back; the two recipe scripts compose on verl's config and pass verl's checks. Skips without
-verl (pip install -r requirements/verl.txt, in a venv of its own).
+the length cap as correct, and 0/1 scores under it warn once; on 24 GPUs, where verl pads the recipes' batches, the
+padding rows get advantage 0 and the others their values without it; an agent loop's several outputs per session
+reach the estimators as rows of the prompt's uid; DAPO's loss is verl's vanilla (dual clip off at clip_ratio_c =
+1e9); DARO's estimator and loss in verl's own actor update (FSDP on gloo, 1 and 2 ranks) equal daro.py's, its
+weights saved with the actor's checkpoint and loaded back; the two recipe scripts compose on verl's config and pass
+verl's checks. Skips without verl (pip install -r requirements/verl.txt, in a venv of its own).
 Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_verl.py"""
 import json
+import math
 import os
 import random
 import re
@@ -150,6 +153,38 @@ def test_daro_estimator_is_grpo_with_the_bins():
     assert torch.equal(back_to_groups(bins, kwargs["response_mask"], order, 8), expected)
 
 
+def test_zero_one_scores_warn_once(monkeypatch, recwarn):
+    """A 0/1 scorer (verl's default reward manager on gsm8k) under the default correct_above = -0.5: every answer
+    counts as correct, so `da3po` is verl's grpo and every `daro` row is in bin G, of weight 0. The first batch of
+    0s and 1s that falls on one side warns, once per process, with the setting to change; DAPO's +1/-1 scores and
+    correct_above = 0.5 do not warn. (pytest's recwarn records every warning: Python's once-per-line filter is off,
+    so the count is the file's own.)"""
+    inp = golden.load()["advantages"][1]["inputs"]  # G = 8, every pass rate, +1/-1
+    kwargs, _ = verl_batch(inp, seed=4)
+    zero_one = {**kwargs, "token_level_rewards": (kwargs["token_level_rewards"] > 0).to(F64)}  # +1 -> 1, -1 -> 0
+    register_da3po("da3po_01", correct_above=0.5)
+    register_daro("daro_01", correct_above=0.5)
+    verls, _ = core_algos.get_adv_estimator_fn("grpo")(**zero_one, config=AlgoConfig())
+    for name in ("da3po", "daro"):
+        monkeypatch.setattr(drop_in, "_warned_one_sided", False)  # a fresh process
+        recwarn.clear()
+        estimator = core_algos.get_adv_estimator_fn(name)
+        estimator(**kwargs)
+        core_algos.get_adv_estimator_fn(f"{name}_01")(**zero_one)
+        assert not [w for w in recwarn if "0 or 1" in str(w.message)]
+        advantages, returns = estimator(**zero_one)
+        estimator(**zero_one)
+        messages = [str(w.message) for w in recwarn if "0 or 1" in str(w.message)]
+        assert len(messages) == 1 and "correct_above=-0.5 counts all of them correct" in messages[0]
+        assert f"register_{name}(correct_above=0.5)" in messages[0]
+        if name == "da3po":  # silently plain GRPO
+            assert (advantages - verls).abs().max() < 1e-12
+        else:  # every row in bin G: Eq. (2) weighs none of them
+            assert torch.equal(returns, 8 * zero_one["response_mask"])
+    amplified, _ = core_algos.get_adv_estimator_fn("da3po_01")(**zero_one)
+    assert (amplified - verls).abs().max() > 0.1  # with the threshold between 0 and 1, DAA amplifies
+
+
 def test_dapo_loss_is_verls_vanilla():
     """DA3PO's loss needs nothing registered: verl's vanilla loss with token-mean and clip 0.2 / 0.28 is
     common.policy_loss aggregated by common.loss_weights, in float64; with the recipes' clip_ratio_c = 1e9, verl's
@@ -254,9 +289,14 @@ def test_clear_errors():
     inp = golden.load()["advantages"][1]["inputs"]
     kwargs, _ = verl_batch(inp)
     kwargs["index"][0] = "a lone uid"  # one group of 1, one of 7
+    padded = {key: torch.cat([value, value.new_zeros(3, value.shape[1])]) for key, value in kwargs.items()
+              if key != "index"}  # 3 rows with no response token, as verl pads
+    padded["index"] = np.concatenate([kwargs["index"], np.array(["pad0"] * 3, dtype=object)])
     for name in ("da3po", "daro"):
-        with pytest.raises(ValueError, match=r"same number G >= 2 of completions; got group sizes \[1, 7, 8\]"):
-            core_algos.get_adv_estimator_fn(name)(**kwargs)
+        for batch in (kwargs, padded):  # the padding is set aside, the real groups of the wrong size are not
+            with pytest.raises(ValueError, match=r"G >= 2 of completions \(a uid whose rows have no response "
+                                                 r"token, verl's padding, aside\); got group sizes \[1, 7, 8\]"):
+                core_algos.get_adv_estimator_fn(name)(**batch)
     with pytest.raises(ValueError, match="tau"):
         register_da3po("bad", tau=0.0)
     register_da3po("da3po_x", lam=3.0)
@@ -323,3 +363,115 @@ def test_a_wrong_override_path_fails_to_compose():
     for wrong in ("actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.clip_ratio_hihg=0.28"):
         with pytest.raises(ConfigCompositionException):
             compose([wrong])
+
+# -----------------------------------------------------------------------------------------------------------------
+# verl's batches as its trainer hands them to an estimator
+
+
+def recipe_rows(script: str, nnodes: int, seed: int = 0):
+    """One step's rows of a recipe on `nnodes` nodes of 8 GPUs, as verl 0.9.1's V1 trainer holds them before its
+    advantages: train_batch_size x n rows (DAPO's +1/-1 on each row's last response token, some with an overlong
+    penalty), then the padding of its _balance_batch: the multiple from the trainer's own
+    _get_required_batch_multiple on the recipe's config, the rows from its padding template under one pad<hex> uid;
+    all rows shuffled, as the balancing reorders them. Returns (rows, padding (bs,) bool, the composed config)."""
+    from types import SimpleNamespace
+    from uuid import UUID
+    from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
+    from verl.trainer.ppo.utils import need_critic
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    overrides = [o for o in recipe_overrides(script) if not o.startswith("trainer.nnodes=")]
+    config = compose(overrides + [f"trainer.nnodes={nnodes}"])
+    trainer = SimpleNamespace(config=config, use_critic=need_critic(config), global_steps=1)
+    dp_size = config.trainer.n_gpus_per_node * nnodes
+    multiple = PPOTrainer._get_required_batch_multiple(trainer, dp_size)
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(config.data.train_batch_size):
+        uid = str(UUID(int=rng.getrandbits(128), version=4))  # verl's uids are uuid4 strings
+        pass_rate = rng.random()
+        for _ in range(config.actor_rollout_ref.rollout.n):
+            length = rng.randint(1, 24)
+            score = torch.zeros(length)  # float32, as verl's rm_scores
+            score[-1] = (1.0 if rng.random() < pass_rate else -1.0) - (rng.random() if rng.random() < 0.1 else 0.0)
+            rows.append({"response_mask": torch.ones(length, dtype=torch.int64), "rm_scores": score, "uid": uid})
+    template, tag = construct_minimal_padding_template(rows[0], {}, eos_token_id=0)
+    assert tag["is_padding"] and not template["response_mask"].any() and not template["rm_scores"].any()
+    pad_uid = f"pad{rng.getrandbits(128):032x}"  # verl: f"pad{uuid.uuid4().hex}", one for all the padding
+    pad_size = -len(rows) % multiple  # verl's batch_multiple - remainder, none when the multiple divides
+    rows += [{"response_mask": template["response_mask"], "rm_scores": template["rm_scores"], "uid": pad_uid}
+             for _ in range(pad_size)]
+    padding = torch.arange(len(rows)) >= len(rows) - pad_size
+    order = rng.sample(range(len(rows)), len(rows))
+    return [rows[i] for i in order], padding[order], config
+
+
+def through_verl(rows: list[dict], algorithm, n: int, keys: list[str] | None = None):
+    """The rows' advantages as the V1 trainer's _compute_advantage computes them: its padded tensors, uids as an
+    object array, then verl's compute_advantage_for_multi_trajectories, which calls algorithm.adv_estimator. keys:
+    each row's {uid}_{session}_{output}, by default one output per session."""
+    from verl import DataProto
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+    data = DataProto(batch=list_of_dict_to_tensordict(rows).to_padded_tensor())
+    data.batch["token_level_scores"] = data.batch["rm_scores"]
+    data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # no KL in the reward
+    keys = keys or [f"{uid}_{i}_0" for i, uid in enumerate(data.non_tensor_batch["uid"])]
+    return compute_advantage_for_multi_trajectories(data, batch_keys=keys, adv_estimator=algorithm.adv_estimator,
+                                                    num_repeat=n, config=algorithm)
+
+
+@pytest.mark.parametrize("script", sorted(RECIPES))
+def test_verls_padding_at_24_gpus(script):
+    """On 3 nodes of 8 GPUs verl 0.9.1 pads the recipes' 8,192 and 1,024 rows to a multiple of lcm(24, mini-batch x
+    n) = 1,536 with 1,024 and 512 rows of one uid and no response token. Those rows get advantage 0 (DARO: bin 0
+    and no token in any bin's count), and every other row exactly what the batch without the padding gives it."""
+    rows, padding, config = recipe_rows(script, nnodes=3)
+    assert (len(rows), int(padding.sum())) == {"da3po": (9216, 1024), "daro": (1536, 512)}[RECIPES[script]]
+    n = config.actor_rollout_ref.rollout.n
+    padded = through_verl(rows, config.algorithm, n)
+    alone = through_verl([row for row, pad in zip(rows, padding) if not pad], config.algorithm, n)
+    for key in ("advantages", "returns"):
+        assert torch.equal(padded.batch[key][~padding], alone.batch[key])
+        assert not padded.batch[key][padding].any()
+    assert alone.batch["advantages"].abs().sum() > 0
+    if RECIPES[script] == "daro":  # the actor's side: each row's bin and Eq. (2) weights
+        bins, mask = drop_in._bins_and_mask(padded.batch)
+        eq2, tokens = drop_in.bin_token_weights(mask, bins, n)
+        bins_alone, mask_alone = drop_in._bins_and_mask(alone.batch)
+        eq2_alone, tokens_alone = drop_in.bin_token_weights(mask_alone, bins_alone, n)
+        assert torch.equal(tokens, tokens_alone) and tokens[1:n].sum() > 0
+        assert torch.equal(eq2[~padding], eq2_alone) and not eq2[padding].any()
+
+
+def test_agent_loops_with_several_outputs_per_session():
+    """verl 0.9.1 stores each output of an agent loop that returns several per session (one per turn, say) as a row
+    under the prompt's uid, each with the session's final score. Only verl's grpo computes its statistics on each
+    session's last output and gives that advantage to the session's other outputs. da3po and daro count every
+    output as a completion. With k outputs per session a group holds n k rows: DAA amplifies the same sessions,
+    the std is over n k rows, and DARO's bins are k x #correct, past the actor's G = n. Sessions with different
+    numbers of outputs make groups of different sizes, the estimators' error."""
+    n, k = 4, 3
+    rows, keys = [], []
+    rng = random.Random(5)
+    for prompt in range(1, 4):  # 1, 2, 3 correct sessions of 4
+        for session in range(n):
+            for output in range(k):
+                score = torch.zeros(rng.randint(1, 6))
+                score[-1] = 1.0 if session < prompt else -1.0
+                rows.append({"response_mask": torch.ones_like(score, dtype=torch.int64), "rm_scores": score,
+                             "uid": f"uid-{prompt}"})
+                keys.append(f"uid-{prompt}_{session}_{output}")
+    outputs = {name: through_verl(rows, AlgoConfig(adv_estimator=name), n, keys) for name in ("grpo", "da3po", "daro")}
+    per_row = {name: out.batch["advantages"][:, 0] for name, out in outputs.items()}  # a row's first token
+    last = through_verl(rows[k - 1::k], AlgoConfig(adv_estimator="grpo"), n)  # one row per session: its last
+    sessions = last.batch["advantages"][:, 0]
+    assert torch.equal(per_row["grpo"], sessions.repeat_interleave(k))
+    correct = torch.tensor([session < prompt for prompt in range(1, 4) for session in range(n)])
+    amplified = correct & (correct.view(-1, n).sum(-1, keepdim=True) < n / 2).expand(-1, n).flatten()  # p < tau
+    ratio = math.sqrt((n * k - 1) / (k * (n - 1))) * (1 + amplified.float())  # the std over n k rows; DAA's lam 2
+    assert torch.allclose(per_row["da3po"] / per_row["grpo"], ratio.repeat_interleave(k), rtol=1e-5, atol=0)
+    bins = outputs["daro"].batch["returns"].amax(-1)
+    assert torch.equal(bins, (k * correct.view(-1, n).sum(-1)).repeat_interleave(n * k).to(bins.dtype))
+    with pytest.raises(ValueError, match="several outputs per session puts each under the prompt's uid"):
+        through_verl(rows[1:], AlgoConfig(adv_estimator="da3po"), n, keys[1:])  # one session with 2 outputs
