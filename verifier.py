@@ -246,6 +246,25 @@ _TRIG_RE = re.compile(r"\\(?:sin|cos|tan|sec|csc|cot)")
 _DEGREE_RE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|\u00b0")
 # A unit word: two or more letters, maybe a period and a small power (cm^2, sq., meters). One letter is a variable.
 _UNIT_WORD = re.compile(r"[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?")
+# Compound units ('km/h', 'm/s^2', 'kg\cdot m', 'J/(kg K)') are made of unit atoms. An atom is a
+# unit word, or one of the letters below. Those letters are units only where an answer says so:
+# inside \text{} or \mathrm{}, or joined to another atom in a bare compound. There is no e, i or d
+# among them: \mathrm{e}, \mathrm{i} and \mathrm{d} are Euler's number, i and a differential.
+_UNIT_LETTERS = "msghlLNJWVAK"  # metre, second, gram, hour, litre, newton ... kelvin
+# Words that follow a number without being units: _normalize reads them after the units are gone.
+_NOT_UNITS = r"(?:thousand|million|billion|trillion|percent|and|or)\b"
+_UNIT_NAME = rf"(?:(?!{_NOT_UNITS})[a-zA-Z]{{2,}}\.?|[{_UNIT_LETTERS}])"
+_UNIT_POWER = r"(?:\^\{?-?\d\}?)?"  # ^2, ^{-1}: on an atom, or on a bracket ('(kg m)^2')
+_UNIT_ATOM = rf"\(*{_UNIT_NAME}{_UNIT_POWER}\)*{_UNIT_POWER}"
+# The content of a \text{} or \mathrm{} that is a unit: atoms joined by '/', '\cdot', '*' or spaces.
+_UNIT_JOIN = r"(?:\s*(?:/|\\cdot|\*|\\[,;: !])\s*|\s+)"
+_TEXT_UNIT_RE = re.compile(rf"\s*{_UNIT_ATOM}(?:{_UNIT_JOIN}{_UNIT_ATOM})*\s*")
+# The wrappers a unit is written in; the glue that may stand between and after them
+# ('\text{m}/\text{s}^2', '\mathrm{kg}\,\mathrm{m}').
+_UNIT_WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textup|mathrm|mbox)\s*\{")
+_UNIT_GLUE = re.compile(r"(?:\s|\\[,;: !]|~|/|\\cdot|\*|[().]|\^\s*(?:\{\s*-?\d\s*\}|-?\d))*")
+# A bare compound unit after a number: two atoms or more ('12 m/s', '5 kg\cdot m', normalised).
+_BARE_UNIT_RE = re.compile(rf"(.*\d) ({_UNIT_ATOM}(?:(?:/|\\cdot ?){_UNIT_ATOM})+)")
 # Answers made of words only ('odd', 'Evelyn', 'no solution'): compared as text, never parsed as products.
 _WORDS_RE = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
 
@@ -278,9 +297,52 @@ def _strip_units(s: str) -> str:
     return s
 
 
+def _ends_in_number(head: str) -> bool:
+    """Does `head` end in a digit or a '}', its trailing spaces and spacing macros (\\, ~) aside?"""
+    i = len(head)
+    while i:
+        if i >= 2 and head[i - 2] == "\\" and head[i - 1] in ",;:! ":
+            i -= 2
+        elif head[i - 1].isspace() or head[i - 1] == "~":
+            i -= 1
+        else:
+            break
+    return i > 0 and head[i - 1] in "0123456789}"
+
+
+def _strip_text_units(s: str) -> str:
+    """Drop a unit written as text after a number. Examples: '12 \\text{ km/h}' -> '12';
+    '4\\,\\mathrm{m}/\\mathrm{s}^2' -> '4'; '5 \\text{kg}\\cdot\\text{m}' -> '5'.
+    '5+2\\mathrm{i}' stays as it is: i is no unit."""
+    # The chain of unit wrappers at the end is walked backwards, from the last wrapper to the first.
+    # Each wrapper in the chain closes before the chain found so far, so their brace scans do not
+    # overlap; only the scan that ends the walk can run further. Linear in all.
+    cut = len(s)  # where the unit chain found so far begins
+    for m in reversed(list(_UNIT_WRAPPER.finditer(s))):
+        close = _closing_brace(s, m.end() - 1)
+        if close is None or close >= cut:
+            break
+        if not _UNIT_GLUE.fullmatch(s, close + 1, cut):
+            break
+        if not _TEXT_UNIT_RE.fullmatch(s, m.end(), close):
+            break
+        cut = m.start()
+    if cut < len(s) and _ends_in_number(s[:cut]):
+        return s[:cut]
+    return s
+
+
+def _without_bare_unit(s: str) -> str | None:
+    """A normalised answer without the bare compound unit it ends in, or None if it ends in none.
+    Examples: '12 m/s' -> '12'; '5 kg\\cdot m' -> '5'; '12 x/y' -> None."""
+    m = _BARE_UNIT_RE.fullmatch(s)
+    return m.group(1) if m else None
+
+
 def _normalize(s: str) -> str:
     """Canonical string form of an answer: the key for string equality, the cache and the parser input."""
-    # The order matters: units are stripped after whitespace is collapsed, and the spaces they needed go last.
+    # The order matters: units written as text go before their wrappers do, bare unit words go after
+    # whitespace is collapsed, and the spaces they needed go last.
     s = "".join(ch for ch in str(s) if ch >= " " or ch in "\t\n").strip()
     if "\\boxed" in s or "\\fbox" in s:
         s = _last_boxed(s) or s  # gold answers sometimes arrive boxed too
@@ -295,6 +357,7 @@ def _normalize(s: str) -> str:
     # Display-style variants mean the same value: one spelling keeps string equality and the cache key effective.
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
+    s = _strip_text_units(s)  # before the wrappers go: a unit letter is only a unit inside one
     s = _unwrap_text_commands(s)
     s = s.replace("\\%", "%").replace("{,}", ",")
     s = re.sub(r"\s*\bpercent\b", "%", s)
@@ -1050,7 +1113,8 @@ class _Parser:
 
 
 def _parse_answer(s: str) -> tuple[list, bool]:
-    """Parse a normalised answer into candidate values ('50%' -> [50, 1/2]; '1 \\pm 2' -> [[3, -1]])."""
+    """Parse a normalised answer into candidate values ('50%' -> [50, 1/2]; '1 \\pm 2' -> [[3, -1]];
+    '12 m/s' -> [12m/s, 12])."""
     # Size limits come before tokenizing: the parser recurses about 9 Python frames per bracket level, so 50 levels
     # use ~470 of the default limit of 1000. Deep unbracketed chains ('- - - x', 'x^x^x^...') can still raise
     # RecursionError, which the except below turns into "unparseable".
@@ -1082,6 +1146,9 @@ def _parse_answer(s: str) -> tuple[list, bool]:
             if _THOUSANDS_RE.fullmatch(body):  # '7,125': the list above, or the number 7125 (docs/data.md)
                 value = Fraction(body.replace(",", ""))
                 values.append(sp.Rational(value.numerator, value.denominator))
+            # '12 m/s': 12 in metres per second, or 12m/s in variables m and s. Both readings count.
+            if (number := _without_bare_unit(body)) is not None:
+                values.append(_Parser(number).parse())
         if pct and isinstance(values[0], sp.Expr):  # gold files disagree on whether 50% is 50 or 1/2: accept both
             values.append(values[0] / 100)
         return values, inexact

@@ -259,6 +259,34 @@ def test_named_sets_differ(pred, gold):
     _both_ways(pred, gold, False)
 
 
+# Units after a number are dropped, never compared. A unit written as text (\text{}, \mathrm{}) may hold any
+# compound of unit words and unit letters; one written bare must be a compound of them ('12 m/s'), and the answer is
+# read both ways, since m/s may be a quotient of variables. A letter that may be a variable or a constant keeps its
+# meaning: one letter after a number outside a wrapper, \mathrm{e}, \mathrm{i}, a quotient without a number.
+UNITS_EQUAL = [
+    ("12 \\text{ km/h}", "12"), ("12\\text{km/h}", "12"), ("12\\ \\mathrm{m/s}", "12"),
+    ("12\\,\\mathrm{km}/\\mathrm{h}", "12"), ("9.8 \\text{ m/s}^2", "9.8"), ("9.8\\,\\text{m/s^2}", "9.8"),
+    ("9.8\\,\\mathrm{m}\\,\\mathrm{s}^{-2}", "9.8"), ("5 \\text{kg}\\cdot\\text{m}", "5"),
+    ("5\\ \\mathrm{kg \\cdot m}", "5"), ("4 \\text{m}/\\text{s}^2", "4"), ("12 \\text{ km h}^{-1}", "12"),
+    ("3 \\text{ J/(kg K)}", "3"), ("3 \\text{ m}", "3"), ("60 \\text{ miles per hour}", "60"),
+    ("\\frac{1}{2}\\,\\mathrm{kg\\,m\\,s^{-2}}", "0.5"), ("x = 12 \\text{ m/s}", "12"), ("12 \\text{ km/h}.", "12"),
+    ("12 m/s", "12"), ("9.8 m/s^2", "9.8"), ("5 kg\\cdot m", "5"), ("60 km/h", "60"),
+    ("12 m/s", "\\frac{12m}{s}"), ("\\frac{m}{s}", "m/s"), ("5+2\\mathrm{i}", "5+2i"),
+    ("2.5 \\text{ million}", "2.5e6"),
+]
+UNITS_NOT_EQUAL = [
+    ("12 \\text{ km/h}", "13"), ("12 m/s", "13"), ("\\frac{m}{s}", "1"), ("m/s", "1"), ("x/y", "1"), ("2m", "2"),
+    ("2 m", "2"), ("5+2\\mathrm{i}", "5"), ("3\\mathrm{e}", "3"), ("12 m/s", "12 m"), ("12 x/y", "12"),
+    ("2.5 \\text{ million}", "2.5"),
+]
+
+
+@pytest.mark.parametrize("pred, gold, expected", [(*c, True) for c in UNITS_EQUAL]
+                         + [(*c, False) for c in UNITS_NOT_EQUAL])
+def test_units(pred, gold, expected):
+    _both_ways(pred, gold, expected)
+
+
 # ----- huge outputs: judged, or refused with a logged reason, in bounded time and memory -----
 
 FILLER = "Let me double-check that step once more. " * 36_000  # 1.5 MB on either side of the answer
