@@ -20,7 +20,8 @@ Public API:
 
 Safety model. Model output is untrusted input, and nothing here executes it: no eval, exec, sympify or parse_expr;
 the parser builds sympy objects directly, and an answer can only reach a fixed table of functions and constants.
-Sizes are bounded before sympy sees anything (answer length, bracket nesting, exponents, factorials, binomials).
+Sizes are bounded before sympy sees anything (answer length, bracket nesting, exponents, factorials, binomials);
+an answer past one of these bounds is refused (counted and logged), never judged.
 Every call returns within a time bound: extraction reads a completion of up to _MAX_TEXT characters in linear time
 (each brace at most twice); an answer too long to parse is compared only if it is a plain number (of any length),
 else refused, counted and logged, never mistaken for a missing answer; the symbolic step runs in a forked worker
@@ -499,6 +500,13 @@ class _ParseError(Exception):
     pass
 
 
+class _Refused(_ParseError):
+    """An answer over a size bound: an exponent, power, factorial, binomial or nesting. It equals
+    nothing, and it is counted as refused (info["refused"]), apart from answers the parser cannot
+    read. Its message is the reason, as the log line gives it."""
+    pass
+
+
 # Non-scalar answers get their own small containers, converted to sympy only when compared (_to_set): sympy's
 # FiniteSet drops duplicates, Interval(2, 1) collapses to EmptySet, Tuple forgets its brackets, and Eq(1, 1)
 # evaluates to True, while a comparison needs to see exactly what was written.
@@ -642,15 +650,15 @@ def _power(base, exp):
         raise _ParseError("bad power")
     if exp.is_Number:
         if abs(exp) > _MAX_EXP:
-            raise _ParseError("exponent too large")
+            raise _Refused(f"an answer with an exponent over {_MAX_EXP:,}")
         if base.is_Rational and abs(base) not in (0, 1):  # estimate the size of the exact result first
             # an upper bound on the bits of base^exp, without computing it: 3^100 is put at 200 bits (really 159)
             bits = max(int(base.p).bit_length(), int(base.q).bit_length()) * float(abs(exp))
             if bits > _MAX_BITS:
-                raise _ParseError("power too large")
+                raise _Refused(f"an answer with a power of over {_MAX_BITS:,} bits")
     elif exp.is_number and not exp.free_symbols and base.is_number:
         if abs(complex(exp.evalf(15))) > _MAX_EXP:  # e.g. 2^{10^5 \pi}
-            raise _ParseError("exponent too large")
+            raise _Refused(f"an answer with an exponent over {_MAX_EXP:,}")
     try:
         return base ** exp
     except Exception as e:
@@ -832,7 +840,9 @@ class _Parser:
             if t == "!":
                 self.take()
                 # 1000! has 2568 digits; larger factorials are refused, a symbolic n! is kept unevaluated
-                if not isinstance(value, sp.Expr) or (value.is_Integer and not 0 <= value <= 1000):
+                if isinstance(value, sp.Expr) and value.is_Integer and value > 1000:
+                    raise _Refused("an answer with a factorial over 1000!")
+                if not isinstance(value, sp.Expr) or (value.is_Integer and value < 0):
                     raise _ParseError("bad factorial")
                 value = sp.factorial(value)
             elif t == "%":  # an inner percent; a trailing one is stripped by _parse_answer, which tries both readings
@@ -969,8 +979,10 @@ class _Parser:
         if name == "binom":
             n, k = self.arg(), self.arg()
             # C(10^4, k) has at most ~3000 digits; larger n could make sympy build huge integers
-            if not (isinstance(n, sp.Expr) and isinstance(k, sp.Expr)) or (n.is_Number and abs(n) > 10_000):
+            if not (isinstance(n, sp.Expr) and isinstance(k, sp.Expr)):
                 raise _ParseError("bad binomial")
+            if n.is_Number and abs(n) > 10_000:
+                raise _Refused("an answer with a binomial over n = 10,000")
             return sp.binomial(n, k)
         if name in _FUNCS:
             return self.function(name)
@@ -1114,7 +1126,7 @@ class _Parser:
 
 def _parse_answer(s: str) -> tuple[list, bool]:
     """Parse a normalised answer into candidate values ('50%' -> [50, 1/2]; '1 \\pm 2' -> [[3, -1]];
-    '12 m/s' -> [12m/s, 12])."""
+    '12 m/s' -> [12m/s, 12]). Raises _Refused for an answer over a size bound."""
     # Size limits come before tokenizing: the parser recurses about 9 Python frames per bracket level, so 50 levels
     # use ~470 of the default limit of 1000. Deep unbracketed chains ('- - - x', 'x^x^x^...') can still raise
     # RecursionError, which the except below turns into "unparseable".
@@ -1122,8 +1134,10 @@ def _parse_answer(s: str) -> tuple[list, bool]:
     for ch in s:
         depth += (ch in "([{") - (ch in ")]}")
         max_depth = max(max_depth, depth)
-    if len(s) > _MAX_LEN or max_depth > _MAX_NEST:
-        return [], False
+    if len(s) > _MAX_LEN:
+        raise _Refused(f"an answer of {len(s):,} characters once normalised (limit {_MAX_LEN:,})")
+    if max_depth > _MAX_NEST:
+        raise _Refused(f"an answer nested {max_depth} brackets deep (limit {_MAX_NEST})")
     pct = s.endswith("%")
     body = s[:-1] if pct else s
     try:
@@ -1152,6 +1166,8 @@ def _parse_answer(s: str) -> tuple[list, bool]:
         if pct and isinstance(values[0], sp.Expr):  # gold files disagree on whether 50% is 50 or 1/2: accept both
             values.append(values[0] / 100)
         return values, inexact
+    except _Refused:
+        raise  # too large to judge: the caller counts it
     except Exception:  # _ParseError, RecursionError, anything sympy throws: unparseable means not equal
         return [], False
 
@@ -1418,10 +1434,14 @@ def _equal(a, b, loose: bool) -> bool:
     return False
 
 
-def _symbolic_equal(pred: str, gold: str) -> bool:
-    """Full comparison of two normalised answers. Can be slow: always run it under a hard timeout."""
-    pred_values, pred_inexact = _parse_answer(pred)
-    gold_values, gold_inexact = _parse_answer(gold)
+def _symbolic_equal(pred: str, gold: str) -> bool | str:
+    """Full comparison of two normalised answers: True, False, or the reason it refused the pair (an
+    answer over a size bound). Can be slow: always run it under a hard timeout."""
+    try:
+        pred_values, pred_inexact = _parse_answer(pred)
+        gold_values, gold_inexact = _parse_answer(gold)
+    except _Refused as e:
+        return str(e)
     loose = pred_inexact or gold_inexact  # one decimal on either side loosens the pair (see _REL_TOL)
     return any(_equal(p, g, loose) for p in pred_values for g in gold_values)
 
@@ -1453,8 +1473,9 @@ _CTX = multiprocessing.get_context("fork")
 
 
 def _worker_main(conn, inherited, parent_pid: int, task=None):
-    """Worker loop: receive (pred, gold), reply with task(pred, gold) as a bool (task None: _symbolic_equal, looked up
-    here so that a test's patch before the fork applies). Exits on None, EOF, or when the parent dies."""
+    """Worker loop: receive (pred, gold), reply with task(pred, gold) as a bool, or as the str a refusal gives (task
+    None: _symbolic_equal, looked up here so that a test's patch before the fork applies). Exits on None, EOF, or
+    when the parent dies."""
     # A fork copies every open fd: this worker holds the parent's ends of all earlier workers' pipes. Closing
     # them means an earlier worker sees EOF once the parent really closes its end (or dies).
     for c in inherited:  # close the parent's ends of sibling pipes, so EOF detection works everywhere
@@ -1478,7 +1499,8 @@ def _worker_main(conn, inherited, parent_pid: int, task=None):
         if msg is None:
             return
         try:
-            result = bool((task or _symbolic_equal)(*msg))
+            result = (task or _symbolic_equal)(*msg)
+            result = result if isinstance(result, str) else bool(result)  # a str: why it refused
         except BaseException:  # RecursionError, MemoryError, anything: "not equal", and the worker lives on
             result = False
         try:
@@ -1537,12 +1559,13 @@ class _Pool:
         else:
             self.idle.append(worker)
 
-    def run(self, tasks: list[tuple[str, str]], timeout: float, parallel: int, info: dict) -> list[bool | None]:
+    def run(self, tasks: list[tuple[str, str]], timeout: float, parallel: int,
+            info: dict) -> list[bool | str | None]:
         """Evaluate tasks on up to `parallel` workers; each task gets `timeout` seconds from its dispatch.
         None = no answer (deadline passed or worker died): counts as not equal, but is not cached, since a loaded
-        machine can push a legitimate comparison past its deadline once. Adds to info["timeouts"] and
-        info["crashed"], the caller's counters for this call."""
-        results: list[bool | None] = [None] * len(tasks)
+        machine can push a legitimate comparison past its deadline once. A str is a refusal's reason. Adds to
+        info["timeouts"] and info["crashed"], the caller's counters for this call."""
+        results: list[bool | str | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
         busy = {}  # conn -> (worker, task index, deadline)
         # Deadlines count from dispatch, not from the start of the batch, so a task that waited for a free
@@ -1563,7 +1586,7 @@ class _Pool:
                 for conn in multiprocessing.connection.wait(list(busy), timeout=wait_s):
                     worker, idx, _ = busy.pop(conn)
                     try:
-                        results[idx] = bool(conn.recv())
+                        results[idx] = conn.recv()
                         self._release(worker)
                     except (EOFError, OSError):
                         self._discard(worker)  # crashed (e.g. out of memory): result stays None
@@ -1634,8 +1657,8 @@ def _cache_get(key):
     return value
 
 
-def _cache_put(key, value: bool):
-    """LRU insert, evicting the oldest entry past _CACHE_SIZE."""
+def _cache_put(key, value: bool | str):
+    """LRU insert (a verdict, or a refusal's reason), evicting the oldest entry past _CACHE_SIZE."""
     _CACHE[key] = value
     _CACHE.move_to_end(key)
     if len(_CACHE) > _CACHE_SIZE:
@@ -1651,8 +1674,9 @@ def _new_info() -> dict:
     """Counters of one call. Every pair is settled by exactly one of: inline (no answer, string, word, time or number
     checks, or refused), cached, or the pool; `symbolic` counts the unique pairs sent to the pool, `timeouts` and
     `crashed` those of them that got no answer (deadline passed; worker died or could not start); `refused` the
-    pairs too large to judge (an answer over _MAX_RAW characters that is not a plain number, or one over _MAX_LEN
-    once normalised; verify_batch adds completions over _MAX_TEXT), each counted "not equal" and logged."""
+    pairs too large to judge (an answer over _MAX_RAW characters that is not a plain number, one over _MAX_LEN
+    once normalised, or one that a size bound of the parser stops: an exponent, power, factorial, binomial or
+    nesting; verify_batch adds completions over _MAX_TEXT), each counted "not equal" and logged."""
     return {"timeouts": 0, "symbolic": 0, "cached": 0, "inline": 0, "crashed": 0, "refused": 0}
 
 
@@ -1719,8 +1743,10 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
                 results[i] = quick
                 info["inline"] += 1
             elif (cached := _cache_get(key)) is not None:
-                results[i] = cached
+                results[i] = cached is True
                 info["cached"] += 1
+                if isinstance(cached, str):  # refused before, refused again: counted in every call
+                    _refused(info, cached)
             elif len(key[0]) <= _MAX_LEN and len(key[1]) <= _MAX_LEN:
                 todo.setdefault(key, []).append(i)
             else:
@@ -1746,7 +1772,9 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
             if value is not None:  # None (deadline or crash) is not cached: a loaded machine may be the cause
                 _cache_put(key, value)
             for i in todo[key]:
-                results[i] = bool(value)
+                results[i] = value is True
+                if isinstance(value, str):  # a size bound stopped the parser: the reason
+                    _refused(info, value)
     if "_reason" in info:  # refused pairs are counted "not equal", never silently: one line per call says why
         _LOG.warning("verifier: refused %d of %d pairs as too large to judge, the first %s",
                      info["refused"], len(preds), info.pop("_reason"))

@@ -287,6 +287,40 @@ def test_units(pred, gold, expected):
     _both_ways(pred, gold, expected)
 
 
+# A comparison that a size bound stops is refused: not equal, counted in info["refused"] and logged with the reason,
+# as a long answer is (below), never taken for one the parser does not understand. The bound holds either way: an
+# exponent over _MAX_EXP is never built, though x^{999999999} = x^{999999998} x.
+CAPPED = {
+    "exponent": ("x^{999999999}", "x^{999999998} x", "an exponent over 10,000"),
+    "exponent of an exponent": ("2^{10^{5}}", "2^{100000}", "an exponent over 10,000"),
+    "power": ("(10^{100})^{2000}", "10^{200000}", "a power of over 100,000 bits"),
+    "factorial": ("1001!", "1001 \\cdot 1000!", "a factorial over 1000!"),
+    "binomial": ("\\binom{20000}{2}", "199990000", "a binomial over n = 10,000"),
+    "nesting": ("(" * 60 + "x" + ")" * 60, "x", "nested 60 brackets deep"),
+}
+
+
+@pytest.mark.parametrize("name", CAPPED)
+def test_capped_comparison_is_refused(name, caplog):
+    pred, gold, reason = CAPPED[name]
+    vmod._CACHE.clear()
+    with caplog.at_level(logging.WARNING, logger="verifier"):
+        out, info = verify_batch([f"\\boxed{{{pred}}}"], [gold], timeout=SLACK, num_workers=1)
+    assert out == [False]
+    assert info["refused"] == 1 and info["symbolic"] == 1 and info["timeouts"] == 0
+    assert reason in caplog.text
+    out, info = verify_batch([f"\\boxed{{{pred}}}"], [gold], timeout=SLACK, num_workers=1)
+    assert out == [False] and info["cached"] == 1 and info["refused"] == 1  # from the cache, refused again
+    assert math_equal(gold, pred, timeout=SLACK) is False
+
+
+def test_at_the_bounds_judged_and_unparseable_not_refused():
+    vmod._CACHE.clear()
+    completions = ["\\boxed{x^{10000}}", "\\boxed{1000!}", "\\boxed{\\frac{1}}"]
+    out, info = verify_batch(completions, ["x^{9999} x", "1000 \\cdot 999!", "1"], timeout=SLACK, num_workers=1)
+    assert out == [True, True, False] and info["refused"] == 0 and info["symbolic"] == 3
+
+
 # ----- huge outputs: judged, or refused with a logged reason, in bounded time and memory -----
 
 FILLER = "Let me double-check that step once more. " * 36_000  # 1.5 MB on either side of the answer
