@@ -10,11 +10,11 @@ each direction (docs/metrics.md: crosscheck/*).
   # counts: checked, ours_only (ours right, theirs wrong), theirs_only (the reverse), failed (no verdict)
   # rows: the disagreements, {"index", "ours", "theirs", "extracted" (our answer)}
 
-common.py calls check_groups (the end of this file) in training and evaluation. Math-Verify reads plain-text
-answers with sympy's parse_expr, which runs Python's eval on them: model text goes through eval there. The
-judge runs in forked worker processes (verifier.py's pool), each pair under a hard deadline; that bounds the
-time a completion can take, not what eval can do in that process. The cross-check is an instrument, off by
-default; verifier.py itself never evaluates model text.
+common.py calls check_groups (the end of this file) in training and evaluation; an evaluation's check prints
+one line (summary). Math-Verify reads plain-text answers with sympy's parse_expr, which runs Python's eval on
+them: model text goes through eval there. The judge runs in forked worker processes (verifier.py's pool), each
+pair under a hard deadline; that bounds the time a completion can take, not what eval can do in that process.
+The cross-check is an instrument, off by default; verifier.py itself never evaluates model text.
 """
 import atexit
 import math
@@ -24,7 +24,7 @@ import time
 import torch
 
 import verifier
-from ranks import all_gather_list, all_reduce_sum
+from ranks import all_gather_list, all_reduce_sum, print0
 
 MATH_VERIFY_HINT = "pip install -r requirements/crosscheck.txt (Math-Verify)"
 
@@ -43,6 +43,7 @@ class CrossCheck:
         if judge is math_verify_judge:
             import math_verify  # noqa: F401  (imported before the workers fork: each has it)
         self.timeout = timeout  # per pair; Math-Verify's own timeouts (5 s parsing, 5 s comparing) come first
+        self.name = "Math-Verify" if judge is math_verify_judge else judge.__name__  # for the console line
         self.pool = verifier._Pool(num_workers or verifier._default_workers(), task=judge)
         atexit.register(self.pool.close)
 
@@ -98,12 +99,27 @@ def missing() -> str:
     return ""
 
 
+def summary(scores: dict, judge: str) -> str:
+    """The console line of one cross-check, from check_groups' scores. Example:
+    'crosscheck: 1.2% disagree (ours only 0.8%, Math-Verify only 0.4%) on 800 completions, 3.1 s'."""
+    ours = scores["crosscheck/ours_only"]
+    theirs = scores["crosscheck/theirs_only"]
+    line = (f"crosscheck: {ours + theirs:.1%} disagree (ours only {ours:.1%}, {judge} only {theirs:.1%})"
+            f" on {scores['crosscheck/checked']:,.0f} completions")
+    if scores["crosscheck/failed"]:
+        line += f" ({scores['crosscheck/failed']:,.0f} more without a verdict by the deadline)"
+    return line + f", {scores['time/crosscheck_s']:.1f} s"
+
+
 def check_groups(groups: list[dict], cfg, where: str, limit: int = 0, rank: int = 0) -> dict:
     """The second verifier on this rank's completions of `groups` (`limit` > 0: that many, drawn by an RNG
     of its own, so training is untouched), its disagreements with our verdicts summed over ranks: two
     collectives, on every rank whatever its data. Returns crosscheck/{ours_only, theirs_only} (rates per
-    checked completion), crosscheck/{checked, failed}, and "crosscheck_samples": the disagreements of
-    all ranks, which bookkeeping.Logger.log writes to crosscheck.jsonl."""
+    checked completion), crosscheck/{checked, failed}, time/crosscheck_s (this rank's seconds, the
+    collectives included), and "crosscheck_samples": the disagreements of all ranks, which
+    bookkeeping.Logger.log writes to crosscheck.jsonl. In evaluation (`where` "eval") rank 0 also prints
+    the scores as one line (summary); a training step's line stays as it is."""
+    start = time.perf_counter()
     items = [(g, i) for g in groups for i in range(len(g["texts"]))]  # (group, index of a completion)
     if 0 < limit < len(items):  # seeded by the data: a rerun draws the same completions
         rng = random.Random(f"{cfg.seed} {rank} {groups[0]['prompt']}")
@@ -118,17 +134,18 @@ def check_groups(groups: list[dict], cfg, where: str, limit: int = 0, rank: int 
     summed = all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64))
     totals = dict(zip(counts, summed.tolist()))
     checked = max(totals["checked"], 1.0)
-    return {"crosscheck/ours_only": totals["ours_only"] / checked,
-            "crosscheck/theirs_only": totals["theirs_only"] / checked,
-            "crosscheck/checked": totals["checked"],
-            "crosscheck/failed": totals["failed"],
-            "crosscheck_samples": all_gather_list(rows)}
+    scores = {"crosscheck/ours_only": totals["ours_only"] / checked,
+              "crosscheck/theirs_only": totals["theirs_only"] / checked,
+              "crosscheck/checked": totals["checked"],
+              "crosscheck/failed": totals["failed"],
+              "crosscheck_samples": all_gather_list(rows)}
+    scores["time/crosscheck_s"] = time.perf_counter() - start
+    if where == "eval":
+        print0(summary(scores, shared_checker().name))
+    return scores
 
 
 def check_train_groups(groups: list[dict], cfg, rank: int, world: int) -> dict:
-    """--crosscheck_train: check_groups on a sample of this step's completions (its share of
-    --crosscheck_train on each rank), and the seconds it took (time/crosscheck_s)."""
-    t0 = time.perf_counter()
-    out = check_groups(groups, cfg, "train", math.ceil(cfg.crosscheck_train / world), rank)
-    out["time/crosscheck_s"] = time.perf_counter() - t0
-    return out
+    """--crosscheck_train: check_groups on a sample of this step's completions, its share of
+    --crosscheck_train on each rank."""
+    return check_groups(groups, cfg, "train", math.ceil(cfg.crosscheck_train / world), rank)

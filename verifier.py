@@ -20,7 +20,8 @@ Public API:
 
 Safety model. Model output is untrusted input, and nothing here executes it: no eval, exec, sympify or parse_expr;
 the parser builds sympy objects directly, and an answer can only reach a fixed table of functions and constants.
-Sizes are bounded before sympy sees anything (answer length, bracket nesting, exponents, factorials, binomials).
+Sizes are bounded before sympy sees anything (answer length, bracket nesting, exponents, factorials, binomials);
+an answer past one of these bounds is refused (counted and logged), never judged.
 Every call returns within a time bound: extraction reads a completion of up to _MAX_TEXT characters in linear time
 (each brace at most twice); an answer too long to parse is compared only if it is a plain number (of any length),
 else refused, counted and logged, never mistaken for a missing answer; the symbolic step runs in a forked worker
@@ -246,6 +247,25 @@ _TRIG_RE = re.compile(r"\\(?:sin|cos|tan|sec|csc|cot)")
 _DEGREE_RE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|\u00b0")
 # A unit word: two or more letters, maybe a period and a small power (cm^2, sq., meters). One letter is a variable.
 _UNIT_WORD = re.compile(r"[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?")
+# Compound units ('km/h', 'm/s^2', 'kg\cdot m', 'J/(kg K)') are made of unit atoms. An atom is a
+# unit word, or one of the letters below. Those letters are units only where an answer says so:
+# inside \text{} or \mathrm{}, or joined to another atom in a bare compound. There is no e, i or d
+# among them: \mathrm{e}, \mathrm{i} and \mathrm{d} are Euler's number, i and a differential.
+_UNIT_LETTERS = "msghlLNJWVAK"  # metre, second, gram, hour, litre, newton ... kelvin
+# Words that follow a number without being units: _normalize reads them after the units are gone.
+_NOT_UNITS = r"(?:thousand|million|billion|trillion|percent|and|or)\b"
+_UNIT_NAME = rf"(?:(?!{_NOT_UNITS})[a-zA-Z]{{2,}}\.?|[{_UNIT_LETTERS}])"
+_UNIT_POWER = r"(?:\^\{?-?\d\}?)?"  # ^2, ^{-1}: on an atom, or on a bracket ('(kg m)^2')
+_UNIT_ATOM = rf"\(*{_UNIT_NAME}{_UNIT_POWER}\)*{_UNIT_POWER}"
+# The content of a \text{} or \mathrm{} that is a unit: atoms joined by '/', '\cdot', '*' or spaces.
+_UNIT_JOIN = r"(?:\s*(?:/|\\cdot|\*|\\[,;: !])\s*|\s+)"
+_TEXT_UNIT_RE = re.compile(rf"\s*{_UNIT_ATOM}(?:{_UNIT_JOIN}{_UNIT_ATOM})*\s*")
+# The wrappers a unit is written in; the glue that may stand between and after them
+# ('\text{m}/\text{s}^2', '\mathrm{kg}\,\mathrm{m}').
+_UNIT_WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textup|mathrm|mbox)\s*\{")
+_UNIT_GLUE = re.compile(r"(?:\s|\\[,;: !]|~|/|\\cdot|\*|[().]|\^\s*(?:\{\s*-?\d\s*\}|-?\d))*")
+# A bare compound unit after a number: two atoms or more ('12 m/s', '5 kg\cdot m', normalised).
+_BARE_UNIT_RE = re.compile(rf"(.*\d) ({_UNIT_ATOM}(?:(?:/|\\cdot ?){_UNIT_ATOM})+)")
 # Answers made of words only ('odd', 'Evelyn', 'no solution'): compared as text, never parsed as products.
 _WORDS_RE = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
 
@@ -278,9 +298,52 @@ def _strip_units(s: str) -> str:
     return s
 
 
+def _ends_in_number(head: str) -> bool:
+    """Does `head` end in a digit or a '}', its trailing spaces and spacing macros (\\, ~) aside?"""
+    i = len(head)
+    while i:
+        if i >= 2 and head[i - 2] == "\\" and head[i - 1] in ",;:! ":
+            i -= 2
+        elif head[i - 1].isspace() or head[i - 1] == "~":
+            i -= 1
+        else:
+            break
+    return i > 0 and head[i - 1] in "0123456789}"
+
+
+def _strip_text_units(s: str) -> str:
+    """Drop a unit written as text after a number. Examples: '12 \\text{ km/h}' -> '12';
+    '4\\,\\mathrm{m}/\\mathrm{s}^2' -> '4'; '5 \\text{kg}\\cdot\\text{m}' -> '5'.
+    '5+2\\mathrm{i}' stays as it is: i is no unit."""
+    # The chain of unit wrappers at the end is walked backwards, from the last wrapper to the first.
+    # Each wrapper in the chain closes before the chain found so far, so their brace scans do not
+    # overlap; only the scan that ends the walk can run further. Linear in all.
+    cut = len(s)  # where the unit chain found so far begins
+    for m in reversed(list(_UNIT_WRAPPER.finditer(s))):
+        close = _closing_brace(s, m.end() - 1)
+        if close is None or close >= cut:
+            break
+        if not _UNIT_GLUE.fullmatch(s, close + 1, cut):
+            break
+        if not _TEXT_UNIT_RE.fullmatch(s, m.end(), close):
+            break
+        cut = m.start()
+    if cut < len(s) and _ends_in_number(s[:cut]):
+        return s[:cut]
+    return s
+
+
+def _without_bare_unit(s: str) -> str | None:
+    """A normalised answer without the bare compound unit it ends in, or None if it ends in none.
+    Examples: '12 m/s' -> '12'; '5 kg\\cdot m' -> '5'; '12 x/y' -> None."""
+    m = _BARE_UNIT_RE.fullmatch(s)
+    return m.group(1) if m else None
+
+
 def _normalize(s: str) -> str:
     """Canonical string form of an answer: the key for string equality, the cache and the parser input."""
-    # The order matters: units are stripped after whitespace is collapsed, and the spaces they needed go last.
+    # The order matters: units written as text go before their wrappers do, bare unit words go after
+    # whitespace is collapsed, and the spaces they needed go last.
     s = "".join(ch for ch in str(s) if ch >= " " or ch in "\t\n").strip()
     if "\\boxed" in s or "\\fbox" in s:
         s = _last_boxed(s) or s  # gold answers sometimes arrive boxed too
@@ -295,6 +358,7 @@ def _normalize(s: str) -> str:
     # Display-style variants mean the same value: one spelling keeps string equality and the cache key effective.
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
+    s = _strip_text_units(s)  # before the wrappers go: a unit letter is only a unit inside one
     s = _unwrap_text_commands(s)
     s = s.replace("\\%", "%").replace("{,}", ",")
     s = re.sub(r"\s*\bpercent\b", "%", s)
@@ -433,6 +497,13 @@ def _quick_check(pred: str, gold: str) -> tuple[tuple[str, str], bool | None]:
 
 class _ParseError(Exception):
     """An answer the parser does not understand or refuses to build; callers turn it into 'not equal'."""
+    pass
+
+
+class _Refused(_ParseError):
+    """An answer over a size bound: an exponent, power, factorial, binomial or nesting. It equals
+    nothing, and it is counted as refused (info["refused"]), apart from answers the parser cannot
+    read. Its message is the reason, as the log line gives it."""
     pass
 
 
@@ -579,15 +650,15 @@ def _power(base, exp):
         raise _ParseError("bad power")
     if exp.is_Number:
         if abs(exp) > _MAX_EXP:
-            raise _ParseError("exponent too large")
+            raise _Refused(f"an answer with an exponent over {_MAX_EXP:,}")
         if base.is_Rational and abs(base) not in (0, 1):  # estimate the size of the exact result first
             # an upper bound on the bits of base^exp, without computing it: 3^100 is put at 200 bits (really 159)
             bits = max(int(base.p).bit_length(), int(base.q).bit_length()) * float(abs(exp))
             if bits > _MAX_BITS:
-                raise _ParseError("power too large")
+                raise _Refused(f"an answer with a power of over {_MAX_BITS:,} bits")
     elif exp.is_number and not exp.free_symbols and base.is_number:
         if abs(complex(exp.evalf(15))) > _MAX_EXP:  # e.g. 2^{10^5 \pi}
-            raise _ParseError("exponent too large")
+            raise _Refused(f"an answer with an exponent over {_MAX_EXP:,}")
     try:
         return base ** exp
     except Exception as e:
@@ -769,7 +840,9 @@ class _Parser:
             if t == "!":
                 self.take()
                 # 1000! has 2568 digits; larger factorials are refused, a symbolic n! is kept unevaluated
-                if not isinstance(value, sp.Expr) or (value.is_Integer and not 0 <= value <= 1000):
+                if isinstance(value, sp.Expr) and value.is_Integer and value > 1000:
+                    raise _Refused("an answer with a factorial over 1000!")
+                if not isinstance(value, sp.Expr) or (value.is_Integer and value < 0):
                     raise _ParseError("bad factorial")
                 value = sp.factorial(value)
             elif t == "%":  # an inner percent; a trailing one is stripped by _parse_answer, which tries both readings
@@ -906,8 +979,10 @@ class _Parser:
         if name == "binom":
             n, k = self.arg(), self.arg()
             # C(10^4, k) has at most ~3000 digits; larger n could make sympy build huge integers
-            if not (isinstance(n, sp.Expr) and isinstance(k, sp.Expr)) or (n.is_Number and abs(n) > 10_000):
+            if not (isinstance(n, sp.Expr) and isinstance(k, sp.Expr)):
                 raise _ParseError("bad binomial")
+            if n.is_Number and abs(n) > 10_000:
+                raise _Refused("an answer with a binomial over n = 10,000")
             return sp.binomial(n, k)
         if name in _FUNCS:
             return self.function(name)
@@ -1050,7 +1125,8 @@ class _Parser:
 
 
 def _parse_answer(s: str) -> tuple[list, bool]:
-    """Parse a normalised answer into candidate values ('50%' -> [50, 1/2]; '1 \\pm 2' -> [[3, -1]])."""
+    """Parse a normalised answer into candidate values ('50%' -> [50, 1/2]; '1 \\pm 2' -> [[3, -1]];
+    '12 m/s' -> [12m/s, 12]). Raises _Refused for an answer over a size bound."""
     # Size limits come before tokenizing: the parser recurses about 9 Python frames per bracket level, so 50 levels
     # use ~470 of the default limit of 1000. Deep unbracketed chains ('- - - x', 'x^x^x^...') can still raise
     # RecursionError, which the except below turns into "unparseable".
@@ -1058,8 +1134,10 @@ def _parse_answer(s: str) -> tuple[list, bool]:
     for ch in s:
         depth += (ch in "([{") - (ch in ")]}")
         max_depth = max(max_depth, depth)
-    if len(s) > _MAX_LEN or max_depth > _MAX_NEST:
-        return [], False
+    if len(s) > _MAX_LEN:
+        raise _Refused(f"an answer of {len(s):,} characters once normalised (limit {_MAX_LEN:,})")
+    if max_depth > _MAX_NEST:
+        raise _Refused(f"an answer nested {max_depth} brackets deep (limit {_MAX_NEST})")
     pct = s.endswith("%")
     body = s[:-1] if pct else s
     try:
@@ -1082,9 +1160,14 @@ def _parse_answer(s: str) -> tuple[list, bool]:
             if _THOUSANDS_RE.fullmatch(body):  # '7,125': the list above, or the number 7125 (docs/data.md)
                 value = Fraction(body.replace(",", ""))
                 values.append(sp.Rational(value.numerator, value.denominator))
+            # '12 m/s': 12 in metres per second, or 12m/s in variables m and s. Both readings count.
+            if (number := _without_bare_unit(body)) is not None:
+                values.append(_Parser(number).parse())
         if pct and isinstance(values[0], sp.Expr):  # gold files disagree on whether 50% is 50 or 1/2: accept both
             values.append(values[0] / 100)
         return values, inexact
+    except _Refused:
+        raise  # too large to judge: the caller counts it
     except Exception:  # _ParseError, RecursionError, anything sympy throws: unparseable means not equal
         return [], False
 
@@ -1351,10 +1434,14 @@ def _equal(a, b, loose: bool) -> bool:
     return False
 
 
-def _symbolic_equal(pred: str, gold: str) -> bool:
-    """Full comparison of two normalised answers. Can be slow: always run it under a hard timeout."""
-    pred_values, pred_inexact = _parse_answer(pred)
-    gold_values, gold_inexact = _parse_answer(gold)
+def _symbolic_equal(pred: str, gold: str) -> bool | str:
+    """Full comparison of two normalised answers: True, False, or the reason it refused the pair (an
+    answer over a size bound). Can be slow: always run it under a hard timeout."""
+    try:
+        pred_values, pred_inexact = _parse_answer(pred)
+        gold_values, gold_inexact = _parse_answer(gold)
+    except _Refused as e:
+        return str(e)
     loose = pred_inexact or gold_inexact  # one decimal on either side loosens the pair (see _REL_TOL)
     return any(_equal(p, g, loose) for p in pred_values for g in gold_values)
 
@@ -1386,8 +1473,9 @@ _CTX = multiprocessing.get_context("fork")
 
 
 def _worker_main(conn, inherited, parent_pid: int, task=None):
-    """Worker loop: receive (pred, gold), reply with task(pred, gold) as a bool (task None: _symbolic_equal, looked up
-    here so that a test's patch before the fork applies). Exits on None, EOF, or when the parent dies."""
+    """Worker loop: receive (pred, gold), reply with task(pred, gold) as a bool, or as the str a refusal gives (task
+    None: _symbolic_equal, looked up here so that a test's patch before the fork applies). Exits on None, EOF, or
+    when the parent dies."""
     # A fork copies every open fd: this worker holds the parent's ends of all earlier workers' pipes. Closing
     # them means an earlier worker sees EOF once the parent really closes its end (or dies).
     for c in inherited:  # close the parent's ends of sibling pipes, so EOF detection works everywhere
@@ -1411,7 +1499,8 @@ def _worker_main(conn, inherited, parent_pid: int, task=None):
         if msg is None:
             return
         try:
-            result = bool((task or _symbolic_equal)(*msg))
+            result = (task or _symbolic_equal)(*msg)
+            result = result if isinstance(result, str) else bool(result)  # a str: why it refused
         except BaseException:  # RecursionError, MemoryError, anything: "not equal", and the worker lives on
             result = False
         try:
@@ -1470,12 +1559,13 @@ class _Pool:
         else:
             self.idle.append(worker)
 
-    def run(self, tasks: list[tuple[str, str]], timeout: float, parallel: int, info: dict) -> list[bool | None]:
+    def run(self, tasks: list[tuple[str, str]], timeout: float, parallel: int,
+            info: dict) -> list[bool | str | None]:
         """Evaluate tasks on up to `parallel` workers; each task gets `timeout` seconds from its dispatch.
         None = no answer (deadline passed or worker died): counts as not equal, but is not cached, since a loaded
-        machine can push a legitimate comparison past its deadline once. Adds to info["timeouts"] and
-        info["crashed"], the caller's counters for this call."""
-        results: list[bool | None] = [None] * len(tasks)
+        machine can push a legitimate comparison past its deadline once. A str is a refusal's reason. Adds to
+        info["timeouts"] and info["crashed"], the caller's counters for this call."""
+        results: list[bool | str | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
         busy = {}  # conn -> (worker, task index, deadline)
         # Deadlines count from dispatch, not from the start of the batch, so a task that waited for a free
@@ -1496,7 +1586,7 @@ class _Pool:
                 for conn in multiprocessing.connection.wait(list(busy), timeout=wait_s):
                     worker, idx, _ = busy.pop(conn)
                     try:
-                        results[idx] = bool(conn.recv())
+                        results[idx] = conn.recv()
                         self._release(worker)
                     except (EOFError, OSError):
                         self._discard(worker)  # crashed (e.g. out of memory): result stays None
@@ -1567,8 +1657,8 @@ def _cache_get(key):
     return value
 
 
-def _cache_put(key, value: bool):
-    """LRU insert, evicting the oldest entry past _CACHE_SIZE."""
+def _cache_put(key, value: bool | str):
+    """LRU insert (a verdict, or a refusal's reason), evicting the oldest entry past _CACHE_SIZE."""
     _CACHE[key] = value
     _CACHE.move_to_end(key)
     if len(_CACHE) > _CACHE_SIZE:
@@ -1584,8 +1674,9 @@ def _new_info() -> dict:
     """Counters of one call. Every pair is settled by exactly one of: inline (no answer, string, word, time or number
     checks, or refused), cached, or the pool; `symbolic` counts the unique pairs sent to the pool, `timeouts` and
     `crashed` those of them that got no answer (deadline passed; worker died or could not start); `refused` the
-    pairs too large to judge (an answer over _MAX_RAW characters that is not a plain number, or one over _MAX_LEN
-    once normalised; verify_batch adds completions over _MAX_TEXT), each counted "not equal" and logged."""
+    pairs too large to judge (an answer over _MAX_RAW characters that is not a plain number, one over _MAX_LEN
+    once normalised, or one that a size bound of the parser stops: an exponent, power, factorial, binomial or
+    nesting; verify_batch adds completions over _MAX_TEXT), each counted "not equal" and logged."""
     return {"timeouts": 0, "symbolic": 0, "cached": 0, "inline": 0, "crashed": 0, "refused": 0}
 
 
@@ -1652,8 +1743,10 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
                 results[i] = quick
                 info["inline"] += 1
             elif (cached := _cache_get(key)) is not None:
-                results[i] = cached
+                results[i] = cached is True
                 info["cached"] += 1
+                if isinstance(cached, str):  # refused before, refused again: counted in every call
+                    _refused(info, cached)
             elif len(key[0]) <= _MAX_LEN and len(key[1]) <= _MAX_LEN:
                 todo.setdefault(key, []).append(i)
             else:
@@ -1679,7 +1772,9 @@ def _verify_pairs(preds: list, golds: list, timeout: float, num_workers: int, in
             if value is not None:  # None (deadline or crash) is not cached: a loaded machine may be the cause
                 _cache_put(key, value)
             for i in todo[key]:
-                results[i] = bool(value)
+                results[i] = value is True
+                if isinstance(value, str):  # a size bound stopped the parser: the reason
+                    _refused(info, value)
     if "_reason" in info:  # refused pairs are counted "not equal", never silently: one line per call says why
         _LOG.warning("verifier: refused %d of %d pairs as too large to judge, the first %s",
                      info["refused"], len(preds), info.pop("_reason"))

@@ -3,6 +3,7 @@ disagreeing completions; with a stub judge everywhere, and with Math-Verify wher
 Run: python -m pytest -q tests/test_crosscheck.py"""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -106,6 +107,35 @@ def test_evaluation_counts_and_file(stub, tmp_path):
     assert rows[0]["prompt"] == "a" and rows[0]["gold"] == "5" and rows[0]["extracted"] == "5"
 
 
+def test_evaluation_prints_one_line_and_records_its_time(stub, capsys):
+    """Each evaluation's cross-check prints one line (on rank 0) with both rates and its seconds, which the
+    record keeps (eval/<set>/time/crosscheck_s); a training step's check records its seconds and prints none."""
+    engine = ScriptedEngine(TEXTS)
+    cfg = Config(eval_data="one", eval_samples=4, verifier_crosscheck=True)
+    out = common.evaluate_sets(engine, engine, {"one": PROBLEMS}, cfg)
+    assert out["eval/one/time/crosscheck_s"] == out["eval/time/crosscheck_s"] >= 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("crosscheck")]
+    assert len(lines) == 1
+    # the counts of test_evaluation_counts_and_file: 2 of 8 ours only, 1 of 8 the stub's only
+    expected = (r"crosscheck: 37\.5% disagree \(ours only 25\.0%, says_right only 12\.5%\) on 8 completions,"
+                r" \d+\.\d s")
+    assert re.fullmatch(expected, lines[0]), lines[0]
+    groups = [{"prompt": "a", "answer": "5", "texts": TEXTS[0], "correct": [True, False, True, False]}]
+    train = crosscheck.check_groups(groups, cfg, "train")
+    assert train["time/crosscheck_s"] >= 0 and train["crosscheck/checked"] == 4
+    assert "crosscheck" not in capsys.readouterr().out
+
+
+def test_summary_line():
+    scores = {"crosscheck/ours_only": 0.008, "crosscheck/theirs_only": 0.004, "crosscheck/checked": 800.0,
+              "crosscheck/failed": 0.0, "time/crosscheck_s": 3.14}
+    line = "crosscheck: 1.2% disagree (ours only 0.8%, Math-Verify only 0.4%) on 800 completions, 3.1 s"
+    assert crosscheck.summary(scores, "Math-Verify") == line
+    scores["crosscheck/failed"] = 2.0
+    assert crosscheck.summary(scores, "Math-Verify") == line.replace(
+        "800 completions", "800 completions (2 more without a verdict by the deadline)")
+
+
 def test_off_by_default_adds_nothing():
     engine = ScriptedEngine(TEXTS)
     out = common.evaluate_sets(engine, engine, {"one": PROBLEMS}, Config(eval_data="one", eval_samples=4))
@@ -132,6 +162,7 @@ def test_training_sample_is_private(stub):
     assert first["crosscheck/checked"] == 6
     assert len(first["crosscheck_samples"]) == round(6 * first["crosscheck/ours_only"]) > 0
     again = crosscheck.check_groups(groups, cfg, "train", limit=6)
+    assert again.pop("time/crosscheck_s") >= 0 and first.pop("time/crosscheck_s") >= 0
     assert again == first
 
 

@@ -259,6 +259,68 @@ def test_named_sets_differ(pred, gold):
     _both_ways(pred, gold, False)
 
 
+# Units after a number are dropped, never compared. A unit written as text (\text{}, \mathrm{}) may hold any
+# compound of unit words and unit letters; one written bare must be a compound of them ('12 m/s'), and the answer is
+# read both ways, since m/s may be a quotient of variables. A letter that may be a variable or a constant keeps its
+# meaning: one letter after a number outside a wrapper, \mathrm{e}, \mathrm{i}, a quotient without a number.
+UNITS_EQUAL = [
+    ("12 \\text{ km/h}", "12"), ("12\\text{km/h}", "12"), ("12\\ \\mathrm{m/s}", "12"),
+    ("12\\,\\mathrm{km}/\\mathrm{h}", "12"), ("9.8 \\text{ m/s}^2", "9.8"), ("9.8\\,\\text{m/s^2}", "9.8"),
+    ("9.8\\,\\mathrm{m}\\,\\mathrm{s}^{-2}", "9.8"), ("5 \\text{kg}\\cdot\\text{m}", "5"),
+    ("5\\ \\mathrm{kg \\cdot m}", "5"), ("4 \\text{m}/\\text{s}^2", "4"), ("12 \\text{ km h}^{-1}", "12"),
+    ("3 \\text{ J/(kg K)}", "3"), ("3 \\text{ m}", "3"), ("60 \\text{ miles per hour}", "60"),
+    ("\\frac{1}{2}\\,\\mathrm{kg\\,m\\,s^{-2}}", "0.5"), ("x = 12 \\text{ m/s}", "12"), ("12 \\text{ km/h}.", "12"),
+    ("12 m/s", "12"), ("9.8 m/s^2", "9.8"), ("5 kg\\cdot m", "5"), ("60 km/h", "60"),
+    ("12 m/s", "\\frac{12m}{s}"), ("\\frac{m}{s}", "m/s"), ("5+2\\mathrm{i}", "5+2i"),
+    ("2.5 \\text{ million}", "2.5e6"),
+]
+UNITS_NOT_EQUAL = [
+    ("12 \\text{ km/h}", "13"), ("12 m/s", "13"), ("\\frac{m}{s}", "1"), ("m/s", "1"), ("x/y", "1"), ("2m", "2"),
+    ("2 m", "2"), ("5+2\\mathrm{i}", "5"), ("3\\mathrm{e}", "3"), ("12 m/s", "12 m"), ("12 x/y", "12"),
+    ("2.5 \\text{ million}", "2.5"),
+]
+
+
+@pytest.mark.parametrize("pred, gold, expected", [(*c, True) for c in UNITS_EQUAL]
+                         + [(*c, False) for c in UNITS_NOT_EQUAL])
+def test_units(pred, gold, expected):
+    _both_ways(pred, gold, expected)
+
+
+# A comparison that a size bound stops is refused: not equal, counted in info["refused"] and logged with the reason,
+# as a long answer is (below), never taken for one the parser does not understand. The bound holds either way: an
+# exponent over _MAX_EXP is never built, though x^{999999999} = x^{999999998} x.
+CAPPED = {
+    "exponent": ("x^{999999999}", "x^{999999998} x", "an exponent over 10,000"),
+    "exponent of an exponent": ("2^{10^{5}}", "2^{100000}", "an exponent over 10,000"),
+    "power": ("(10^{100})^{2000}", "10^{200000}", "a power of over 100,000 bits"),
+    "factorial": ("1001!", "1001 \\cdot 1000!", "a factorial over 1000!"),
+    "binomial": ("\\binom{20000}{2}", "199990000", "a binomial over n = 10,000"),
+    "nesting": ("(" * 60 + "x" + ")" * 60, "x", "nested 60 brackets deep"),
+}
+
+
+@pytest.mark.parametrize("name", CAPPED)
+def test_capped_comparison_is_refused(name, caplog):
+    pred, gold, reason = CAPPED[name]
+    vmod._CACHE.clear()
+    with caplog.at_level(logging.WARNING, logger="verifier"):
+        out, info = verify_batch([f"\\boxed{{{pred}}}"], [gold], timeout=SLACK, num_workers=1)
+    assert out == [False]
+    assert info["refused"] == 1 and info["symbolic"] == 1 and info["timeouts"] == 0
+    assert reason in caplog.text
+    out, info = verify_batch([f"\\boxed{{{pred}}}"], [gold], timeout=SLACK, num_workers=1)
+    assert out == [False] and info["cached"] == 1 and info["refused"] == 1  # from the cache, refused again
+    assert math_equal(gold, pred, timeout=SLACK) is False
+
+
+def test_at_the_bounds_judged_and_unparseable_not_refused():
+    vmod._CACHE.clear()
+    completions = ["\\boxed{x^{10000}}", "\\boxed{1000!}", "\\boxed{\\frac{1}}"]
+    out, info = verify_batch(completions, ["x^{9999} x", "1000 \\cdot 999!", "1"], timeout=SLACK, num_workers=1)
+    assert out == [True, True, False] and info["refused"] == 0 and info["symbolic"] == 3
+
+
 # ----- huge outputs: judged, or refused with a logged reason, in bounded time and memory -----
 
 FILLER = "Let me double-check that step once more. " * 36_000  # 1.5 MB on either side of the answer
