@@ -38,15 +38,17 @@ class Algorithm:
 
       algo = DAA(cfg, device, state)        # once; state: a checkpoint's state_dict(), else {}
       algo.after_rollout(generated)         # each step: every generated group's summary
-      algo.advantages(batch, groups, record)    # (B,); may add batch entries and record keys
-      algo.token_weights(batch, rows)       # before each update: its tokens' shares (rows, T)
+      algo.advantages(batch, groups)        # (B,); may add batch entries (the batch contract)
+      algo.start_update(batch, rows)        # before each update: its tokens' shares (rows, T)
       algo.loss(token_loss, mb)             # each micro-batch: token losses (B, T) -> a scalar
       algo.after_update()                   # after each applied optimizer step
-      algo.metrics(record); algo.line(record)   # each step: its keys; its part of the line
+      algo.end_step()                       # each step, last: its metrics; its step sums restart
+      algo.line(record)                     # its part of the step's printed line
       algo.state_dict()                     # each checkpoint
       algo.step_state(); algo.load_step_state(state)   # a stop between two updates; its resume
 
-    Every rank calls each hook at the same point, so a hook may all-reduce (torchrun's lockstep).
+    Every rank calls each hook at the same point, so a hook may all-reduce (torchrun's lockstep). The
+    papers' functions that a hook calls return this rank's sums, and the hook reduces them.
     """
 
     def __init__(self, cfg, device: torch.device, state: dict):
@@ -56,14 +58,15 @@ class Algorithm:
     def after_rollout(self, generated: list[dict]):
         """Sees every group generated this step, kept or not (summaries, all ranks')."""
 
-    def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
+    def advantages(self, batch: dict, groups: list[dict]) -> torch.Tensor:
         """The advantages (B,) of this rank's batch, made of `groups`. May add or change entries of
-        `batch` (its contract) and add keys to `record`. Default: GRPO's (--no-std_norm: Dr. GRPO's)."""
+        `batch` (its contract). Default: GRPO's (--no-std_norm: Dr. GRPO's)."""
         G = self.cfg.group_size
         return group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm).flatten()
 
-    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
-        """Each token's share (len(rows), T) of the update of `rows`. Default: --loss_agg's."""
+    def start_update(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Starts the update of `rows`: each token's share (len(rows), T) of its loss.
+        Default: --loss_agg's."""
         return loss_weights(batch["mask"][rows], self.cfg.loss_agg, self.cfg.max_new_tokens)
 
     def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -73,8 +76,8 @@ class Algorithm:
     def after_update(self):
         """Runs after each applied optimizer step (a skipped, non-finite update calls nothing)."""
 
-    def metrics(self, record: dict) -> dict:
-        """The algorithm's keys of the step's record, given the record so far."""
+    def end_step(self) -> dict:
+        """Ends the step: the algorithm's keys of its record; what it summed over the step restarts."""
         return {}
 
     def line(self, record: dict) -> str:

@@ -19,28 +19,29 @@ from dataset import parse_eval_data
 from ranks import die, is_dist
 
 # ------------------------------------------------------------------------------------------------------------
-# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run
-#    the CPU demo; the papers' scale is in docs/gpu.md.
+# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. The defaults
+#    run the reasoning demo (python da3po.py, or Config() in code); the papers' scale is in docs/gpu.md.
 @dataclass
 class TrainConfig:
     # run
     algo: str = ""
     """preset (the script's PRESETS); explicit flags override the preset"""
-    demo: str = "arith"
-    """the shipped demo whose flags apply: reasoning (the default; see below) | arith (the values
-    shown)"""
+    demo: str = "reasoning"
+    """the shipped demo whose flags apply: reasoning (the defaults shown) | arith (the sums demo:
+    its flags are listed below)"""
     model: str = "demo"
-    """local Hugging Face folder, hub id, or 'demo' (the tiny shipped model)"""
-    train_data: str = "arith"
-    """'arith' (built-in sums) or a .jsonl/.json/.parquet file of problem/answer rows"""
-    eval_data: str = "arith"
-    """as --train_data ('arith': 200 held-out sums); several sets comma-separated, each with
-    its own k as set@k (aime24.jsonl@32,math500.jsonl@8; no @k: --eval_samples)"""
+    """local Hugging Face folder, hub id, or 'demo' (the reasoning demo's tiny shipped model)"""
+    train_data: str = "reasoning"
+    """'reasoning' or 'arith' (the demos' sums) or a .jsonl/.json/.parquet file of problem/answer
+    rows"""
+    eval_data: str = "reasoning"
+    """as --train_data (the demos': 200 held-out sums); several sets comma-separated, each with its
+    own k as set@k (aime24.jsonl@32,math500.jsonl@8; no @k: --eval_samples)"""
     out_dir: str = ""
     """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
     seed: int = 0
     """init seed (same on every rank); sampling uses seed + rank"""
-    steps: int = 60
+    steps: int = 20
     """RL steps (one rollout batch each)"""
     device: str = ""
     """'' = cuda if available, else cpu"""
@@ -64,7 +65,7 @@ class TrainConfig:
     lora_sync: str = "auto"
     """what vLLM receives after each update: adapter | merged | auto (the adapter if it can)"""
     # rollout
-    prompts_per_step: int = 32
+    prompts_per_step: int = 16
     """groups trained on per step, across all ranks (train batch size in DAPO)"""
     group_size: int = 8
     """G (K in DARO): completions per prompt"""
@@ -74,7 +75,7 @@ class TrainConfig:
     """prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step"""
     max_gen_batches: int = 4
     """cap on generation batches per step; at the cap, warn and train on what was kept"""
-    max_new_tokens: int = 12
+    max_new_tokens: int = 72
     """L_max: hard limit on completion length"""
     max_prompt_length: int = 1024
     """prompts longer than this (tokens, template included) are dropped at load"""
@@ -112,7 +113,7 @@ class TrainConfig:
     answer_key: str = ""
     """data field holding the answer ('' = try answer, final_answer, reward_model.ground_truth)"""
     # reward (DAPO)
-    overlong_buffer: int = 4
+    overlong_buffer: int = 16
     """L_cache: penalty ramps from 0 at L_max - L_cache tokens to -1 at L_max; 0 = off"""
     overlong_penalty: float = 1.0
     """penalty factor of the overlong shaping"""
@@ -216,21 +217,18 @@ def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
 
 # ------------------------------------------------------------------------------------------------------------
 # 3. Flags from a script's Config (the docstring under each field is its --help), and checks of their combinations.
-# --demo: a shipped demo as the flags it stands for. On the command line the default is `reasoning`
-# (demo/reasoning/README.md); `arith` is the dataclass defaults, which is also what Config() in code runs.
+# --demo: a shipped demo as the flags it stands for. The default, `reasoning` (demo/reasoning/README.md), is
+# the dataclass defaults, on the command line and in Config() alike; `arith` is the sums demo.
 # A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
 # override both. A --model of the user's own is no demo's: no demo applies unless --demo is given (and then a
 # note says which of its values the model runs on), and the knobs the defaults size for a demo (DEMO_SIZED)
 # must be set, by flags or the --algo preset, or the run stops naming them.
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
-_REASONING = os.path.join(DEMO_DIR, "reasoning")
-COMMAND_LINE_DEMO = "reasoning"  # what `python da3po.py` with no flags runs
-DEMOS = {"arith": {},
-         "reasoning": {"model": os.path.join(_REASONING, "model"),
-                       "train_data": os.path.join(_REASONING, "train.jsonl"),
-                       "eval_data": os.path.join(_REASONING, "eval.jsonl"),
-                       "max_new_tokens": 72, "overlong_buffer": 16, "prompts_per_step": 16, "steps": 20}}
-DEMO_MODELS = ("demo", os.path.join(DEMO_DIR, "arith", "model"), os.path.join(_REASONING, "model"))
+ARITH_MODEL = os.path.join(DEMO_DIR, "arith", "model")
+DEMOS = {"reasoning": {},
+         "arith": {"model": ARITH_MODEL, "train_data": "arith", "eval_data": "arith",
+                   "max_new_tokens": 12, "overlong_buffer": 4, "prompts_per_step": 32, "steps": 60}}
+DEMO_MODELS = ("demo", ARITH_MODEL, os.path.join(DEMO_DIR, "reasoning", "model"))
 # The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch, the tiny
 # model's learning rate): a real run sets each (docs/gpu.md's recipes do); an --eval_only run the first two.
 DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step",
@@ -284,19 +282,17 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     knob exits 2 naming them all (with --demo: a note naming the demo's values it gets)."""
     helps = field_help(cls)
     repo = os.path.dirname(DEMO_DIR)
-    demo_flags = [f"--{k} {os.path.relpath(v, repo) if isinstance(v, str) else v}"
-                  for k, v in DEMOS[COMMAND_LINE_DEMO].items()]
+    arith = [f"--{k} {os.path.relpath(v, repo) if k == 'model' else v}" for k, v in DEMOS["arith"].items()]
     sized = ", ".join("--" + k for k in DEMO_SIZED)
-    epilog = (f"--demo {COMMAND_LINE_DEMO} (the default) sets {', '.join(demo_flags)}; the defaults above "
-              f"are --demo arith's. A --model of your own runs on no demo's values: it needs {sized} "
+    epilog = (f"The defaults above run the reasoning demo; --demo arith (the sums demo) sets "
+              f"{', '.join(arith)}. A --model of your own runs on no demo's values: it needs {sized} "
               f"(docs/gpu.md's recipes set them).")
     parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]),
                                      description=(cls.__doc__ or "").strip(),
                                      epilog=epilog,
                                      allow_abbrev=False)
     for f in fields(cls):
-        default = COMMAND_LINE_DEMO if f.name == "demo" else f.default
-        help_text = f"{helps.get(f.name, '')} (default: {default!r})".replace("%", "%%")
+        help_text = f"{helps.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
         kind = type(f.default)
         if kind is bool:
@@ -306,7 +302,7 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     given = vars(parser.parse_args(argv))
     cfg = cls()
     own_model = "model" in given and not is_demo_model(given["model"])  # a model of the user's own
-    demo = given.setdefault("demo", "" if own_model else COMMAND_LINE_DEMO)  # "": no demo applies
+    demo = given.setdefault("demo", "" if own_model else cfg.demo)  # "": no demo applies
     if demo not in DEMOS and not (own_model and demo == ""):
         parser.error(f"argument --demo: invalid choice {demo!r} (choose from {', '.join(DEMOS)})")
     if presets is not None:

@@ -124,7 +124,8 @@ def count_passes(counts: dict, groups: list[dict]):
 def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], pass_counts: dict,
             cfg: Config):
     """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for. advantage,
-    correct: (N, G). Returns (the amplified advantages (N, G), the daa/* metrics over all ranks)."""
+    correct: (N, G). Returns (the amplified advantages (N, G), this rank's counts (4,): completions,
+    those amplified, the sum and the largest of their factors; daa_metrics turns them into daa/*)."""
     p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), the advantages' dtype
     if cfg.p_estimate == "running":
         counts = [pass_counts[pass_key(g)] for g in groups]
@@ -135,14 +136,17 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
     factors = (factor * torch.ones_like(p)).expand_as(advantage)  # (N, G)
     amplified = amplified & (factors != 1)  # a factor of 1 (lam = 1: DAPO, GSPO) amplifies nothing
     applied = factors[amplified]  # the factor of each amplified one
-    num_applied = all_reduce_sum(torch.tensor(float(len(applied)))).item()
-    num_completions = all_reduce_sum(torch.tensor(float(amplified.numel()))).item()
-    largest = applied.max() if len(applied) else p.new_zeros(())
-    return advantage, {
-        "daa/amplified_frac": num_applied / num_completions,
-        "daa/lam_mean": all_reduce_sum(applied.sum()).item() / max(1.0, num_applied),  # 0: none
-        "daa/lam_max": all_reduce_max(largest).item(),
-    }
+    largest = applied.max().item() if len(applied) else 0.0
+    counts = [amplified.numel(), len(applied), applied.sum().item(), largest]
+    return advantage, torch.tensor(counts, dtype=torch.float64)
+
+
+def daa_metrics(counts: torch.Tensor) -> dict:
+    """The daa/* metrics of amplify's counts (summed over ranks; the largest factor, their max)."""
+    completions, num_applied, factor_sum, largest = counts.tolist()
+    return {"daa/amplified_frac": num_applied / max(completions, 1.0),
+            "daa/lam_mean": factor_sum / max(1.0, num_applied),  # 0: none amplified
+            "daa/lam_max": largest}
 
 
 def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
@@ -185,31 +189,41 @@ def print_theory():
 
 
 class DAA(Algorithm):
-    """DA3PO's part of the step (the hooks: common.Algorithm). State: --p_estimate running's pass counts."""
+    """DA3PO's part of the step (the hooks: common.Algorithm). State: --p_estimate running's pass counts;
+    over a step, amplify's counts over all ranks."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         super().__init__(cfg, device, state)
         self.pass_counts = state.get("pass_counts", {})  # prompt -> [#correct, #samples]
+        self.counts = torch.zeros(4, dtype=torch.float64)  # the step's amplify counts, all ranks
 
     def state_dict(self) -> dict:
         return {"pass_counts": self.pass_counts}
+
+    def step_state(self) -> dict:
+        return {"daa_counts": self.counts}  # the same on every rank
+
+    def load_step_state(self, state: dict):
+        self.counts = state.get("daa_counts", torch.zeros(4, dtype=torch.float64))
 
     def after_rollout(self, generated: list[dict]):
         if self.cfg.p_estimate == "running":  # every generated group, kept or not, on every rank
             count_passes(self.pass_counts, generated)
 
-    def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
-        """GRPO advantages (B,), then DAA on the correct completions of hard groups; daa/* to the record."""
+    def advantages(self, batch: dict, groups: list[dict]) -> torch.Tensor:
+        """GRPO advantages (B,), then DAA on the correct completions of hard groups."""
         G = self.cfg.group_size
         advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm)  # (N, G)
         correct = batch["correct"].view(-1, G)
-        advantage, daa_metrics = amplify(advantage, correct, groups, self.pass_counts, self.cfg)
-        record.update(daa_metrics)
+        advantage, counts = amplify(advantage, correct, groups, self.pass_counts, self.cfg)
+        largest = all_reduce_max(counts[3:])
+        self.counts = torch.cat([all_reduce_sum(counts[:3]), largest])  # over all ranks
         return advantage.flatten()
 
-    def metrics(self, record: dict) -> dict:
-        keys = ("daa/amplified_frac", "daa/lam_mean", "daa/lam_max")
-        return {key: record.get(key, 0.0) for key in keys}  # 0: no group kept, no advantages
+    def end_step(self) -> dict:
+        metrics = daa_metrics(self.counts)  # all zero when no group was kept
+        self.counts = torch.zeros(4, dtype=torch.float64)
+        return metrics
 
     def line(self, record: dict) -> str:
         return f" | amp {record['daa/amplified_frac']:.2f}"
@@ -233,8 +247,8 @@ def main(cfg: Config):
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
     # checked, sharded; ref_model: the KL anchor
     model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)
-    params = model.parameters()
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over --warmup_steps RL steps
         opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
@@ -283,7 +297,7 @@ def main(cfg: Config):
                         kept_summaries, cfg.updates_per_step, dist_info, balance)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
                     # ALGO LOGIC: 3) the advantages, the paper's way
-                    batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
+                    batch["advantage"] = algo.advantages(batch, my_groups)  # (B,)
                     # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed);
                     #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
@@ -305,16 +319,16 @@ def main(cfg: Config):
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
-                    batch["weight"][rows] = algo.token_weights(batch, rows)
+                    batch["weight"][rows] = algo.start_update(batch, rows)
                     update_loss = 0.0
-                    mbs = micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens)
-                    for _, mb in mbs:
+                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size,
+                                               cfg.micro_batch_tokens):
                         token_loss = token_losses(model, ref_model, mb, cfg, device, sums)  # (B, T)
                         loss = algo.loss(token_loss, mb)
                         loss.backward()
                         update_loss += loss.item()
-                    where = f"step {step} update {u}"
-                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, where):
+                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums,
+                                  f"step {step} update {u}"):
                         algo.after_update()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
@@ -325,7 +339,7 @@ def main(cfg: Config):
         mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
         record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
         record.update({"step": step, **timer.metrics()})
-        record.update(algo.metrics(record))
+        record.update(algo.end_step())
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         logger.samples(step, my_groups)  # every --sample_every steps

@@ -94,14 +94,21 @@ def check_algorithm_config(cfg: Config):
 
 # ------------------------------------------------------------------------------------------------------------
 # Algorithm: difficulty bins, per-bin losses and their learnable weights
-def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int):
-    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token of bin mu
-    weighs 1 / (#tokens of bin mu in the WHOLE update, all micro-batches and ranks); bins 0 and G weigh 0, and
-    a bin of one prompt weighs as much as one of twenty. bins: (B,) #correct of each row's group. Example:
-    bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
+def tokens_per_bin(mask: torch.Tensor, bins: torch.Tensor, G: int) -> torch.Tensor:
+    """(G+1,) the completion tokens of each bin mu among these rows. bins: (B,) #correct of each row's group."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
-    mine = mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))  # tokens per bin, this rank
-    tokens = all_reduce_sum(mine)  # (G+1,)
+    return mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))
+
+
+def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int, tokens: torch.Tensor | None = None):
+    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token of bin mu
+    weighs 1 / (#tokens of bin mu in the WHOLE update); bins 0 and G weigh 0, and a bin of one prompt weighs
+    as much as one of twenty. tokens (G+1,): the update's tokens per bin, over every micro-batch and rank
+    (DARO.start_update sums tokens_per_bin over ranks; default: these rows'). Example: bins [1, 1, 3],
+    lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
+    mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
+    if tokens is None:
+        tokens = tokens_per_bin(mask, bins, G)
     inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
     return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
 
@@ -181,7 +188,7 @@ class DARO(Algorithm):
                     s.copy_(saved)
             self.weight_opt.load_state_dict(state["weight_optimizer"])
         self.bins = torch.zeros(3, self.G + 1)
-        # the current update's (set by token_weights): tokens per bin, w_mu, this rank's share of each L_mu
+        # the current update's (set by start_update): tokens per bin, w_mu, this rank's share of each L_mu
         self.bin_tokens = torch.zeros(self.G + 1, device=device)
         self.w = bin_weights(self.neg_log_w, cfg.weighting, cfg.shared_weight)
         self.bin_loss = torch.zeros(self.G + 1, device=device)
@@ -200,10 +207,10 @@ class DARO(Algorithm):
     def load_step_state(self, state: dict):
         self.bins = state["bins"]
 
-    def advantages(self, batch: dict, groups: list[dict], record: dict) -> torch.Tensor:
+    def advantages(self, batch: dict, groups: list[dict]) -> torch.Tensor:
         """GRPO advantages (B,); batch["bin"] (B,): #correct of each completion's group (mu = bin / G)."""
         G = self.G
-        advantage = super().advantages(batch, groups, record)  # GRPO's
+        advantage = super().advantages(batch, groups)  # GRPO's
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
         if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
@@ -211,11 +218,15 @@ class DARO(Algorithm):
         self.bins[2] = all_reduce_sum(groups_per_bin)  # all ranks': the same on every rank
         return advantage
 
-    def token_weights(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
-        """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins); w_mu."""
-        weight, self.bin_tokens = bin_token_weights(batch["mask"][rows], batch["bin"][rows], self.G)
+    def start_update(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins); the
+        update's w_mu, and its L_mu to be summed from zero by loss()."""
+        mask = batch["mask"][rows]
+        bins = batch["bin"][rows]
+        tokens = all_reduce_sum(tokens_per_bin(mask, bins, self.G))  # the whole update's, all ranks
+        weight, self.bin_tokens = bin_token_weights(mask, bins, self.G, tokens)
         if self.cfg.weighting == "none":  # the baselines' own aggregation over the whole update
-            weight = super().token_weights(batch, rows)
+            weight = super().start_update(batch, rows)
         self.w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight)  # (G+1,)
         self.bin_loss = torch.zeros(self.G + 1, device=self.device)  # this rank's part of L_mu
         return weight
@@ -242,9 +253,10 @@ class DARO(Algorithm):
         self.bins[0] += torch.where(present, bin_loss, 0.0).cpu()
         self.bins[1] += present.float().cpu()
 
-    def metrics(self, record: dict) -> dict:
+    def end_step(self) -> dict:
         """The step's daro/* record (daro/w_0.125: mu to three decimals): w_mu after the step, L_mu (mean over
-        the updates with bin mu, else 0), n_mu (groups trained on, all ranks); resets `bins`."""
+        the updates with bin mu, else 0), n_mu (groups trained on, all ranks); the next step's `bins` start
+        at zero."""
         G = self.G
         bins = self.bins
         self.bins = torch.zeros(3, G + 1)  # the next step's
@@ -279,8 +291,8 @@ def main(cfg: Config):
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
     # checked, sharded; ref_model: the KL anchor
     model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)
-    params = model.parameters()
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over --warmup_steps RL steps
         opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
     stream = PromptStream(train_set, cfg.seed)
@@ -329,7 +341,7 @@ def main(cfg: Config):
                         kept_summaries, cfg.updates_per_step, dist_info, balance)
                     batch = make_batch(my_groups, tok.pad_token_id, device)
                     # ALGO LOGIC: 3) the advantages, the paper's way
-                    batch["advantage"] = algo.advantages(batch, my_groups, record)  # (B,)
+                    batch["advantage"] = algo.advantages(batch, my_groups)  # (B,)
                     # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed);
                     #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
                     batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
@@ -351,16 +363,16 @@ def main(cfg: Config):
                         return stop_run(engine, f"in step {step} before update {u}")
                     rows = update_rows[u]
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
-                    batch["weight"][rows] = algo.token_weights(batch, rows)
+                    batch["weight"][rows] = algo.start_update(batch, rows)
                     update_loss = 0.0
-                    mbs = micro_batches(batch, rows, cfg.micro_batch_size, cfg.micro_batch_tokens)
-                    for _, mb in mbs:
+                    for _, mb in micro_batches(batch, rows, cfg.micro_batch_size,
+                                               cfg.micro_batch_tokens):
                         token_loss = token_losses(model, ref_model, mb, cfg, device, sums)  # (B, T)
                         loss = algo.loss(token_loss, mb)
                         loss.backward()
                         update_loss += loss.item()
-                    where = f"step {step} update {u}"
-                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums, where):
+                    if guard.step(model, opt, cfg.grad_clip, update_loss, sums,
+                                  f"step {step} update {u}"):
                         algo.after_update()
             # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
             with timer("sync"):
@@ -371,7 +383,7 @@ def main(cfg: Config):
         mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
         record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
         record.update({"step": step, **timer.metrics()})
-        record.update(algo.metrics(record))
+        record.update(algo.end_step())
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         logger.samples(step, my_groups)  # every --sample_every steps

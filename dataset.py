@@ -17,7 +17,8 @@ from ranks import die, print0
 # (level 0 = unknown difficulty); the built-in task makes its own.
 # The demo's eval set: 200 held-out sums in 5 levels of its own
 # (the demo model's pass rate at start: 97% to 1%).
-DEMO_EVAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "arith", "eval.jsonl")
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+DEMO_EVAL = os.path.join(DEMO_DIR, "arith", "eval.jsonl")
 ARITH_LEVELS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 3)}  # level -> digits of the two operands
 
 
@@ -177,7 +178,7 @@ def _rows(path: str) -> list[tuple[str, object]]:
 def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
     """Problems from a .jsonl, .json or .parquet file; each error names the file and line."""
     if not os.path.isfile(path):
-        die(f"data file {path!r} not found (use 'arith' for the built-in task)")
+        die(f"data file {path!r} not found (use 'reasoning' or 'arith' for a demo's task)")
     problems = [problem_from_row(row, where, prompt_key, answer_key) for where, row in _rows(path)]
     if not problems:
         die(f"data file {path!r} holds no rows")
@@ -185,13 +186,15 @@ def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list
 
 
 def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
-    """Problems of `spec`: `arith` (the built-in task), a .jsonl/.json/.parquet file,
+    """Problems of `spec`: `arith` or `reasoning` (the demos' tasks), a .jsonl/.json/.parquet file,
     or a hub dataset `name` or `name:split`."""
     # the task is fixed; --seed changes the order of the training rows, not the rows
     if spec == "arith" and split == "train":
         return arith_problems(seed=0)[0]
     if spec == "arith":
         return load_problems(DEMO_EVAL)
+    if spec == "reasoning":  # the reasoning demo's sums (demo/reasoning/README.md)
+        return load_problems(os.path.join(DEMO_DIR, "reasoning", f"{split}.jsonl"))
     if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
         return load_problems(spec, prompt_key, answer_key)
     name, _, hub_split = spec.partition(":")

@@ -14,9 +14,9 @@ from ranks import DistInfo, die, is_dist
 
 # ------------------------------------------------------------------------------------------------------------
 # Loading. `--model demo` is a tiny Qwen3 with a character-level tokenizer, warm-started on the
-# arith task by demo/build.py (which says why its weights are shipped), loaded as a hub model is:
-# the demo runs real code.
-DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "arith", "model")
+# reasoning demo's sums by demo/build.py (which says why its weights are shipped; the sums demo's
+# is in demo/arith/model), loaded as a hub model is: the demo runs real code.
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reasoning", "model")
 DEMO_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
 DEMO_CHARS = ("0123456789+-*/=()[]., ?:;!'{}\\$^_|<>"
               "abcdefghijklmnopqrstuvwxyz"
@@ -76,7 +76,7 @@ def build_demo_model(tok, hidden: int = 128, layers: int = 2, seed: int = 0):
 
 
 def model_path(name: str) -> str:
-    """--model as a path or hub id; 'demo' is the shipped demo model (demo/arith/model/)."""
+    """--model as a path or hub id; 'demo' is the reasoning demo's model (demo/reasoning/model/)."""
     if name != "demo":
         return name
     if not os.path.isfile(os.path.join(DEMO_MODEL, "model.safetensors")):

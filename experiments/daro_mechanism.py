@@ -35,11 +35,11 @@ class TracedDARO(daro.DARO):
     """daro.DARO, recording what each update does per bin (the model's and the weights' arithmetic unchanged)."""
     model = None  # the trained model (set by the prepare_models wrapper below)
     updates: list = []  # every update's record, appended to by every instance
-    step_ends: list = []  # len(updates) at the end of each RL step (metrics() is called once per step)
+    step_ends: list = []  # len(updates) at the end of each RL step (end_step() is called once per step)
 
-    def token_weights(self, batch, rows):
+    def start_update(self, batch, rows):
         self.grads = {}  # bin index -> this update's gradient of w_mu * L_mu, flattened, summed over micro-batches
-        return super().token_weights(batch, rows)
+        return super().start_update(batch, rows)
 
     def loss(self, token_loss, mb):
         total = super().loss(token_loss, mb)
@@ -74,9 +74,9 @@ class TracedDARO(daro.DARO):
                 "grad_share": norms.get(i, 0.0) / max(sum(norms.values()), 1e-30)}
         TracedDARO.updates.append(record)
 
-    def metrics(self, record):
+    def end_step(self):
         self.step_ends.append(len(TracedDARO.updates))
-        return super().metrics(record)
+        return super().end_step()
 
 
 def trace(task: str, seed: int, steps: int, out_dir: str) -> list[dict]:

@@ -8,6 +8,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may reach a hub
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+ARITH_MODEL = os.path.join(ROOT, "demo", "arith", "model")  # the sums demo's model (--demo arith)
 
 import torch  # noqa: E402
 
@@ -16,9 +17,8 @@ torch.set_num_threads(1)  # the machine is shared: one thread keeps tests predic
 
 @pytest.fixture(scope="session")
 def demo_dir():
-    """The shipped demo model's folder (demo/arith/model, built by demo/build.py): what `--model demo` loads."""
-    import modeling
-    return modeling.model_path("demo")
+    """The sums demo's model folder (demo/arith/model, built by demo/build.py): what --demo arith runs."""
+    return ARITH_MODEL
 
 
 def run_script(args, cwd=ROOT, timeout=300):

@@ -224,7 +224,7 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
         # exact to 6e-8 only); the values, and every use of the mask, are the same
         batch["mask"] = batch["mask"].double()
         # ALGO LOGIC 3): the advantages, the script's way
-        batch["advantage"] = algo.advantages(batch, my_groups, {})
+        batch["advantage"] = algo.advantages(batch, my_groups)
         T = batch["mask"].shape[1]
         batch["old_logp"] = _padded([lp for g in my_groups for lp in g["old_logp"]], T)  # pi_old, given
         if cfg.rollout_is != "none":
@@ -233,7 +233,7 @@ def run_pipeline(model, ref_model, case: dict, pad_id: int, dist_info=None) -> l
         batch["weight"] = torch.zeros_like(batch["mask"], dtype=torch.float64)
         sums, out = common.Sums(*common.TRAIN_SUMS), []
         for rows in update_rows:
-            batch["weight"][rows] = algo.token_weights(batch, rows)
+            batch["weight"][rows] = algo.start_update(batch, rows)
             w_bin = algo.w[batch["bin"]].unsqueeze(-1) if case["script"] == "daro" else 1.0  # DARO's w_mu per row
             effective = batch["weight"] * w_bin
             carried, total = torch.zeros_like(batch["weight"]), 0.0
@@ -273,7 +273,7 @@ def compare(model, ref_model, case: dict, results: list[dict]) -> dict[str, floa
     every group was trained in exactly one update), and the worst relative error of each check over the updates:
       advantage  each row's A (script's advantages vs reference, DAA and Dr. GRPO included)
       mask       the share of tokens whose trained / not trained differs (IS rejection, DARO's bins 0 and G)
-      weight     each token's share of the loss after the script's token_weights (x w_mu): the aggregation
+      weight     each token's share of the loss after the script's start_update (x w_mu): the aggregation
       carried    each token's share that the micro-batches actually trained (packing, trimming)
       loss, grad the update's loss and gradient (max abs difference over the largest reference entry)
       bin_loss   DARO's L_mu; s: DARO's s_mu = -ln w_mu after the weights' step (the reference's Adam)"""

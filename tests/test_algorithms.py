@@ -83,17 +83,22 @@ def test_amplify_reports_what_it_amplified():
     adv = common.group_advantages(correct.float(), std_norm=True)
     groups = [{"prompt": str(i), "answer": "1"} for i in range(3)]
     cfg = da3po.Config(group_size=4, lam=2.0, tau=0.6)
-    out, m = da3po.amplify(adv, correct, groups, {}, cfg)
+    out, counts = da3po.amplify(adv, correct, groups, {}, cfg)
+    assert counts.tolist() == [12, 3, 6.0, 2.0]  # completions, amplified, their factors' sum and largest
+    m = da3po.daa_metrics(counts)
     assert m == {"daa/amplified_frac": 3 / 12, "daa/lam_mean": 2.0, "daa/lam_max": 2.0}
     assert out[0, 0] == 2 * adv[0, 0] and out[1, 1] == 2 * adv[1, 1] and torch.equal(out[2], adv[2])
-    out, m = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, lam=1.0, tau=0.6))
+    out, counts = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, lam=1.0, tau=0.6))
+    m = da3po.daa_metrics(counts)
     assert torch.equal(out, adv) and m == {"daa/amplified_frac": 0.0, "daa/lam_mean": 0.0, "daa/lam_max": 0.0}
-    out, m = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, adaptive_lam=True, tau=0.6))
+    out, counts = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, adaptive_lam=True, tau=0.6))
+    m = da3po.daa_metrics(counts)
     expected = da3po.adaptive_lam(torch.tensor([0.25, 0.5]), 4, 4.0)  # 1/gamma: > 1 at 0.25, exactly 1 at 0.5
     assert expected[1] == 1.0 and m["daa/lam_max"] == pytest.approx(expected[0].item())
     assert m["daa/amplified_frac"] == 1 / 12  # the p_hat = 0.5 group's factor is 1: nothing amplified there
     # the symmetric control: both hard groups (p_hat 0.25, 0.5 < tau) whole, both signs
-    out, m = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, lam=2.0, tau=0.6, daa_scope="all"))
+    out, counts = da3po.amplify(adv, correct, groups, {}, da3po.Config(group_size=4, lam=2.0, tau=0.6, daa_scope="all"))
+    m = da3po.daa_metrics(counts)
     assert torch.equal(out[:2], 2 * adv[:2]) and torch.equal(out[2], adv[2]) and m["daa/amplified_frac"] == 8 / 12
 
 

@@ -11,6 +11,7 @@ import dataset
 import ranks
 import engine as eng
 from demo.build import LEVEL_BANDS, candidate_sums, pass_rates, warm_start
+from tests.conftest import ARITH_MODEL
 
 
 def test_eval_set_is_calibrated_and_disjoint_from_training():
@@ -48,7 +49,7 @@ def test_reasoning_demo_data_are_calibrated_right_and_disjoint():
 def test_shipped_model_starts_where_the_readme_says():
     """eval/acc at step 0 of `python da3po.py --demo arith` (the whole eval set, 4 samples, seed 0): 0.445 on the machine that
     built it; another machine's kernels change a few samples, not the level structure."""
-    model, tok = modeling.load_model(modeling.model_path("demo"), torch.device("cpu"))
+    model, tok = modeling.load_model(ARITH_MODEL, torch.device("cpu"))
     cfg = config.parse_config(__import__("da3po").Config, ["--demo", "arith"])
     cfg.prompt_template = dataset.resolve_template(cfg.prompt_template, tok)
     assert cfg.prompt_template == "none"  # the demo model is recognised by its chat template

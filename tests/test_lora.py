@@ -26,7 +26,7 @@ import engine as eng  # noqa: E402
 import vllm_engine  # noqa: E402
 import da3po  # noqa: E402
 import daro  # noqa: E402
-from tests.conftest import run_script  # noqa: E402
+from tests.conftest import ARITH_MODEL, run_script  # noqa: E402
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
@@ -240,7 +240,7 @@ def test_resuming_the_other_kind_stops_with_one_line(lora_checkpoints, tmp_path,
                                                   "8", "--lora_alpha", "8"], da3po.PRESETS)
     ckpt = bookkeeping.find_checkpoint(cfg)
     assert "adapter has r 4, this run's --lora_rank gives 8" in one_line_exit(
-        capsys, lambda: bookkeeping.load_policy(ckpt, modeling.model_path("demo"), cfg))
+        capsys, lambda: bookkeeping.load_policy(ckpt, ARITH_MODEL, cfg))
 
 
 # -----------------------------------------------------------------------------------------------------------------

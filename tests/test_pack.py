@@ -360,9 +360,9 @@ def watched(model):
 
 
 modeling.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)  # the KL anchor prepare_models loads
-model, tok = load_model(modeling.model_path("demo"))
+model, tok = load_model(ARITH_MODEL)
 rollout = engine.HFRollout(watched(model), tok, d, cfg.dtype)
-model, ref_model = bookkeeping.prepare_models(model, rollout, modeling.model_path("demo"), cfg, d)
+model, ref_model = bookkeeping.prepare_models(model, rollout, ARITH_MODEL, cfg, d)
 with open(f"{out}/rank{{d.rank}}.json", "w") as f:  # (one file each: the ranks' prints would interleave)
     json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal), f)
 ranks.cleanup_dist()

@@ -4,7 +4,7 @@ Longer sweep: python -m tools.reference_sweep --seeds 500
 
 Every check compares float64 numbers computed two ways to harness.TOL = 1e-10 (derived in tests/harness.py); a wrong
 weight, a lost token or a wrong clip is off by far more. One exception: DAA's --adaptive_lam factor is computed in
-float32 (test_daa_advantages_and_token_weights says why it gets 1e-6), so the random cases leave it off."""
+float32 (test_daa_advantages_and_start_update says why it gets 1e-6), so the random cases leave it off."""
 import contextlib
 import math
 import random
@@ -12,12 +12,11 @@ import random
 import pytest
 import torch
 
-import modeling
 import da3po
 import daro
 from tests import harness
 from tests import reference
-from tests.conftest import run_script
+from tests.conftest import ARITH_MODEL, run_script
 from tests.reference import Flags, Seq
 
 # The CI's cases: each seed with the script and the rollout correction fixed in turn (so that every pair is covered
@@ -44,7 +43,7 @@ def models(float64_model):
 def test_pipeline_matches_reference(models, seed, script, rollout):
     """One random batch and flag combination (random lengths, IS-rejected tokens and rows, bins 0 and G, group sizes,
     micro-batch splits, packing, chunked log-probs, 1 or 2 updates) through make_batch, the script's advantages,
-    rollout_correction, the script's token_weights, micro_batches, token_losses, the script's loss and backward (and
+    rollout_correction, the script's start_update, micro_batches, token_losses, the script's loss and backward (and
     DARO's weight step): every row's advantage and trained tokens, every token's weight and the share the
     micro-batches carried, the loss, the gradient, L_mu and s_mu equal the reference's."""
     model, ref_model, pad_id = models
@@ -138,7 +137,7 @@ def test_two_ranks_match_reference(models, tmp_path):
              "updates_per_step=2"]
     out = tmp_path / "dist.pt"
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                    "tests.dist_reference", modeling.model_path("demo"), str(out), *specs])
+                    "tests.dist_reference", ARITH_MODEL, str(out), *specs])
     assert r.returncode == 0, r.stderr[-3000:]
     bad = []
     for case, results in torch.load(out, weights_only=False):
@@ -204,9 +203,9 @@ def _flags(cfg) -> Flags:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_daa_advantages_and_token_weights(seed):
+def test_daa_advantages_and_start_update(seed):
     """DAA.advantages (GRPO / Dr. GRPO advantages, then DAA with p < tau strict, scope correct or all, p = p_hat or
-    --p_estimate running over earlier steps' counts, lam fixed or --adaptive_lam) and DAA.token_weights (every
+    --p_estimate running over earlier steps' counts, lam fixed or --adaptive_lam) and DAA.start_update (every
     --loss_agg over an update with holes and a rejected row) equal the reference's. The adaptive factor is computed
     in float32 (from correct.float()), even for a float64 batch: (G - 1) roundings of 2^-24 in p^(G-1) and a few
     more, so it agrees to 1e-6 relative there; every other number to harness.TOL."""
@@ -225,13 +224,13 @@ def test_daa_advantages_and_token_weights(seed):
     counts = {da3po.pass_key(g): list(p) for g, p in zip(groups, priors)}
     algo, f = da3po.DAA(cfg, torch.device("cpu"), {"pass_counts": counts}), _flags(cfg)
     algo.after_rollout(groups)  # this step's samples join the running counts before the advantages, as in main
-    A = algo.advantages(batch, groups, {})
+    A = algo.advantages(batch, groups)
     A_ref = torch.tensor(reference.advantages(seqs, f), dtype=A.dtype)
     assert torch.allclose(A, A_ref, rtol=1e-6 if cfg.adaptive_lam else 0, atol=harness.TOL)
     rows = torch.arange(len(seqs))
     coef, _ = reference.coefficients(seqs, trained, f)
     expected = torch.tensor([c + [0.0] * (6 - len(c)) for c in coef], dtype=torch.float64)
-    weight = algo.token_weights(batch, rows)
+    weight = algo.start_update(batch, rows)
     assert torch.allclose(weight, expected, rtol=0, atol=harness.TOL)
     token_loss = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     ref_loss = math.fsum(c * token_loss[i, t].item() for i, row in enumerate(coef) for t, c in enumerate(row))
@@ -247,7 +246,7 @@ def test_daro_advantages_bins_and_masking(weighting):
     batch, seqs, trained = _random_batch(rng, 4, 8)
     algo, f = daro.DARO(cfg, torch.device("cpu"), {}), _flags(cfg)
     before = batch["mask"].clone()
-    A = algo.advantages(batch, [{}] * 8, {})
+    A = algo.advantages(batch, [{}] * 8)
     assert torch.allclose(A, torch.tensor(reference.advantages(seqs, f), dtype=A.dtype), rtol=0, atol=harness.TOL)
     assert batch["bin"].tolist() == [reference.bin_of(seqs, i) for i in range(len(seqs))]
     kept = reference.trained_tokens(seqs, f, [[True] * len(s.completion) for s in seqs])
@@ -257,10 +256,10 @@ def test_daro_advantages_bins_and_masking(weighting):
 
 
 def _daro_update(algo, batch, rows, rng):
-    """One update of DARO's methods on random token losses: token_weights, loss over two micro-batches, step_weights.
+    """One update of DARO's methods on random token losses: start_update, loss over two micro-batches, step_weights.
     Returns (the loss, the token losses)."""
     batch["weight"] = torch.zeros_like(batch["mask"])
-    batch["weight"][rows] = algo.token_weights(batch, rows)
+    batch["weight"][rows] = algo.start_update(batch, rows)
     token_loss = torch.tensor([[rng.uniform(-2, 2) for _ in range(batch["mask"].shape[1])] for _ in rows])
     total = 0.0
     for part in (slice(0, len(rows) // 2), slice(len(rows) // 2, len(rows))):  # two micro-batches
@@ -287,7 +286,7 @@ def _reference_daro(seqs, trained, f, s, token_loss):
 @pytest.mark.parametrize("weighting,literal", [("learned", False), ("learned", True), ("uniform", False),
                                                ("var", False)])
 def test_daro_loss_step_weights_and_state_dict(weighting, literal):
-    """DARO.token_weights, loss (over micro-batches), step_weights over three updates (bins absent from some, w
+    """DARO.start_update, loss (over micro-batches), step_weights over three updates (bins absent from some, w
     reaching its clamp) and a state_dict round trip after the second: the loss, L_mu and s_mu after each step equal
     the reference's (its objective's gradient in closed form, its written-out Adam; static weights do not move), and
     the resumed copy continues exactly as the original."""
@@ -300,13 +299,13 @@ def test_daro_loss_step_weights_and_state_dict(weighting, literal):
     torch.set_default_dtype(torch.float64)  # DARO's w_mu and L_mu accumulators in float64, as the batch
     try:
         algo = daro.DARO(cfg, torch.device("cpu"), {})
-        algo.advantages(batch, [{}] * 6, {})
+        algo.advantages(batch, [{}] * 6)
         adam, resumed = reference.Adam([0.0] * (G - 1), f), None
         for u, groups in enumerate([[0, 1, 2, 3], [4, 5], [1, 5]]):  # the bins present change from update to update
             rows = torch.tensor([g * G + j for g in groups for j in range(G)])
             sub = [seqs[i] for i in rows.tolist()]
             sub = [Seq(s.prompt, s.completion, k // G, s.reward, s.correct, s.old_logp) for k, s in enumerate(sub)]
-            copy = {k: v.clone() for k, v in batch.items()}  # for the resumed copy (token_weights writes "weight")
+            copy = {k: v.clone() for k, v in batch.items()}  # for the resumed copy (start_update writes "weight")
             loss, token_loss = _daro_update(algo, batch, rows, random.Random(u))
             ref_loss, bin_loss = _reference_daro(sub, [trained[i] for i in rows.tolist()], f, adam.s, token_loss)
             assert abs(loss - ref_loss) < harness.TOL * max(1.0, abs(ref_loss))

@@ -14,6 +14,7 @@ import dataset
 import engine as eng
 import da3po
 import verifier
+from tests.conftest import ARITH_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_shared_prompt_logprobs_equal_the_rows_run_whole(model_tok):
     """token_logprobs with `groups` runs each prompt once and shares its KV cache with the group's rows: the same
     values and gradients. In float64, where transformers' RMSNorm still computes in float32, hence 1e-6 relative."""
     model, tok = model_tok
-    model = type(model).from_pretrained(modeling.model_path("demo")).double().train()
+    model = type(model).from_pretrained(ARITH_MODEL).double().train()
     g = torch.Generator().manual_seed(0)
     groups = [{"prompt_ids": torch.randint(10, 40, (int(k),), generator=g).tolist(),
                "completions": [torch.randint(10, 40, (int(m),), generator=g).tolist()

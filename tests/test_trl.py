@@ -96,7 +96,8 @@ def test_formulas_equal_the_projects():
     args = DA3POConfig(output_dir="unused", use_cpu=True, report_to="none", num_generations=G,
                        per_device_train_batch_size=G, adaptive_lam=True, lam_max=2.0)
     ours, metrics = drop_in.amplify(adv, correct, [], {}, args)
-    theirs, their_metrics = da3po.amplify(adv, correct, [], {}, args)
+    theirs, counts = da3po.amplify(adv, correct, [], {}, args)
+    their_metrics = da3po.daa_metrics(counts)
     assert torch.equal(ours, theirs) and metrics == pytest.approx(their_metrics, rel=1e-6)  # theirs: float32 sums
 
     old = -torch.rand(B, T, generator=g, dtype=F64) * 3
@@ -254,7 +255,7 @@ def float64_default():
 
 def test_daro_two_updates_equal_daro_py(float64_model, tmp_path, float64_default):
     """One generation batch cut by TRL into 2 optimizer updates (the default): for each, the trainer's loss, its
-    gradient and the weights' step equal daro.py's DARO (token_weights, loss, step_weights) on the same rows, with
+    gradient and the weights' step equal daro.py's DARO (start_update, loss, step_weights) on the same rows, with
     the project's token_logprobs and policy_loss; the model takes the same step in between, so the second update
     is off-policy (its ratios move)."""
     model, tok = float64_model
@@ -280,7 +281,7 @@ def test_daro_two_updates_equal_daro_py(float64_model, tmp_path, float64_default
         grads = torch.autograd.grad(loss, params)
         # daro.py on the same rows: its update's weights, the project's log-probs and clipped surrogate
         batch = {"mask": s["completion_mask"].double(), "bin": bin_}
-        weight = ref.token_weights(batch, torch.arange(len(bin_)))
+        weight = ref.start_update(batch, torch.arange(len(bin_)))
         ids = torch.cat([s["prompt_ids"], s["completion_ids"]], 1)
         attention = torch.cat([s["prompt_mask"], s["completion_mask"]], 1)
         logp, _ = shortcuts.token_logprobs(t.model, ids, attention, ids.shape[1] - s["prompt_ids"].shape[1])

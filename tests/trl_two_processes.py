@@ -15,6 +15,7 @@ import daro
 import modeling
 from integrations.trl_da3po_daro import DA3POConfig, DA3POTrainer, DAROConfig, DAROTrainer
 from tests.test_trl import arith_dataset, is_correct
+from tests.conftest import ARITH_MODEL
 
 out_dir, G = sys.argv[1], 4
 shared = dict(use_cpu=True, report_to="none", seed=0, save_strategy="no", disable_tqdm=True, num_generations=G,
@@ -55,7 +56,7 @@ class DARO(Recorder, DAROTrainer):
 
 
 def make(cls, args_cls, **kw):
-    model, tok = modeling.load_model(modeling.model_path("demo"))
+    model, tok = modeling.load_model(ARITH_MODEL)
     return cls(model=model, reward_funcs=reward, correct_func=is_correct, processing_class=tok,
                train_dataset=arith_dataset(3), args=args_cls(output_dir=os.path.join(out_dir, cls.__name__), **shared,
                                                              **kw))

@@ -143,9 +143,10 @@ def generate(out: str, seed: int) -> dict:
     import torch
     import transformers
 
+    import config
     import modeling
     torch.set_num_threads(1)  # float sums depend on the thread count
-    model, tok = modeling.load_model(modeling.model_path("demo"), torch.device("cpu"))
+    model, tok = modeling.load_model(config.ARITH_MODEL, torch.device("cpu"))
     model.eval()
     t0 = time.time()
     pool = candidates(seed, POOL)
@@ -213,8 +214,7 @@ def generate(out: str, seed: int) -> dict:
         "command": "python -m tools.hard_prompts", "seed": seed, "pool": {f"{a}+{b}": n for (a, b), n in POOL.items()},
         "samples": {"calibration": CAL_SAMPLES, "check_train": CHECK_SAMPLES, "check_eval": CHECK_EVAL_SAMPLES},
         "bands": {"hard": HARD_BAND, "easy": EASY_BAND, "eval_levels": EVAL_LEVELS},
-        "depends_on": {"model.safetensors sha256": sha256(os.path.join(modeling.model_path("demo"),
-                                                                       "model.safetensors")),
+        "depends_on": {"model.safetensors sha256": sha256(os.path.join(config.ARITH_MODEL, "model.safetensors")),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "python": platform.python_version(), "cpu": cpu_name(),
                        "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", "(default)"), "threads": 1},
@@ -265,9 +265,10 @@ def main():
     if args.survey:
         import torch
 
+        import config
         import modeling
         torch.set_num_threads(1)
-        model, tok = modeling.load_model(modeling.model_path("demo"), torch.device("cpu"))
+        model, tok = modeling.load_model(config.ARITH_MODEL, torch.device("cpu"))
         return survey(model.eval(), tok, args.seed)
     if not args.check:
         generate(args.out, args.seed)

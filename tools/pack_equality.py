@@ -20,7 +20,7 @@ def models(names: str):
     for name in (["demo", *harness.FAMILIES] if names == "all" else names.split(",")):
         if name == "demo":
             conftest.float64_norms()  # the demo model all in float64, as tests/test_reference.py runs it
-            model, tok = modeling.load_model(modeling.model_path("demo"))
+            model, tok = modeling.load_model(conftest.ARITH_MODEL)
             yield name, model.double(), tok.pad_token_id
         else:
             yield name, harness.family_model(name), 0

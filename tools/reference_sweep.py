@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 import modeling  # noqa: E402
 from tests import harness  # noqa: E402
-from tests.conftest import float64_norms  # noqa: E402
+from tests.conftest import ARITH_MODEL, float64_norms  # noqa: E402
 
 
 def main():
@@ -35,7 +35,7 @@ def main():
     args.tol = args.tol or harness.FAMILY_TOL.get(args.family, harness.TOL)
     if args.family == "demo":
         float64_norms()  # the whole model in float64 (the exactness the tolerance assumes)
-        model, tok = modeling.load_model(modeling.model_path("demo"))
+        model, tok = modeling.load_model(ARITH_MODEL)
         model, pad_id = model.double(), tok.pad_token_id
     else:
         model, pad_id = harness.family_model(args.family), 0
