@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import evaluate_sets
+from common import evaluate
 from config import config_dict
-from dataset import PromptStream
+from dataset import PromptStream, parse_eval_data
 from lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_state_dict, is_lora, load_lora_policy,
                   save_adapter)
 from modeling import full_state_dict, load_model, set_attention, shard_model
@@ -182,6 +182,30 @@ def format_step(step: int, steps: int, record: dict) -> str:
              f"gnorm {record['train/grad_norm']:.3f}",
              f"{record['time/step_s']:.1f}s"]
     return " | ".join(parts)
+
+
+def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0,
+                  world_size: int = 1) -> dict:
+    """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as
+    eval/<set>/...; the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over
+    the sets with the key."""
+    ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
+    out = {}
+    per_set = []  # each set's scores
+    samples = []  # the cross-check's disagreements, all sets
+    for (name, problems), k in zip(eval_sets.items(), ks):
+        scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
+        disagreements = scores.pop("crosscheck_samples", [])
+        samples += [{**row, "where": f"eval/{name}"} for row in disagreements]
+        per_set.append(scores)
+        out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
+    every_key = dict.fromkeys(key for scores in per_set for key in scores)  # in first-seen order
+    for key in every_key:
+        values = [s[key] for s in per_set if key in s]
+        out[key] = sum(values) / len(values)
+    if cfg.verifier_crosscheck:
+        out["crosscheck_samples"] = samples  # written by Logger.log, never a metric
+    return out
 
 
 def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,

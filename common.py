@@ -1,17 +1,19 @@
 """
-The RL step both scripts share, in the order the loop takes it: every part of one step that no equation of
-DA3PO or DARO points at. Read it after a script's main(). The files around it are to look up when needed:
-config.py (the flags), ranks.py (processes, collectives, stop signals), modeling.py (loading, sharding),
-dataset.py (problems, prompts, eval sets), engine.py (rollout engines), bookkeeping.py (start-up, records,
-checkpoints), verifier.py; and the rooms a real run adds: shortcuts.py, lora.py, vllm_engine.py.
+The RL step both scripts share, in the order the loop takes it:
+every part of one step that no equation of DA3PO or DARO points at. Read it after a script's main().
+The files around it are to look up when needed: config.py (the flags), ranks.py (processes,
+collectives, stop signals), modeling.py (loading, sharding), dataset.py (problems, prompts,
+eval sets), engine.py (rollout engines), bookkeeping.py (start-up, records, checkpoints),
+verifier.py; and the rooms a real run adds: shortcuts.py, lora.py, vllm_engine.py.
 
    1. the algorithm's hooks                   5. pi and pi_old: log-probs of the completions
    2. the step's record and its metrics       6. the token losses and the guarded update
    3. rollout, rewards, dynamic sampling      7. evaluation (avg@k, pass@k, maj@k)
    4. the update plan and the batch (its contract)
 
-Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P = prompt tokens
-(left padded), T = completion tokens (right padded), V = vocabulary size, H = hidden size.
+Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G),
+P = prompt tokens (left padded), T = completion tokens (right padded), V = vocabulary size,
+H = hidden size.
 """
 import contextlib
 import math
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 import crosscheck
 import shortcuts
-from dataset import PromptStream, parse_eval_data
+from dataset import PromptStream
 from lora import adapter_disabled
 from modeling import OUTSIDE_NUCLEUS, autocast, full_tensor, nucleus, positions, reshard
 from ranks import (DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is_dist, print0,
@@ -30,8 +32,9 @@ from ranks import (DistInfo, all_gather_list, all_reduce_max, all_reduce_sum, is
 from verifier import extract_answer, majority_vote, verify_batch
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 1. The algorithm's hooks: what main() calls on a script's algorithm (DAA, DARO), in the loop's order.
+# --------------------------------------------------------------------------------------------------
+# 1. The algorithm's hooks: what main() calls on a script's algorithm (DAA, DARO),
+#    in the loop's order.
 class Algorithm:
     """The paper's part of the step: main() calls these hooks, in this order. Each default is the
     baselines' way (GRPO's advantages, --loss_agg's token weights) or does nothing.
@@ -47,8 +50,8 @@ class Algorithm:
       algo.state_dict()                     # each checkpoint
       algo.step_state(); algo.load_step_state(state)   # a stop between two updates; its resume
 
-    Every rank calls each hook at the same point, so a hook may all-reduce (torchrun's lockstep). The
-    papers' functions that a hook calls return this rank's sums, and the hook reduces them.
+    Every rank calls each hook at the same point, so a hook may all-reduce (torchrun's lockstep).
+    The papers' functions that a hook calls return this rank's sums, and the hook reduces them.
     """
 
     def __init__(self, cfg, device: torch.device, state: dict):
@@ -77,7 +80,7 @@ class Algorithm:
         """Runs after each applied optimizer step (a skipped, non-finite update calls nothing)."""
 
     def end_step(self) -> dict:
-        """Ends the step: the algorithm's keys of its record; what it summed over the step restarts."""
+        """Ends the step: the algorithm's keys of its record; its sums over the step restart."""
         return {}
 
     def line(self, record: dict) -> str:
@@ -96,11 +99,12 @@ class Algorithm:
         """Put back what step_state() returned, on resuming the stopped step."""
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 2. The step's record: numbers summed over micro-batches and updates on each rank, then over ranks in one
-#    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics turns them into metrics.jsonl's.
+# --------------------------------------------------------------------------------------------------
+# 2. The step's record: numbers summed over micro-batches and updates on each rank,
+#    then over ranks in one all-reduce (Sums), and each phase's seconds (StepTimer);
+#    train_metrics turns them into metrics.jsonl's.
 class Sums:
-    """Named sums on this rank; reduce() sums each over all ranks (all ranks hold the same fixed names)."""
+    """Named sums on this rank; reduce() sums each over all ranks (which hold the same names)."""
 
     def __init__(self, *names: str):
         self.values = dict.fromkeys(names, 0.0)  # name -> this rank's sum
@@ -115,12 +119,13 @@ class Sums:
         return dict(zip(self.values, totals.tolist()))
 
 
-TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped", "logprob_diff",
-              "kl_k1", "kl_k3", "compared", "boundary", "forward_tokens", "real_tokens")
+TRAIN_SUMS = ("loss", "entropy", "clip_low", "clip_high", "grad_norm", "tokens", "skipped",
+              "logprob_diff", "kl_k1", "kl_k3", "compared", "boundary",
+              "forward_tokens", "real_tokens")
 
 
 class StepTimer:
-    """`with timer("rollout"): ...` times a phase; metrics(): time/<phase>_s, time/step_s (step so far)."""
+    """`with timer("rollout"): ...` times a phase; metrics(): time/<phase>_s and time/step_s."""
 
     def __init__(self):
         self.start = time.time()
@@ -138,9 +143,9 @@ class StepTimer:
 
 
 def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> dict:
-    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts (rejected
-    ones left out) or per applied update; `mismatch` (the engine's log-probs are not pi_old): the
-    rollout/* gap too (mismatch_sums)."""
+    """The step's train/* record from the reduced TRAIN_SUMS: means per token the loss counts
+    (rejected ones left out) or per applied update; `mismatch` (the engine's log-probs are not
+    pi_old): the rollout/* gap too (mismatch_sums)."""
     tokens = max(totals["tokens"], 1.0)
     applied = max(num_updates - totals["skipped"], 1.0)
     record = {
@@ -162,20 +167,23 @@ def train_metrics(totals: dict, num_updates: int, lr: float, mismatch: bool) -> 
 def mismatch_metrics(totals: dict) -> dict:
     """The engine/trainer gap's rollout/* metrics from the reduced sums of mismatch_sums."""
     compared = max(totals["compared"], 1.0)  # the tokens both could draw
-    measured = max(totals["compared"] + totals["boundary"], 1.0)  # with those outside pi_old's nucleus
+    # with the tokens outside pi_old's nucleus
+    measured = max(totals["compared"] + totals["boundary"], 1.0)
     return {"rollout/logprob_diff": totals["logprob_diff"] / compared,  # mean |log r|
             "rollout/kl_k1": totals["kl_k1"] / compared,  # KL(rollout || old)
             "rollout/kl_k3": totals["kl_k3"] / compared,
             "rollout/nucleus_boundary_frac": totals["boundary"] / measured}
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py) and rewarded
-#    (DAPO's shaped reward); dynamic sampling keeps the groups of mixed correctness, refilling up to a cap.
+# --------------------------------------------------------------------------------------------------
+# 3. Rollout: G completions per prompt from the engine (engine.py), verified (verifier.py)
+#    and rewarded (DAPO's shaped reward); dynamic sampling keeps the groups of mixed correctness,
+#    refilling up to a cap.
 def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
                           min_width: int = 1):
-    """Left-pad prompts to P and right-pad completions to T >= min_width: input_ids and attention_mask
-    (B, P+T), the completion mask (B, T) (1 = a real completion token, the final eos included)."""
+    """Left-pad prompts to P and right-pad completions to T >= min_width: input_ids and
+    attention_mask (B, P+T), the completion mask (B, T) (1 = a real completion token, the final
+    eos included)."""
     P = max(map(len, prompts))
     T = max(min_width, max(map(len, completions)))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p + c + [pad_id] * (T - len(c))
@@ -187,8 +195,9 @@ def pad_prompt_completion(prompts: list[list[int]], completions: list[list[int]]
 
 def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buffer: int,
                   overlong_penalty: float = 1.0) -> float:
-    """DAPO's reward: +1 correct, -1 otherwise, plus the soft overlong punishment, falling linearly from 0 at
-    `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens` (DAPO, Sec. 3.4)."""
+    """DAPO's reward: +1 correct, -1 otherwise, plus the soft overlong punishment, falling linearly
+    from 0 at `max_new_tokens - overlong_buffer` tokens to -overlong_penalty at `max_new_tokens`
+    (DAPO, Sec. 3.4)."""
     reward = 1.0 if correct else -1.0
     expected = max_new_tokens - overlong_buffer
     if overlong_buffer > 0 and length > expected:
@@ -198,9 +207,10 @@ def shaped_reward(correct: bool, length: int, max_new_tokens: int, overlong_buff
 
 def roll_groups(engine, tok, problems: list[dict], cfg, G: int, temperature: float, top_p: float,
                 seed: int | None = None):
-    """G completions for each problem, verified and rewarded: a group per prompt; its "completions", "texts",
-    "truncated", "correct", "reward" and "rollout_logp" (engine log-probs or None) are lists of G. `seed`:
-    evaluation's (the engine seeds each request). Returns (groups, verify_batch's info + "seconds")."""
+    """G completions for each problem, verified and rewarded: a group per prompt; its "completions",
+    "texts", "truncated", "correct", "reward" and "rollout_logp" (engine log-probs or None) are
+    lists of G. `seed`: evaluation's (the engine seeds each request). Returns (groups,
+    verify_batch's info + "seconds")."""
     prompt_ids = [p["prompt_ids"] for p in problems]  # tokenized once at load (tokenize_problems)
     completions, truncated, logps = engine.generate(
         prompt_ids, cfg.max_new_tokens, temperature, top_p, G, seed)
@@ -234,8 +244,8 @@ def _mixed(group: dict) -> bool:
 
 
 def _summary(group: dict, rank: int, index: int) -> dict:
-    """What the other ranks need of a group to filter, count and plan it (no token ids, texts or log-probs),
-    and where it lives: (the rank that generated it, its index there)."""
+    """What the other ranks need of a group to filter, count and plan it (no token ids, texts or
+    log-probs), and where it lives: (the rank that generated it, its index there)."""
     return {"origin": (rank, index),
             "prompt": group["prompt"],
             "answer": group["answer"],
@@ -247,12 +257,12 @@ def _summary(group: dict, rank: int, index: int) -> dict:
 
 
 def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo):
-    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until prompts_per_step
-    groups of mixed correctness are kept across ranks; then exactly that many, or at the cap what was
-    kept, cut to a multiple of the world size (possibly none, never an error). --no-dynamic_sampling:
-    one batch, all kept. Groups stay where made; every rank gets every _summary(), and a kept one of
-    this rank's holds its group under "group". Returns (kept summaries, all summaries, rollout
-    metrics), or None if a stop came between two batches."""
+    """DAPO's dynamic sampling: batches of fresh prompts, each rank its stride, until
+    prompts_per_step groups of mixed correctness are kept across ranks; then exactly that many, or
+    at the cap what was kept, cut to a multiple of the world size (possibly none, never an error).
+    --no-dynamic_sampling: one batch, all kept. Groups stay where made; every rank gets every
+    _summary(), and a kept one of this rank's holds its group under "group". Returns (kept
+    summaries, all summaries, rollout metrics), or None if a stop came between two batches."""
     rank = dist_info.rank
     world = dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
@@ -267,7 +277,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
         if num_batches and stop_requested():
             return None
         prompts = stream.next(batch_groups)[rank::world]
-        mine, info = roll_groups(engine, tok, prompts, cfg, cfg.group_size, cfg.temperature, cfg.top_p)
+        mine, info = roll_groups(engine, tok, prompts, cfg, cfg.group_size, cfg.temperature,
+                                 cfg.top_p)
         mine_summaries = [_summary(g, rank, len(my_groups) + i) for i, g in enumerate(mine)]
         summaries = all_gather_list(mine_summaries)
         my_groups += mine
@@ -295,8 +306,9 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 
 
 def rollout_metrics(generated: list[dict], num_kept: int, num_batches: int, verify: dict) -> dict:
-    """The step's rollout metrics (train/reward, train/acc, train/keep_rate, ...) over every generated
-    group of every rank (their summaries); `verify`: this rank's verifier timeouts, refusals and seconds."""
+    """The step's rollout metrics (train/reward, train/acc, train/keep_rate, ...) over every
+    generated group of every rank (their summaries); `verify`: this rank's verifier timeouts,
+    refusals and seconds."""
     rewards = [r for g in generated for r in g["reward"]]
     correct = [c for g in generated for c in g["correct"]]
     truncated = [t for g in generated for t in g["truncated"]]
@@ -318,36 +330,33 @@ def rollout_metrics(generated: list[dict], num_kept: int, num_batches: int, veri
     }
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads them into the
-#    one dict the update reads; advantages; micro-batches. Its contract (B = this rank's groups x G):
-#    input_ids, attention_mask  (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
-#    mask                       (B, T)    make_batch          1 = a token the loss counts; zeroed where
-#                                                             rollout_correction rejects; daro.py: bins 0, G
-#    reward, correct            (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
-#    group                      (B,)      make_batch          index of the row's group (prompt) on this rank
-#    rollout_logp               (B, T)    make_batch          the engine's log-probs, when they are not pi_old
-#    advantage                  (B,)      the script          GRPO advantage (group_advantages) [x DAA]
-#    old_logp                   (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
-#    is_weight                  (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
-#    rejected                   (B, T)    rollout_correction  --rollout_is_mask: tokens it took out of mask
-#    weight                     (B, T)    the script          each token's share of its update's loss
-#    bin                        (B,)      daro.py             #correct of the row's group (mu = bin / G)
-def group_tokens(group: dict) -> int:
-    """Tokens a group (or its _summary) puts through the trainer: its G prompt + completion rows."""
-    return sum(group["prompt_len"] + n for n in group["lengths"])
-
-
+# --------------------------------------------------------------------------------------------------
+# 4. The step's batch: plan_updates brings each rank its groups of each update; make_batch pads
+#    them into the one dict the update reads; micro_batches cuts it. Its contract, B = this rank's
+#    groups x G (entry, shape, who writes it, what it holds):
+#    input_ids       (B, P+T)  make_batch          prompt (left padded) + completion (right padded)
+#    attention_mask  (B, P+T)  make_batch          1 = a real token
+#    mask            (B, T)    make_batch          1 = a token the loss counts (zeroed by
+#                                                  rollout_correction and DARO.advantages)
+#    reward, correct (B,)      make_batch          DAPO's shaped reward; the verifier's verdict
+#    group           (B,)      make_batch          index of the row's group (prompt) on this rank
+#    rollout_logp    (B, T)    make_batch          the engine's log-probs, when they are not pi_old
+#    advantage       (B,)      algo.advantages     GRPO's advantage (group_advantages) [x DAA]
+#    old_logp        (B, T)    old_logprobs        pi_old [+ old_logp_nucleus with top_p < 1]
+#    is_weight       (B, T)    rollout_correction  the truncated pi_old / pi_rollout (--rollout_is)
+#    rejected        (B, T)    rollout_correction  --rollout_is_mask: the tokens it took out of mask
+#    weight          (B, T)    algo.start_update   each token's share of its update's loss
+#    bin             (B,)      DARO.advantages     #correct of the row's group (mu = bin / G)
 def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
                  balance: bool = False):
-    """This rank's groups in each optimizer update of the step, brought to it (one scatter per rank).
-    `summaries`: the kept groups' (the same on every rank, a multiple of the world size). They make
-    min(num_updates, groups / world) contiguous updates, their sizes multiples of the world size that
-    differ by at most one group per rank: every group is trained once, no update is empty, also at the
-    sampling cap. In an update each rank gets as many groups: every world-th, or with `balance`
-    (_balanced_shares) as many tokens as can be. Returns (this rank's groups in update order, each
-    update's rows in make_batch of them).
-    Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
+    """This rank's groups in each optimizer update of the step, brought to it (one scatter per
+    rank). `summaries`: the kept groups' (the same on every rank, a multiple of the world size).
+    They make min(num_updates, groups / world) contiguous updates, their sizes multiples of the
+    world size that differ by at most one group per rank: every group is trained once, no update is
+    empty, also at the sampling cap. In an update each rank gets as many groups: every world-th, or
+    with `balance` (shortcuts.balanced_shares) as many tokens as can be. Returns (this rank's groups in
+    update order, each update's rows in make_batch of them). Example, one rank, G = 8: 13 groups, 2
+    updates -> rows 0-55 (7 groups) and 56-103 (6)."""
     world = dist_info.world_size
     rank = dist_info.rank
     G = len(summaries[0]["correct"])
@@ -362,7 +371,7 @@ def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
         start += size
         shares = [part[r::world] for r in range(world)]
         if balance and world > 1:
-            shares = _balanced_shares(part, summaries, world)
+            shares = shortcuts.balanced_shares(part, summaries, world)
         for r in range(world):
             plan[r] += shares[r]
         sizes.append(size // world)
@@ -374,14 +383,17 @@ def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
     return mine, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _bring_groups(summaries: list[dict], plan: list[list[int]], mine: list[dict], rank: int, world: int):
-    """This rank's groups in plan order, each brought from the rank that generated it: from each rank in
-    turn, one scatter of what it sends every rank (the groups it generated that the rank trains)."""
+def _bring_groups(summaries: list[dict], plan: list[list[int]], mine: list[dict], rank: int,
+                  world: int):
+    """This rank's groups in plan order, each brought from the rank that generated it: from each
+    rank in turn, one scatter of what it sends every rank (the groups it generated that the
+    rank trains)."""
     for src in range(world):
         made_by_src = [summaries[j]["origin"][0] == src for j in range(len(summaries))]
         send = None
         if rank == src:
-            send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]] for r in range(world)]
+            send = [[summaries[j]["group"] for j in plan[r] if made_by_src[j]]
+                    for r in range(world)]
         got = [None]
         dist.scatter_object_list(got, send, src=src)
         arrived = iter(got[0])
@@ -389,23 +401,9 @@ def _bring_groups(summaries: list[dict], plan: list[list[int]], mine: list[dict]
     return mine
 
 
-def _balanced_shares(part: list[int], summaries: list[dict], world: int) -> list[list[int]]:
-    """The groups `part` (indices into `summaries`) dealt to `world` ranks, as many each: the heaviest
-    first, each to the rank with the fewest tokens so far (sorted() is stable: every rank deals alike)."""
-    shares = [[] for _ in range(world)]
-    load = [0] * world  # tokens dealt to each rank
-    per_rank = len(part) // world
-    for j in sorted(part, key=lambda j: group_tokens(summaries[j]), reverse=True):
-        open_ranks = [r for r in range(world) if len(shares[r]) < per_rank]
-        r = min(open_ranks, key=lambda r: load[r])
-        shares[r].append(j)
-        load[r] += group_tokens(summaries[j])
-    return shares
-
-
 def make_batch(groups: list[dict], pad_id: int,
                device: torch.device = torch.device("cpu")) -> dict:
-    """Flatten groups into the batch contract's padded tensors on `device` (T >= 2: _predicting_outputs)."""
+    """Flatten groups into the batch contract's padded tensors on `device` (T >= 2 columns)."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     completions = [c for g in groups for c in g["completions"]]
     ids, attn, mask = pad_prompt_completion(prompts, completions, pad_id, min_width=2)
@@ -427,8 +425,9 @@ def make_batch(groups: list[dict], pad_id: int,
 
 def group_advantages(rewards: torch.Tensor, std_norm: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's advantages from each group's rewards (N, G): (r - mean) / (std + eps), the unbiased std as in
-    verl; Dr. GRPO: std_norm=False. Example: [1, -1, -1, 1] -> [0.866, -0.866, -0.866, 0.866]."""
+    """GRPO's advantages from each group's rewards (N, G): (r - mean) / (std + eps), the unbiased
+    std as in verl; Dr. GRPO: std_norm=False. Example: [1, -1, -1, 1] -> [0.866, -0.866,
+    -0.866, 0.866]."""
     assert rewards.shape[-1] > 1, "group_size must be > 1 for group-relative advantages"
     centered = rewards - rewards.mean(-1, keepdim=True)
     if not std_norm:  # Dr. GRPO
@@ -437,16 +436,17 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True,
 
 
 def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
-    """Completion lengths (len(rows),), counted on the attention mask, not the loss mask: a trained token
-    after a hole in that (tokens rollout_correction rejects, DARO's bins 0 and G) stays in the micro-batch."""
+    """Completion lengths (len(rows),), counted on the attention mask, not the loss mask: a trained
+    token after a hole in that (tokens rollout_correction rejects, DARO's bins 0 and G) stays in
+    the micro-batch."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     return batch["attention_mask"][rows, P:].sum(-1)
 
 
 def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int = 0):
-    """The rows `index` of `batch` in micro-batches of `size` rows (max_tokens > 0: packed by length,
-    shortcuts.token_budget_rows), each with its empty padding columns trimmed away (the loss weights are
-    global, so results are unchanged). Yields (rows, micro-batch)."""
+    """The rows `index` of `batch` in micro-batches of `size` rows (max_tokens > 0: packed by
+    length, shortcuts.token_budget_rows), each with its empty padding columns trimmed away (the loss
+    weights are global, so results are unchanged). Yields (rows, micro-batch)."""
     chunks = [index[s:s + size] for s in range(0, len(index), size)]
     if max_tokens > 0:  # --micro_batch_tokens
         chunks = shortcuts.token_budget_rows(batch, index, size, max_tokens)
@@ -465,20 +465,21 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
         yield rows, mb
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 5. pi and pi_old: the log-probs of a batch's completion tokens, from one padded forward (token_logprobs);
-#    pi_old once per step, before the first update, unless the engine's are exact; the rollout correction.
+# --------------------------------------------------------------------------------------------------
+# 5. pi and pi_old: the log-probs of a batch's completion tokens,
+#    from one padded forward (token_logprobs); pi_old once per step, before the first update,
+#    unless the engine's are exact; the rollout correction.
 def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float = 1.0,
                    with_entropy: bool = False, top_p: float = 1.0):
-    """log pi (B, T) of each row's last T tokens, sampled at `temperature`, and a second (B, T) output
-    without gradient: the entropy (with_entropy), or the log-probs renormalised over the top_p nucleus
-    as a sampler returns them (top_p < 1), else None. One forward of the padded rows.
+    """log pi (B, T) of each row's last T tokens, sampled at `temperature`, and a second (B, T)
+    output without gradient: the entropy (with_entropy), or the log-probs renormalised over the
+    top_p nucleus as a sampler returns them (top_p < 1), else None. One forward of the padded rows.
     Example: a row [pad, p1, p2, c1, c2] with T = 2: the outputs at p2 and c1 predict c1 and c2."""
     position_ids = positions(attention_mask)  # 0 at each row's first real token
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=T + 1)
     logits = out.logits[:, :-1]  # (B, T, V): the position before each completion token predicts it
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax in float32 at least
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
     logits = logits / temperature  # the distribution the engine sampled from
     targets = input_ids[:, -T:, None]  # (B, T, 1)
     lse = logits.logsumexp(-1)  # (B, T)
@@ -494,23 +495,26 @@ def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float 
 
 
 def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleus: bool = False):
-    """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T), the
-    entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus), or None)."""
+    """token_logprobs of a micro-batch's completion tokens at the rollout temperature: (logp (B, T),
+    the entropy (with_entropy), the log-probs renormalised over the --top_p nucleus (with_nucleus),
+    or None)."""
     T = mb["mask"].shape[1]
     top_p = cfg.top_p if with_nucleus else 1.0
     if cfg.logprob_path == "shortcuts":  # the same numbers, with less time and memory at scale
-        return shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
-                                        with_entropy, cfg.logprob_chunk, mb.get("group"), top_p, cfg.pack)
-    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature, with_entropy,
-                          top_p)
+        return shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], T,
+                                        cfg.temperature, with_entropy, cfg.logprob_chunk,
+                                        mb.get("group"), top_p, cfg.pack)
+    return token_logprobs(model, mb["input_ids"], mb["attention_mask"], T, cfg.temperature,
+                          with_entropy, top_p)
 
 
 @torch.no_grad()
 def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
-    """pi_old: the engine's log-probs if exactly the trainer's (`exact`: our sampler in float32 at top_p = 1,
-    the trainer's own weights and arithmetic), else recomputed before the step's first update. Returns new
-    batch entries: old_logp (B, T) [with top_p < 1 also old_logp_nucleus (B, T), pi_old renormalised over its
-    own nucleus, for the engine's nucleus samples]; an exact engine's rollout_logp becomes old_logp."""
+    """pi_old: the engine's log-probs if exactly the trainer's (`exact`: our sampler in float32 at
+    top_p = 1, the trainer's own weights and arithmetic), else recomputed before the step's first
+    update. Returns new batch entries: old_logp (B, T) [with top_p < 1 also old_logp_nucleus (B, T),
+    pi_old renormalised over its own nucleus, for the engine's nucleus samples]; an exact engine's
+    rollout_logp becomes old_logp."""
     if exact:
         return {"old_logp": batch.pop("rollout_logp")}
     out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
@@ -538,7 +542,8 @@ def rollout_correction(batch: dict, cfg) -> dict:
     pi_old is renormalised over its own nucleus (old_logp_nucleus), as the engine's log-probs are.
     docs/gpu.md, "Rollout/trainer mismatch": why each choice, and how verl and TRL differ.
 
-    Sets batch["is_weight"] (B, T); returns the rollout_is/* metrics ({} for an exact engine's batch).
+    Sets batch["is_weight"] (B, T); returns the rollout_is/* metrics ({} for an exact
+    engine's batch).
     """
     if "rollout_logp" not in batch:  # the engine's log-probs were pi_old itself: weights of 1
         return {}
@@ -572,19 +577,22 @@ def rollout_correction(batch: dict, cfg) -> dict:
             outside_key: outside_frac.item()}
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 6. The update: each token's clipped surrogate (the papers agree on it), weighed and summed each script's way
-#    (loss_weights; DARO's per-bin means times w_mu), one micro-batch's forward, the guarded optimizer step.
+# --------------------------------------------------------------------------------------------------
+# 6. The update: each token's clipped surrogate (the papers agree on it),
+#    weighed and summed each script's way (loss_weights; DARO's per-bin means times w_mu),
+#    one micro-batch's forward, the guarded optimizer step.
 def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torch.Tensor:
-    """Per-token weights (B, T): summed token losses give the chosen aggregation over the WHOLE update, the
-    denominators spanning its micro-batches and ranks (verl's global token count), whatever the split.
+    """Per-token weights (B, T): summed token losses give the chosen aggregation over the WHOLE
+    update, the denominators spanning its micro-batches and ranks (verl's global token count),
+    whatever the split.
       token-mean               1 / (#completion tokens)            DAPO
       seq-mean-token-mean      1 / (#sequences * |o_i|)            GRPO, GSPO
-      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)   Dr. GRPO (a constant, not batch lengths)"""
+      seq-mean-token-sum-norm  1 / (#sequences * max_new_tokens)   Dr. GRPO (a constant)"""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
     if loss_agg == "token-mean":
         return mask / all_reduce_sum(mask.sum()).clamp(min=1)
-    # sequences with a token to train on: one rollout correction rejected whole leaves the mean (verl #3915)
+    # sequences with a token to train on: one rollout correction rejected whole leaves the mean
+    # (verl #3915)
     num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum().to(mask.dtype)).clamp(min=1)
     if loss_agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_seqs)
@@ -596,14 +604,16 @@ def loss_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> torc
 def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float, *,
                 clip_ratio_c: float = 0.0, seq_ratio: bool = False, ref_logp=None,
                 kl_coef: float = 0.0, is_weight=None):
-    """Each token's loss (B, T): the clipped surrogate, in the inputs' dtype; the caller weighs and sums it.
-      max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))          PPO/GRPO, DAPO's decoupled clip
+    """Each token's loss (B, T): the clipped surrogate, in the inputs' dtype; the caller weighs and
+    sums it.
+      max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   PPO/GRPO, DAPO's decoupled clip
       clip_ratio_c > 1 (dual clip): for A < 0 the loss is capped at -A * clip_ratio_c
-      seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)): every token
-        of a completion shares the length-normalised sequence ratio; the whole sequence is clipped together
-      is_weight (B, T): rollout_correction's pi_old / pi_rollout, on the surrogate only (as verl and TRL do)
+      seq_ratio (GSPO): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(mean_t log(pi_t / pi_old_t)):
+        every token of a completion shares the length-normalised sequence ratio, clipped together
+      is_weight (B, T): rollout_correction's pi_old / pi_rollout, on the surrogate only (as verl
+        and TRL do)
       kl_coef > 0: + kl_coef * the k3 estimate of KL(pi || pi_ref)
-    Returns (token losses (B, T), counts of `mask`'s tokens clipped below and above, for logging)."""
+    Returns (token losses (B, T), counts of `mask`'s tokens clipped below and above: logged)."""
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # (B, T)
     if seq_ratio:
@@ -630,10 +640,11 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: fl
 
 
 def mismatch_sums(mb: dict) -> dict:
-    """The engine/trainer gap on a micro-batch's trained tokens (those --rollout_is_mask rejected too),
-    log r = log pi_old - log pi_rollout. Returns sums of |log r| and of the k1 and k3 estimates of
-    KL(rollout || old) over the tokens both could draw (`compared`), and the count of `boundary` tokens:
-    in the engine's nucleus, outside pi_old's (docs/metrics.md: why they are counted apart)."""
+    """The engine/trainer gap on a micro-batch's trained tokens (those --rollout_is_mask rejected
+    too), log r = log pi_old - log pi_rollout. Returns sums of |log r| and of the k1 and k3
+    estimates of KL(rollout || old) over the tokens both could draw (`compared`), and the count of
+    `boundary` tokens: in the engine's nucleus, outside pi_old's (docs/metrics.md: why they are
+    counted apart)."""
     old = mb.get("old_logp_nucleus", mb["old_logp"])
     mask = mb["mask"].to(old.dtype)
     if "rejected" in mb:  # (disjoint from the mask: rollout_correction moved them out of it)
@@ -651,20 +662,23 @@ def mismatch_sums(mb: dict) -> dict:
 
 
 def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Sums):
-    """One micro-batch's forward: each token's loss (B, T) (policy_loss), for the script to weigh and sum; its
-    entropy, clipped-token counts, tokens, padding and engine/trainer gap (mismatch_sums) go to `sums`."""
+    """One micro-batch's forward: each token's loss (B, T) (policy_loss), for the script to weigh
+    and sum; its entropy, clipped-token counts, tokens, padding and engine/trainer gap
+    (mismatch_sums) go to `sums`."""
     with autocast(cfg.dtype, device):
-        ref_logp = None if ref_model is None else ref_logprobs(model, ref_model, mb, cfg)  # --kl_coef
+        # --kl_coef > 0: the KL anchor's log-probs
+        ref_logp = None if ref_model is None else ref_logprobs(model, ref_model, mb, cfg)
         logp, entropy = batch_logprobs(model, mb, cfg, with_entropy=True)
     if "rollout_logp" in mb:  # the engine vs the trainer, same weights
         sums.add(**mismatch_sums(mb))
     token_loss, clipped = policy_loss(
         logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
-        clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
-        is_weight=mb.get("is_weight"))
+        clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
+        kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
     T = mb["mask"].shape[1]
     if cfg.logprob_path == "shortcuts":  # the positions its forwards ran, and those they needed
-        ran, real = shortcuts.forward_tokens(model, mb["attention_mask"], T, mb.get("group"), cfg.pack)
+        ran, real = shortcuts.forward_tokens(model, mb["attention_mask"], T, mb.get("group"),
+                                             cfg.pack)
     else:  # one padded forward: every position runs
         ran, real = mb["attention_mask"].numel(), mb["attention_mask"].sum().item()
     sums.add(entropy=(entropy * mb["mask"]).sum().item(),
@@ -678,8 +692,8 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
 
 @torch.no_grad()
 def ref_logprobs(model, ref_model, mb: dict, cfg) -> torch.Tensor:
-    """log pi_ref (B, T) under the KL anchor: a frozen copy of the initial model, or with LoRA the model
-    with its adapters off (before pi's forward: see lora.adapter_disabled)."""
+    """log pi_ref (B, T) under the KL anchor: a frozen copy of the initial model, or with LoRA the
+    model with its adapters off (before pi's forward: see lora.adapter_disabled)."""
     with adapter_disabled(ref_model):
         ref_logp = batch_logprobs(ref_model, mb, cfg)[0]
     if ref_model is not model:
@@ -688,8 +702,9 @@ def ref_logprobs(model, ref_model, mb: dict, cfg) -> torch.Tensor:
 
 
 class UpdateGuard:
-    """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the loss or
-    gradient is not finite on a rank; then every rank skips it, so one bad batch cannot poison the weights."""
+    """The optimizer step of one update, guarded: clip the global gradient norm and step, unless the
+    loss or gradient is not finite on a rank; then every rank skips it, so one bad batch cannot
+    poison the weights."""
 
     def __init__(self, max_bad_updates: int):
         self.max_bad = max_bad_updates
@@ -713,17 +728,19 @@ class UpdateGuard:
         self.in_a_row += 1
         print0(f"warning: {where}: non-finite loss or gradient; update skipped")
         if self.in_a_row >= self.max_bad:
-            print0(f"error: {self.in_a_row} non-finite updates in a row (--max_bad_updates); stopping. "
-                   f"Try a lower --lr, --dtype float32, or check the data.")
+            print0(f"error: {self.in_a_row} non-finite updates in a row (--max_bad_updates); "
+                   f"stopping. Try a lower --lr, --dtype float32, or check the data.")
             raise SystemExit(1)
         return False
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 7. Evaluation: avg@k (mean accuracy over k samples per problem), unbiased pass@k and maj@k (the majority
-#    answer's accuracy), per difficulty level too; each --eval_data set with its own k (set@k).
+# --------------------------------------------------------------------------------------------------
+# 7. Evaluation: avg@k (mean accuracy over k samples per problem),
+#    unbiased pass@k and maj@k (the majority answer's accuracy), per difficulty level too;
+#    each --eval_data set with its own k (set@k).
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k, n samples, c correct: 1 - C(n-c, k) / C(n, k), a stable product (Chen et al. 2021)."""
+    """Unbiased pass@k, n samples, c correct: 1 - C(n-c, k) / C(n, k) as a stable product (Chen et
+    al. 2021)."""
     if n - c < k:
         return 1.0
     prod = 1.0
@@ -733,8 +750,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_correct(group: dict, answer_format: str) -> bool:
-    """maj@k of one group: is the answer most of its samples give (equivalent answers as one; ties: the first
-    seen, verifier.majority_vote) correct? The winner's own verdict decides: nothing is verified twice."""
+    """maj@k of one group: is the answer most of its samples give (equivalent answers as one; ties:
+    the first seen, verifier.majority_vote) correct? The winner's own verdict decides: nothing is
+    verified twice."""
     index, _ = majority_vote([extract_answer(t, answer_format) for t in group["texts"]])
     return index is not None and bool(group["correct"][index])
 
@@ -742,8 +760,9 @@ def majority_correct(group: dict, answer_format: str) -> bool:
 @torch.no_grad()
 def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: int = 1,
              k: int = 0) -> dict:
-    """k completions per problem (0: cfg.eval_samples) from a private seeded stream: the same weights get the
-    same score. Returns eval/acc (avg@k), eval/pass@j (j = 1, 2, 4, ...), eval/maj@k, eval/acc_level<l>."""
+    """k completions per problem (0: cfg.eval_samples) from a private seeded stream: the same
+    weights get the same score. Returns eval/acc (avg@k), eval/pass@j (j = 1, 2, 4, ...),
+    eval/maj@k, eval/acc_level<l>."""
     n = k or cfg.eval_samples
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     seed = cfg.seed + 7919 * (rank + 1)
@@ -769,30 +788,5 @@ def evaluate(engine, tok, problems: list[dict], cfg, rank: int = 0, world_size: 
         sel = [(m, c) for m, c, lv, _ in results if lv == level]
         out[f"eval/acc_level{level}"] = sum(c for _, c in sel) / sum(m for m, _ in sel)
     if cfg.verifier_crosscheck:  # every completion, on every rank
-        checks = crosscheck.check_groups(groups, cfg, "eval", rank=rank)
-        for key, value in checks.items():  # the disagreements keep their name: Logger writes them
-            out[key if key == "crosscheck_samples" else "eval/" + key] = value
-    return out
-
-
-def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int = 0,
-                  world_size: int = 1) -> dict:
-    """evaluate() on each eval set with its own k (--eval_data set@k, else --eval_samples), as eval/<set>/...;
-    the headline eval/acc, eval/pass@j, eval/maj@k, eval/acc_level<l>: means over the sets with the key."""
-    ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
-    out = {}
-    per_set = []  # each set's scores
-    samples = []  # the cross-check's disagreements, all sets
-    for (name, problems), k in zip(eval_sets.items(), ks):
-        scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
-        disagreements = scores.pop("crosscheck_samples", [])
-        samples += [{**row, "where": f"eval/{name}"} for row in disagreements]
-        per_set.append(scores)
-        out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
-    every_key = dict.fromkeys(key for scores in per_set for key in scores)  # in first-seen order
-    for key in every_key:
-        values = [s[key] for s in per_set if key in s]
-        out[key] = sum(values) / len(values)
-    if cfg.verifier_crosscheck:
-        out["crosscheck_samples"] = samples  # written by Logger.log, never a metric
+        out.update(crosscheck.check_eval_groups(groups, cfg, rank))
     return out

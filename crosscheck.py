@@ -149,3 +149,10 @@ def check_train_groups(groups: list[dict], cfg, rank: int, world: int) -> dict:
     """--crosscheck_train: check_groups on a sample of this step's completions, its share of
     --crosscheck_train on each rank."""
     return check_groups(groups, cfg, "train", math.ceil(cfg.crosscheck_train / world), rank)
+
+
+def check_eval_groups(groups: list[dict], cfg, rank: int) -> dict:
+    """--verifier_crosscheck in evaluation: check_groups on every completion, its scores as eval/*
+    keys (the disagreements keep their name, "crosscheck_samples": bookkeeping.Logger writes them)."""
+    checks = check_groups(groups, cfg, "eval", rank=rank)
+    return {key if key == "crosscheck_samples" else "eval/" + key: value for key, value in checks.items()}

@@ -653,7 +653,8 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Micro-batches packed by length (--micro_batch_tokens): a token budget per forward instead of a row count.
+# Micro-batches packed by length (--micro_batch_tokens): a token budget per forward instead of a row
+# count, and each rank dealt as many tokens as can be.
 def token_budget_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
     """The rows `index` of the batch in micro-batches packed by length: rows sorted longest first, each
     micro-batch filled while its padded size (rows x (longest prompt + longest completion)) stays within
@@ -682,3 +683,23 @@ def token_budget_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: i
         half = len(chunks[k]) // 2
         chunks[k:k + 1] = [chunks[k][:half], chunks[k][half:]]
     return [index[torch.tensor(c, dtype=torch.long)] for c in chunks]
+
+
+def group_tokens(group: dict) -> int:
+    """Tokens a group (or its _summary) puts through the trainer: its G prompt + completion rows."""
+    return sum(group["prompt_len"] + n for n in group["lengths"])
+
+
+def balanced_shares(part: list[int], summaries: list[dict], world: int) -> list[list[int]]:
+    """The groups `part` (indices into `summaries`) dealt to `world` ranks, as many each: the
+    heaviest first, each to the rank with the fewest tokens so far (sorted() is stable: every rank
+    deals alike)."""
+    shares = [[] for _ in range(world)]
+    load = [0] * world  # tokens dealt to each rank
+    per_rank = len(part) // world
+    for j in sorted(part, key=lambda j: group_tokens(summaries[j]), reverse=True):
+        open_ranks = [r for r in range(world) if len(shares[r]) < per_rank]
+        r = min(open_ranks, key=lambda r: load[r])
+        shares[r].append(j)
+        load[r] += group_tokens(summaries[j])
+    return shares

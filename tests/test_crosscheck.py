@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import common
+import bookkeeping
 import crosscheck
 from tests.conftest import ScriptedEngine, run_script
 from da3po import Config
@@ -92,7 +92,7 @@ def test_evaluation_counts_and_file(stub, tmp_path):
     import ranks
     engine = ScriptedEngine(TEXTS)
     cfg = Config(eval_data="one", eval_samples=4, verifier_crosscheck=True, out_dir=str(tmp_path))
-    out = common.evaluate_sets(engine, engine, {"one": PROBLEMS}, cfg)
+    out = bookkeeping.evaluate_sets(engine, engine, {"one": PROBLEMS}, cfg)
     assert out["eval/acc"] == 0.5  # ours, untouched by the cross-check
     assert out["eval/one/crosscheck/ours_only"] == out["eval/crosscheck/ours_only"] == 2 / 8
     assert out["eval/crosscheck/theirs_only"] == 1 / 8
@@ -112,7 +112,7 @@ def test_evaluation_prints_one_line_and_records_its_time(stub, capsys):
     record keeps (eval/<set>/time/crosscheck_s); a training step's check records its seconds and prints none."""
     engine = ScriptedEngine(TEXTS)
     cfg = Config(eval_data="one", eval_samples=4, verifier_crosscheck=True)
-    out = common.evaluate_sets(engine, engine, {"one": PROBLEMS}, cfg)
+    out = bookkeeping.evaluate_sets(engine, engine, {"one": PROBLEMS}, cfg)
     assert out["eval/one/time/crosscheck_s"] == out["eval/time/crosscheck_s"] >= 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("crosscheck")]
     assert len(lines) == 1
@@ -138,7 +138,7 @@ def test_summary_line():
 
 def test_off_by_default_adds_nothing():
     engine = ScriptedEngine(TEXTS)
-    out = common.evaluate_sets(engine, engine, {"one": PROBLEMS}, Config(eval_data="one", eval_samples=4))
+    out = bookkeeping.evaluate_sets(engine, engine, {"one": PROBLEMS}, Config(eval_data="one", eval_samples=4))
     assert not any("crosscheck" in k for k in out)
 
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import bookkeeping
 import common
 import config
 import modeling
@@ -48,7 +49,7 @@ def test_evaluate_by_hand():
     # the same sets through evaluate_sets with a k of their own: the scripted engine always writes 4 texts, so k
     # comes only from --eval_data here, and a set without @k keeps --eval_samples
     cfg = Config(eval_data="one@4,two", eval_samples=4)
-    sets = common.evaluate_sets(engine, engine, {"one": problems[:1], "two": problems[1:]}, cfg)
+    sets = bookkeeping.evaluate_sets(engine, engine, {"one": problems[:1], "two": problems[1:]}, cfg)
     assert sets["eval/one/maj@4"] == 0.0 and sets["eval/two/maj@4"] == 1.0 and sets["eval/maj@4"] == 0.5
 
 

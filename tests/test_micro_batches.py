@@ -58,11 +58,11 @@ def test_plan_updates_balances_tokens_over_ranks():
     for u in range(2):  # each update: the 6 groups shared 3 and 3, heavy ones on different ranks
         shares = [[id(g) for g in plan[0][u * 3:(u + 1) * 3]] for plan in plans]
         assert len(set(shares[0]) | set(shares[1])) == 6
-        loads = [sum(common.group_tokens(g) for g in plan[0][u * 3:(u + 1) * 3]) for plan in plans]
-        assert max(loads) - min(loads) <= max(common.group_tokens(g) for g in groups[u * 6:(u + 1) * 6])
+        loads = [sum(shortcuts.group_tokens(g) for g in plan[0][u * 3:(u + 1) * 3]) for plan in plans]
+        assert max(loads) - min(loads) <= max(shortcuts.group_tokens(g) for g in groups[u * 6:(u + 1) * 6])
     strided = common.plan_updates(groups, 2, ranks.DistInfo(rank=0, world_size=2))
-    loads = [sum(common.group_tokens(g) for g in strided[0][:3])]
-    assert loads[0] > sum(common.group_tokens(g) for g in plans[0][0][:3])  # without balance rank 0 gets 40, 30 (+2)
+    loads = [sum(shortcuts.group_tokens(g) for g in strided[0][:3])]
+    assert loads[0] > sum(shortcuts.group_tokens(g) for g in plans[0][0][:3])  # without balance rank 0 gets 40, 30 (+2)
     mine, updates = common.plan_updates(groups, 5, ranks.DistInfo(rank=1, world_size=2))
     assert [len(u) for u in updates] == [4, 2, 2, 2, 2] and len(mine) == 6  # 6 groups per rank in 5 updates
 
