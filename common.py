@@ -354,9 +354,9 @@ def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
     They make min(num_updates, groups / world) contiguous updates, their sizes multiples of the
     world size that differ by at most one group per rank: every group is trained once, no update is
     empty, also at the sampling cap. In an update each rank gets as many groups: every world-th, or
-    with `balance` (shortcuts.balanced_shares) as many tokens as can be. Returns (this rank's groups in
-    update order, each update's rows in make_batch of them). Example, one rank, G = 8: 13 groups, 2
-    updates -> rows 0-55 (7 groups) and 56-103 (6)."""
+    with `balance` as many tokens as can be (shortcuts.balanced_shares). Returns (this rank's
+    groups in update order, each update's rows in make_batch of them).
+    Example, one rank, G = 8: 13 groups, 2 updates -> rows 0-55 (7 groups) and 56-103 (6)."""
     world = dist_info.world_size
     rank = dist_info.rank
     G = len(summaries[0]["correct"])

@@ -1,7 +1,8 @@
 """
-Look up when needed: the knobs. TrainConfig holds the flags both scripts share (the docstring under each
-field is its --help), the --algo presets of the baselines, the shipped demos as the flags they stand for,
-the parser that turns a command line into a Config, and the checks of flag combinations that cannot work.
+Look up when needed: the knobs. TrainConfig holds the flags both scripts share (the docstring under
+each field is its --help), the --algo presets of the baselines,
+the shipped demos as the flags they stand for, the parser that turns a command line into a Config,
+and the checks of flag combinations that cannot work.
 """
 import argparse
 import ast
@@ -18,9 +19,10 @@ import crosscheck
 from dataset import parse_eval_data
 from ranks import die, is_dist
 
-# ------------------------------------------------------------------------------------------------------------
-# 1. The knobs both scripts share, written once; each script's Config adds its paper's own. The defaults
-#    run the reasoning demo (python da3po.py, or Config() in code); the papers' scale is in docs/gpu.md.
+# --------------------------------------------------------------------------------------------------
+# 1. The knobs both scripts share, written once; each script's Config adds its paper's own.
+#    The defaults run the reasoning demo (python da3po.py, or Config() in code);
+#    the papers' scale is in docs/gpu.md.
 @dataclass
 class TrainConfig:
     # run
@@ -32,8 +34,8 @@ class TrainConfig:
     model: str = "demo"
     """local Hugging Face folder, hub id, or 'demo' (the reasoning demo's tiny shipped model)"""
     train_data: str = "reasoning"
-    """'reasoning' or 'arith' (the demos' sums) or a .jsonl/.json/.parquet file of problem/answer
-    rows"""
+    """'reasoning' or 'arith' (the demos' sums) or a .jsonl/.json/.parquet file of
+    problem/answer rows"""
     eval_data: str = "reasoning"
     """as --train_data (the demos': 200 held-out sums); several sets comma-separated, each with its
     own k as set@k (aime24.jsonl@32,math500.jsonl@8; no @k: --eval_samples)"""
@@ -187,9 +189,10 @@ class TrainConfig:
     """wandb project of --report_to wandb"""
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 2. The --algo presets: the baselines both papers compare against, each its paper's recipe for every knob
-#    that defines the algorithm; the flags give the scale (model, lr, batch sizes, lengths, overlong buffer).
+# --------------------------------------------------------------------------------------------------
+# 2. The --algo presets: the baselines both papers compare against, each its paper's recipe for
+#    every knob that defines the algorithm; the flags give the scale (model, lr, batch sizes,
+#    lengths, the overlong buffer).
 # DAPO's 4 techniques (overlong shaping: the default buffer)
 _DAPO = {"dynamic_sampling": True, "std_norm": True, "loss_agg": "token-mean", "seq_ratio": False,
          "clip_low": 0.2, "clip_high": 0.28}
@@ -211,28 +214,32 @@ BASELINES = {
 
 
 def presets(own: dict[str, dict], off: dict) -> dict[str, dict]:
-    """A script's --algo presets: its own, then the baselines with its own algorithm switched off (`off`)."""
+    """A script's --algo presets: its own, then the baselines, each with the script's algorithm
+    switched off by `off`."""
     return {**own, **{name: {**off, **recipe} for name, recipe in BASELINES.items()}}
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 3. Flags from a script's Config (the docstring under each field is its --help), and checks of their combinations.
-# --demo: a shipped demo as the flags it stands for. The default, `reasoning` (demo/reasoning/README.md), is
-# the dataclass defaults, on the command line and in Config() alike; `arith` is the sums demo.
-# A demo applies before the --algo preset (GRPO's preset turns its overlong shaping off); explicit flags
-# override both. A --model of the user's own is no demo's: no demo applies unless --demo is given (and then a
-# note says which of its values the model runs on), and the knobs the defaults size for a demo (DEMO_SIZED)
-# must be set, by flags or the --algo preset, or the run stops naming them.
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # shipped demos (demo/build.py)
+# --------------------------------------------------------------------------------------------------
+# 3. Flags from a script's Config (the docstring under each field is its --help), and the checks
+#    of their combinations.
+# --demo is a shipped demo, as the flags it stands for. The default, `reasoning`
+# (demo/reasoning/README.md), is the dataclass defaults, on the command line and in Config() alike;
+# `arith` is the sums demo. A demo applies before the --algo preset (GRPO's preset turns its
+# overlong shaping off), and explicit flags override both.
+# A --model of the user's own is no demo's. No demo applies to it unless --demo is given (a note
+# says which of the demo's values it runs on), and the knobs the defaults size for a demo
+# (DEMO_SIZED) must be set, by flags or the --algo preset, or the run stops naming them.
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 ARITH_MODEL = os.path.join(DEMO_DIR, "arith", "model")
 DEMOS = {"reasoning": {},
          "arith": {"model": ARITH_MODEL, "train_data": "arith", "eval_data": "arith",
                    "max_new_tokens": 12, "overlong_buffer": 4, "prompts_per_step": 32, "steps": 60}}
 DEMO_MODELS = ("demo", ARITH_MODEL, os.path.join(DEMO_DIR, "reasoning", "model"))
-# The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch, the tiny
-# model's learning rate): a real run sets each (docs/gpu.md's recipes do); an --eval_only run the first two.
-DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps", "prompts_per_step",
-              "lr")
+# The knobs whose defaults are a demo's (the data, the token budget, the run's length and batch,
+# the tiny model's learning rate): a real run sets each (docs/gpu.md's recipes do);
+# an --eval_only run the first two.
+DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps",
+              "prompts_per_step", "lr")
 EVAL_ONLY_SIZED = ("eval_data", "max_new_tokens")
 
 
@@ -242,16 +249,17 @@ def is_demo_model(name: str) -> bool:
 
 
 def _demo_sized(given: dict, demo: str, cfg, argv_model: str) -> dict:
-    """The demo-sized knobs a --model of the user's own would get from no flag: with --demo, the demo's (said
-    in one note); without, none (the run stops, naming the flags to set)."""
+    """The demo-sized knobs a --model of the user's own would get from no flag: with --demo, the
+    demo's (said in one note); without, none (the run stops, naming the flags to set)."""
     needed = EVAL_ONLY_SIZED if given.get("eval_only") else DEMO_SIZED
     missing = [k for k in needed if k not in given]
     if not missing:
         return {}
     if not demo:
-        die(f"--model {argv_model} is not a demo's model: set {', '.join('--' + k for k in missing)} (their "
-            f"defaults are sized for the CPU demos; docs/gpu.md has the papers' recipes), or --demo "
-            f"{'|'.join(DEMOS)} for a demo's values")
+        die(f"--model {argv_model} is not a demo's model: set "
+            f"{', '.join('--' + k for k in missing)} (their defaults are sized for the CPU demos; "
+            f"docs/gpu.md has the papers' recipes), or --demo {'|'.join(DEMOS)} for a demo's "
+            f"values")
     values = {k: DEMOS[demo].get(k, getattr(cfg, k)) for k in missing}
     if os.environ.get("RANK", "0") == "0":
         print(f"note: --model {argv_model} runs on --demo {demo}'s "
@@ -276,24 +284,27 @@ def field_help(cls) -> dict[str, str]:
 
 
 def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Precedence: dataclass defaults < --demo (reasoning unless given; none for a --model of the user's own)
-    < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An unknown or abbreviated
-    flag exits 2 naming it; overriding a preset prints a note; a model of the user's own missing a DEMO_SIZED
-    knob exits 2 naming them all (with --demo: a note naming the demo's values it gets)."""
+    """Precedence: dataclass defaults < --demo (reasoning unless given; none for a --model of the
+    user's own) < preset of --algo < explicit flags (`--lr 1e-5`, `--lr=1e-5`, `--x`/`--no-x`). An
+    unknown or abbreviated flag exits 2 naming it; overriding a preset prints a note; a model of the
+    user's own missing a DEMO_SIZED knob exits 2 naming them all (with --demo: a note naming the
+    demo's values it gets)."""
     helps = field_help(cls)
     repo = os.path.dirname(DEMO_DIR)
-    arith = [f"--{k} {os.path.relpath(v, repo) if k == 'model' else v}" for k, v in DEMOS["arith"].items()]
+    arith = [f"--{k} {os.path.relpath(v, repo) if k == 'model' else v}"
+             for k, v in DEMOS["arith"].items()]
     sized = ", ".join("--" + k for k in DEMO_SIZED)
     epilog = (f"The defaults above run the reasoning demo; --demo arith (the sums demo) sets "
-              f"{', '.join(arith)}. A --model of your own runs on no demo's values: it needs {sized} "
-              f"(docs/gpu.md's recipes set them).")
+              f"{', '.join(arith)}. A --model of your own runs on no demo's values: it needs "
+              f"{sized} (docs/gpu.md's recipes set them).")
     parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]),
                                      description=(cls.__doc__ or "").strip(),
                                      epilog=epilog,
                                      allow_abbrev=False)
     for f in fields(cls):
         help_text = f"{helps.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # SUPPRESS: only flags given
+        # SUPPRESS: only flags given
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         kind = type(f.default)
         if kind is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
@@ -308,8 +319,10 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     if presets is not None:
         algo = given.get("algo", cfg.algo)
         if algo not in presets:
-            parser.error(f"argument --algo: invalid choice {algo!r} (choose from {', '.join(presets)})")
-        for k, v in presets[algo].items():  # a recipe knob changed by hand is allowed, but never silently
+            parser.error(f"argument --algo: invalid choice {algo!r} (choose from "
+                         f"{', '.join(presets)})")
+        # a recipe knob changed by hand is allowed, but never silently
+        for k, v in presets[algo].items():
             if k in given and given[k] != v and os.environ.get("RANK", "0") == "0":
                 print(f"note: --{k} {given[k]} overrides the {algo} preset's {k} = {v}", flush=True)
         given = {**presets[algo], **given}
@@ -339,9 +352,9 @@ def config_dict(cfg, world_size: int = 1) -> dict:
 
 
 def check_config(cfg, world_size: int, check_algorithm=None):
-    """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is loaded; the
-    script's own last (check_algorithm(cfg)). --logprob_path auto is resolved here, once: a resumed run
-    takes the path the fresh run took, and config.json records it."""
+    """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is
+    loaded; the script's own last (check_algorithm(cfg)). --logprob_path auto is resolved here,
+    once: a resumed run takes the path the fresh run took, and config.json records it."""
     choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                "dtype": ("float32", "bfloat16", "float16"),
                "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
@@ -353,8 +366,8 @@ def check_config(cfg, world_size: int, check_algorithm=None):
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
-    for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size", "overlong_buffer",
-                 "micro_batch_tokens", "logprob_chunk", "crosscheck_train"):
+    for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size",
+                 "overlong_buffer", "micro_batch_tokens", "logprob_chunk", "crosscheck_train"):
         if getattr(cfg, name) < 0:
             die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens",
@@ -363,34 +376,39 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         if getattr(cfg, name) < 1:
             die(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.group_size < 2:
-        die(f"--group_size must be >= 2 (advantages are relative to the group), got {cfg.group_size}")
+        die(f"--group_size must be >= 2 (advantages are relative to the group), got "
+            f"{cfg.group_size}")
     if cfg.cpu_offload and not is_dist():
-        die("--cpu_offload needs FSDP2, which runs under torchrun: launch with torchrun --standalone "
-            "--nproc_per_node=1 (one GPU) or more")
+        die("--cpu_offload needs FSDP2, which runs under torchrun: launch with torchrun "
+            "--standalone --nproc_per_node=1 (one GPU) or more")
     if cfg.dtype == "float16" and not cfg.eval_only:
-        die("--dtype float16 trains without loss scaling (small gradients underflow): use bfloat16, "
-            "or float16 only with --eval_only")
+        die("--dtype float16 trains without loss scaling (small gradients underflow): use "
+            "bfloat16, or float16 only with --eval_only")
     if cfg.prompts_per_step % world_size:
         die(f"--prompts_per_step {cfg.prompts_per_step} does not divide over {world_size} ranks")
     if cfg.updates_per_step > cfg.prompts_per_step // world_size:
         die(f"--updates_per_step {cfg.updates_per_step} is more than the "
-            f"{cfg.prompts_per_step // world_size} prompts per rank "
-            f"(--prompts_per_step {cfg.prompts_per_step} over {world_size} ranks): an update needs a group")
+            f"{cfg.prompts_per_step // world_size} prompts per rank (--prompts_per_step "
+            f"{cfg.prompts_per_step} over {world_size} ranks): an update needs a group")
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         die(f"--out_dir {cfg.out_dir!r} is an existing file, not a folder")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
-        die(f"--overlong_buffer {cfg.overlong_buffer} must be below --max_new_tokens {cfg.max_new_tokens}")
+        die(f"--overlong_buffer {cfg.overlong_buffer} must be below --max_new_tokens "
+            f"{cfg.max_new_tokens}")
     if cfg.rollout_is_cap <= 1:
-        die(f"--rollout_is_cap must be > 1 (weights are kept in [1/cap, cap]), got {cfg.rollout_is_cap}")
+        die(f"--rollout_is_cap must be > 1 (weights are kept in [1/cap, cap]), got "
+            f"{cfg.rollout_is_cap}")
     if cfg.oversample < 1:
         die(f"--oversample must be >= 1, got {cfg.oversample}")
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
-        die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and {cfg.top_p}")
+        die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and "
+            f"{cfg.top_p}")
     if cfg.crosscheck_train and not cfg.verifier_crosscheck:
         die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
     if cfg.verifier_crosscheck and crosscheck.missing():
         die(f"--verifier_crosscheck: {crosscheck.missing()}")
-    parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here, before anything is loaded
+    # a bad set@k stops here, before anything is loaded
+    parse_eval_data(cfg.eval_data, cfg.eval_samples)
     check_lora_config(cfg)
     if cfg.logprob_path == "auto":  # the rule: the shipped demos run the plain path a reader copies
         cfg.logprob_path = "plain" if is_demo_model(cfg.model) else "shortcuts"
@@ -399,10 +417,11 @@ def check_config(cfg, world_size: int, check_algorithm=None):
 
 
 def check_lora_config(cfg):
-    """The --lora_* flags: a rank >= 1 turns LoRA on; the others only tune it, so setting them without a rank
-    is a mistake, not a silent full fine-tune."""
+    """The --lora_* flags: a rank >= 1 turns LoRA on; the others only tune it, so setting them
+    without a rank is a mistake, not a silent full fine-tune."""
     tuned = [f"--{f.name}" for f in fields(cfg)
-             if f.name.startswith("lora_") and f.name != "lora_rank" and getattr(cfg, f.name) != f.default]
+             if f.name.startswith("lora_") and f.name != "lora_rank"
+             and getattr(cfg, f.name) != f.default]
     if cfg.lora_rank < 0 or (cfg.lora_rank == 0 and tuned):
         die(f"--lora_rank {cfg.lora_rank}: LoRA needs a rank >= 1" +
             (f" ({', '.join(tuned)} set: they only apply to LoRA)" if tuned else ""))

@@ -1,25 +1,31 @@
 """
-DA3PO: DAPO plus Direct Advantage Amplification (DAA) of the correct completions on hard prompts. Paper:
-"Learning from Hard Prompts: Difficulty-aware Advantage Amplification in Dynamic Sampling", arXiv:2608.27982;
-DAPO (the base): arXiv:2503.14476.
+DA3PO: DAPO plus Direct Advantage Amplification (DAA) of the correct completions on hard prompts.
+Paper: "Learning from Hard Prompts: Difficulty-aware Advantage Amplification in Dynamic Sampling",
+arXiv:2608.27982; DAPO (the base): arXiv:2503.14476.
 
-One RL step: G completions per prompt -> verifier (+1/-1, DAPO's overlong shaping) -> dynamic sampling (keep
-groups with 0 < #correct < G) -> GRPO advantages -> DAA: A <- lam * A for the correct completions (A > 0) of
-groups whose pass rate p_hat = #correct / G is below tau -> DAPO's token-mean clipped loss (clip-higher),
-several updates. Why (--theory): dropping the all-wrong groups raises the expected advantage of an incorrect
-completion on a prompt of pass rate p by alpha- = 1/(1-(1-p)^(G-1)), of a correct one by alpha+ =
-1/(1-p^(G-1)): below p = 0.5 the correct ones are under-weighted (gamma = alpha+/alpha- < 1). --algo: da3po,
-or the baselines dapo (lam 1), grpo, dr_grpo, gspo.
+One RL step: G completions per prompt -> verifier (+1/-1, DAPO's overlong shaping)
+-> dynamic sampling (keep groups with 0 < #correct < G) -> GRPO advantages
+-> DAA: A <- lam * A for the correct completions (A > 0) of groups whose pass rate
+   p_hat = #correct / G is below tau
+-> DAPO's token-mean clipped loss (clip-higher), several updates.
+Why (--theory): dropping the all-wrong groups raises the expected advantage of an incorrect
+completion on a prompt of pass rate p by alpha- = 1/(1-(1-p)^(G-1)), and of a correct one by
+alpha+ = 1/(1-p^(G-1)); below p = 0.5 the correct ones are under-weighted
+(gamma = alpha+/alpha- < 1).
+--algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo.
 
-Deviations [dev N]: 1) the paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau.
-2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the GRPO and GSPO presets, as
-in DAPO. 4) Ours, off by default: --adaptive_lam (lam = 1/gamma, the paper's future work), --p_estimate
-running (p from every sample of the prompt so far), --daa_scope all (a control).
+Deviations [dev N]:
+1) The paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau.
+2) The defaults run the CPU demo; docs/gpu.md has the paper's settings.
+3) No KL term in the GRPO and GSPO presets, as in DAPO.
+4) Ours, off by default: --adaptive_lam (lam = 1/gamma, the paper's future work), --p_estimate
+   running (p from every sample of the prompt so far), --daa_scope all (a control).
 
-Run:  python da3po.py                                          # the reasoning demo, under a minute on a CPU
-      python da3po.py --algo dapo --steps 3 --out_dir /tmp/x   # a baseline, a smoke test
-      torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...   # docs/gpu.md
-      python da3po.py --theory                                 # the amplification factors, exact and MC
+Run:
+  python da3po.py                                         # the reasoning demo, a minute on a CPU
+  python da3po.py --algo dapo --steps 3 --out_dir /tmp/x  # a baseline, a smoke test
+  torchrun --standalone --nproc_per_node=8 da3po.py --model Qwen/Qwen3-4B-Base ...  # docs/gpu.md
+  python da3po.py --theory                                # the amplification factors, exact and MC
 """
 from dataclasses import dataclass
 
@@ -35,14 +41,14 @@ from config import BASELINES, TrainConfig, check_config, parse_config, presets
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout
 from modeling import model_path
-from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_process, handle_stop_signals,
-                   setup_dist, stop_requested, stop_run)
+from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_process,
+                   handle_stop_signals, setup_dist, stop_requested, stop_run)
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DAA's, the presets, the checks of DAA's flags
 @dataclass
 class Config(TrainConfig):
-    """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path; CPU demo defaults."""
+    """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path."""
     algo: str = "da3po"
     """preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset"""
     out_dir: str = "out/da3po"
@@ -85,15 +91,15 @@ def check_algorithm_config(cfg: Config):
         die(f"--lam_max must be >= 1, got {cfg.lam_max}")
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Algorithm: Direct Advantage Amplification, and the theory behind it
 def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float,
         p: torch.Tensor | None = None, scope: str = "correct"):
-    """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau (the
-    overlong penalty can put a correct one below its group's mean). advantages, correct: (N, G); p (N, 1),
-    by default p_hat = #correct / G; lam: a number or (N, 1). scope "all": every advantage of a hard group
-    (a control). Advantages, not rewards: a two-level reward survives the z-score. No renormalisation
-    after. Returns (advantages, amplified)."""
+    """DAA: lam * A for the correct completions with A > 0 of the groups whose pass rate p < tau
+    (the overlong penalty can put a correct one below its group's mean). advantages, correct: (N,
+    G); p (N, 1), by default p_hat = #correct / G; lam: a number or (N, 1). scope "all": every
+    advantage of a hard group (a control). Advantages, not rewards: a two-level reward survives the
+    z-score. No renormalisation after. Returns (advantages, amplified)."""
     p = correct.float().mean(-1, keepdim=True) if p is None else p  # (N, 1)
     hard = (p < tau).expand_as(advantages)  # (N, G) [dev 1]
     amplified = hard if scope == "all" else hard & correct & (advantages > 0)
@@ -101,8 +107,8 @@ def daa(advantages: torch.Tensor, correct: torch.Tensor, lam, tau: float,
 
 
 def adaptive_lam(p: torch.Tensor, G: int, lam_max: float) -> torch.Tensor:
-    """[dev 4] The factor that undoes the dynamic-sampling imbalance, capped at lam_max:
-    1/gamma = (1 - p^(G-1)) / (1 - (1-p)^(G-1)), > 1 for p < 0.5. Example: G = 8, p = 1/8 -> 1.65."""
+    """[dev 4] The factor that undoes the dynamic-sampling imbalance, capped at lam_max: 1/gamma =
+    (1 - p^(G-1)) / (1 - (1-p)^(G-1)), > 1 for p < 0.5. Example: G = 8, p = 1/8 -> 1.65."""
     p = p.clamp(1e-6, 1 - 1e-6)
     return ((1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1))).clamp(max=lam_max)
 
@@ -123,9 +129,10 @@ def count_passes(counts: dict, groups: list[dict]):
 
 def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], pass_counts: dict,
             cfg: Config):
-    """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for. advantage,
-    correct: (N, G). Returns (the amplified advantages (N, G), this rank's counts (4,): completions,
-    those amplified, the sum and the largest of their factors; daa_metrics turns them into daa/*)."""
+    """DAA on this rank's groups with the pass-rate estimate and factor the flags ask for.
+    advantage, correct: (N, G). Returns (the amplified advantages (N, G), this rank's counts (4,):
+    completions, those amplified, the sum and the largest of their factors; daa_metrics turns them
+    into daa/*)."""
     p = correct.to(advantage.dtype).mean(-1, keepdim=True)  # p_hat (N, 1), the advantages' dtype
     if cfg.p_estimate == "running":
         counts = [pass_counts[pass_key(g)] for g in groups]
@@ -161,8 +168,9 @@ def amplification_factors(p: float, G: int) -> tuple[float, float, float]:
 
 def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000,
                         seed: int = 0) -> tuple[float, float, float]:
-    """The same factors by simulation: GRPO advantages of completion 0 over random groups, averaged over
-    the kept groups vs over all groups (where a dropped uniform group contributes advantage 0)."""
+    """The same factors by simulation: GRPO advantages of completion 0 over random groups, averaged
+    over the kept groups vs over all groups (where a dropped uniform group contributes advantage 0).
+    """
     g = torch.Generator().manual_seed(seed)
     correct = torch.rand(num_groups, G, generator=g) < p  # (N, G)
     adv = group_advantages(correct.float(), std_norm=True)
@@ -177,7 +185,8 @@ def monte_carlo_factors(p: float, G: int, num_groups: int = 200_000,
 
 
 def print_theory():
-    print("dynamic-sampling amplification of the expected advantage (exact | Monte Carlo, 200k groups)")
+    print("dynamic-sampling amplification of the expected advantage "
+          "(exact | Monte Carlo, 200k groups)")
     columns = f"{'alpha+':>7} {'alpha-':>7} {'gamma':>6}"
     print(f"{'G':>3} {'p':>5} | {columns} | {columns}")
     for G in (4, 8, 16):
@@ -189,8 +198,8 @@ def print_theory():
 
 
 class DAA(Algorithm):
-    """DA3PO's part of the step (the hooks: common.Algorithm). State: --p_estimate running's pass counts;
-    over a step, amplify's counts over all ranks."""
+    """DA3PO's part of the step (the hooks: common.Algorithm). State: --p_estimate running's pass
+    counts; over a step, amplify's counts over all ranks."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         super().__init__(cfg, device, state)
@@ -229,7 +238,7 @@ class DAA(Algorithm):
         return f" | amp {record['daa/amplified_frac']:.2f}"
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Training
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
@@ -241,7 +250,8 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
     base_path = model_path(cfg.model)
-    # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen, adapters on it
+    # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen,
+    # adapters on it
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
@@ -277,7 +287,8 @@ def main(cfg: Config):
         update_rows = []
         next_update = 0
         if pending is None:
-            # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
+            # 1) roll out G completions per prompt, verify, reward;
+            # dynamic sampling keeps the mixed groups
             position = stream.position
             rng = rng_state()
             with timer("rollout"):
@@ -330,11 +341,13 @@ def main(cfg: Config):
                     if guard.step(model, opt, cfg.grad_clip, update_loss, sums,
                                   f"step {step} update {u}"):
                         algo.after_update()
-            # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
+            # 6) the rollout engine takes the new weights (vLLM: streamed,
+            # then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 7) a printed line and a metrics record: sums over micro-batches and ranks, means per token/update
+        # 7) a printed line and a metrics record: sums over micro-batches and ranks,
+        # means per token/update
         lr = sched.get_last_lr()[0]
         mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
         record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
@@ -343,7 +356,8 @@ def main(cfg: Config):
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         logger.samples(step, my_groups)  # every --sample_every steps
-        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs on resume)
+        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs
+        # on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:

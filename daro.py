@@ -1,26 +1,31 @@
 """
-DARO: the GRPO/DAPO loss split by difficulty bin, each bin with a learnable weight. Paper: "DARO:
-Difficulty-Aware Reweighting Policy Optimization", arXiv:2510.09001; DAPO (the base): arXiv:2503.14476.
+DARO: the GRPO/DAPO loss split by difficulty bin, each bin with a learnable weight.
+Paper: "DARO: Difficulty-Aware Reweighting Policy Optimization", arXiv:2510.09001.
+DAPO (the base): arXiv:2503.14476.
 
-One RL step: as in da3po.py up to GRPO's advantages; then each completion goes to the bin mu = #correct / K of
-its group, and each update of the model and the weights minimises
-  L(theta, w) = sum_{mu = 1/K .. (K-1)/K} [ w_mu * L_mu(theta) - ln w_mu ]                   Eq. (1)
-  L_mu = (clipped token losses of bin mu, summed) / (#tokens of bin mu in the whole update)  Eq. (2)
-  w_mu = exp(-s_mu), s = 0 at start; Adam (--weight_lr), no weight decay, no gradient clip   Eq. (3)
-The optimum w_mu = 1 / L_mu gives every bin the same loss scale; bins 0 and 1 (no advantage) are left out.
---algo: daro; the static uniform (w = 1) and var (w = sqrt(mu (1 - mu)), the reward variance); the baselines
-dapo, grpo, dr_grpo, gspo (common.BASELINES).
+One RL step: as in da3po.py up to GRPO's advantages; then each completion goes to the bin
+mu = #correct / K of its group, and each update of the model and the weights minimises
+  L(theta, w) = sum_{mu = 1/K .. (K-1)/K} [ w_mu * L_mu(theta) - ln w_mu ]                  Eq. (1)
+  L_mu = (clipped token losses of bin mu, summed) / (#tokens of bin mu in the update)      Eq. (2)
+  w_mu = exp(-s_mu), s = 0 at start; Adam (--weight_lr), no weight decay or gradient clip  Eq. (3)
+The optimum w_mu = 1 / L_mu gives every bin the same loss scale; bins 0 and 1 (no advantage) are
+left out. --algo: daro; the static uniform (w = 1) and var (w = sqrt(mu (1 - mu)), the reward
+variance); the baselines dapo, grpo, dr_grpo, gspo (config.BASELINES).
 
-Deviations [dev N]: 1) the paper does not settle the sign of L_mu: at ratio 1 it is minus its bin's mean
-advantage per token, negative when the bin's correct completions are the longer ones, and Eq. (1) then has no
-minimum in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the model's gradient is the same);
---daro_literal fits L_mu. 2) The defaults run the CPU demo; docs/gpu.md has the paper's. 3) No KL term in the
-GRPO preset, as in DAPO. 4) The presets keep DAPO's dynamic sampling on (as the CPU demos were measured); the
-paper sets reweighting against resampling, so docs/gpu.md's paper runs pass --no-dynamic_sampling.
+Deviations [dev N]:
+1) The paper does not settle the sign of L_mu: at ratio 1 it is minus its bin's mean advantage per
+   token, negative when the bin's correct completions are the longer ones, and Eq. (1) then has no
+   minimum in w. By default w fits |L_mu| + delta, clamped to [w_min, w_max] (the model's gradient
+   is the same); --daro_literal fits L_mu.
+2) The defaults run the CPU demo; docs/gpu.md has the paper's settings.
+3) No KL term in the GRPO preset, as in DAPO.
+4) The presets keep DAPO's dynamic sampling on (as the CPU demos were measured); the paper sets
+   reweighting against resampling, so docs/gpu.md's paper runs pass --no-dynamic_sampling.
 
-Run:  python daro.py                                          # the reasoning demo, under a minute on a CPU
-      python daro.py --algo var --steps 3 --out_dir /tmp/x    # a static weighting, a smoke test
-      torchrun --standalone --nproc_per_node=8 daro.py --model Qwen/Qwen2.5-Math-7B ...   # docs/gpu.md
+Run:
+  python daro.py                                          # the reasoning demo, a minute on a CPU
+  python daro.py --algo var --steps 3 --out_dir /tmp/x    # a static weighting, a smoke test
+  torchrun --standalone --nproc_per_node=8 daro.py --model Qwen/Qwen2.5-Math-7B ...  # docs/gpu.md
 """
 import math
 from dataclasses import dataclass
@@ -37,14 +42,14 @@ from config import BASELINES, TrainConfig, check_config, parse_config, presets
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout
 from modeling import model_path
-from ranks import (all_reduce_sum, cleanup_dist, die, end_process, handle_stop_signals, setup_dist, stop_requested,
-                   stop_run)
+from ranks import (all_reduce_sum, cleanup_dist, die, end_process, handle_stop_signals, setup_dist,
+                   stop_requested, stop_run)
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Config: the shared knobs (common.TrainConfig) and DARO's, the presets, the checks of DARO's flags
 @dataclass
 class Config(TrainConfig):
-    """DARO (learnable per-difficulty loss weights) and its baselines on one code path; CPU demo defaults."""
+    """DARO (learnable per-difficulty loss weights) and its baselines on one code path."""
     algo: str = "daro"
     """preset: daro | uniform | var | dapo | grpo | dr_grpo | gspo; explicit flags override"""
     out_dir: str = "out/daro"
@@ -65,7 +70,7 @@ class Config(TrainConfig):
     w_max: float = 10.0
     """upper clamp of every w_mu [dev 1]"""
     shared_weight: bool = False
-    """a control: every bin weighs the mean of the fitted weights (the loss scale, no reweighting)"""
+    """a control: every bin weighs the fitted weights' mean (the loss scale, no reweighting)"""
 
 
 OWN_PRESETS = {
@@ -77,35 +82,43 @@ PRESETS = presets(OWN_PRESETS, off={"weighting": "none"})
 
 
 def check_algorithm_config(cfg: Config):
-    """DARO's flags that cannot work stop here, naming the flag (exit 2); check_config calls it last."""
+    """DARO's flags that cannot work stop here, naming the flag (exit 2); config.check_config
+    calls this last."""
     if cfg.weighting not in ("learned", "closed", "uniform", "var", "none"):
         die(f"--weighting {cfg.weighting!r}: choose one of learned, closed, uniform, var, none")
     if cfg.weighting == "learned" and not cfg.weight_lr > 0:
-        die(f"--weight_lr must be > 0 for --weighting learned (w = 1: uniform), got {cfg.weight_lr}")
+        die(f"--weight_lr must be > 0 for --weighting learned (w = 1: uniform), "
+            f"got {cfg.weight_lr}")
     if cfg.weighting == "closed" and cfg.daro_literal:
-        die("--weighting closed fits |L_mu| + delta: --daro_literal has no minimum in w where L_mu <= 0")
+        die("--weighting closed fits |L_mu| + delta: --daro_literal has no minimum in w where "
+            "L_mu <= 0")
     if cfg.daro_delta < 0:
         die(f"--daro_delta must be >= 0 (it keeps |L_mu| + delta positive), got {cfg.daro_delta}")
     if cfg.shared_weight and cfg.weighting not in ("learned", "closed"):
-        die(f"--shared_weight shares the weights of --weighting learned or closed, not {cfg.weighting}")
+        die(f"--shared_weight shares the weights of --weighting learned or closed, "
+            f"not {cfg.weighting}")
     if not 0 < cfg.w_min <= 1 <= cfg.w_max:
-        die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
+        die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, "
+            f"got {cfg.w_min} and {cfg.w_max}")
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Algorithm: difficulty bins, per-bin losses and their learnable weights
 def tokens_per_bin(mask: torch.Tensor, bins: torch.Tensor, G: int) -> torch.Tensor:
-    """(G+1,) the completion tokens of each bin mu among these rows. bins: (B,) #correct of each row's group."""
+    """(G+1,) the completion tokens of each bin mu among these rows; bins (B,): #correct of each
+    row's group."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
     return mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))
 
 
-def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int, tokens: torch.Tensor | None = None):
-    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token of bin mu
-    weighs 1 / (#tokens of bin mu in the WHOLE update); bins 0 and G weigh 0, and a bin of one prompt weighs
-    as much as one of twenty. tokens (G+1,): the update's tokens per bin, over every micro-batch and rank
-    (DARO.start_update sums tokens_per_bin over ranks; default: these rows'). Example: bins [1, 1, 3],
-    lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T), tokens per bin (G+1,))."""
+def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int,
+                      tokens: torch.Tensor | None = None):
+    """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token
+    of bin mu weighs 1 / (#tokens of bin mu in the WHOLE update); bins 0 and G weigh 0, and a bin of
+    one prompt weighs as much as one of twenty. tokens (G+1,): the update's tokens per bin, over
+    every micro-batch and rank (DARO.start_update sums tokens_per_bin over ranks; default: these
+    rows'). Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T),
+    tokens per bin (G+1,))."""
     mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
     if tokens is None:
         tokens = tokens_per_bin(mask, bins, G)
@@ -115,9 +128,10 @@ def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int, tokens: to
 
 def bin_weights(neg_log_w: list[torch.Tensor], weighting: str,
                 shared: bool = False) -> torch.Tensor:
-    """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the closed
-    form), or a static function of mu; 0 for mu = 0 and 1; `none` (no bins) weighs every bin 1. shared: every
-    bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global loss-scale control)."""
+    """w_mu for mu = 0, 1/G, ..., 1, a constant (G+1,): exp(-s_mu), Eq. (3) (learned, or set by the
+    closed form), or a static function of mu; 0 for mu = 0 and 1; `none` (no bins) weighs every bin
+    1. shared: every bin mu = 1/G .. (G-1)/G weighs the mean of those weights (the global
+    loss-scale control)."""
     G = len(neg_log_w) + 1
     device = neg_log_w[0].device
     if weighting == "none":
@@ -134,8 +148,9 @@ def bin_weights(neg_log_w: list[torch.Tensor], weighting: str,
 
 def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, present: torch.Tensor,
                      delta: float, literal: bool) -> torch.Tensor:
-    """The weights' side of Eq. (1) over the bins present in the update: sum_mu w_mu L_mu + s_mu (s = -ln w),
-    with |L_mu| + delta in place of L_mu, so that the minimum w_mu = 1 / (|L_mu| + delta) exists [dev 1]."""
+    """The weights' side of Eq. (1) over the bins present in the update: sum_mu w_mu L_mu + s_mu (s
+    = -ln w), with |L_mu| + delta in place of L_mu, so that the minimum w_mu = 1 / (|L_mu| + delta)
+    exists [dev 1]."""
     target = bin_loss if literal else bin_loss.abs() + delta  # (G+1,)
     return sum(torch.exp(-s) * target[i] + s  # Eq. (1), (3)
                for i, s in enumerate(neg_log_w, 1) if present[i])
@@ -143,8 +158,8 @@ def weight_objective(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor, pres
 
 def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Tensor,
                    present: torch.Tensor, cfg):
-    """One Adam step of s = -ln w on Eq. (1), then w clamped to [w_min, w_max]. An absent bin keeps .grad
-    None, so Adam skips it (with a zero gradient its momentum would still move the weight)."""
+    """One Adam step of s = -ln w on Eq. (1), then w clamped to [w_min, w_max]. An absent bin keeps
+    .grad None, so Adam skips it (with a zero gradient its momentum would still move the weight)."""
     if not present[1:-1].any():
         return
     weight_opt.zero_grad(set_to_none=True)
@@ -159,8 +174,9 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
 
 def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor,
                         present: torch.Tensor, cfg):
-    """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu| + delta),
-    clamped to [w_min, w_max], for each bin present in the update; an absent bin keeps its weight."""
+    """The minimum of Eq. (1) in w, set directly: s_mu = ln(|L_mu| + delta), i.e. w_mu = 1 / (|L_mu|
+    + delta), clamped to [w_min, w_max], for each bin present in the update; an absent bin keeps
+    its weight."""
     low = -math.log(cfg.w_max)  # s = -ln w: w_max is the lowest s
     high = -math.log(cfg.w_min)
     with torch.no_grad():
@@ -188,14 +204,15 @@ class DARO(Algorithm):
                     s.copy_(saved)
             self.weight_opt.load_state_dict(state["weight_optimizer"])
         self.bins = torch.zeros(3, self.G + 1)
-        # the current update's (set by start_update): tokens per bin, w_mu, this rank's share of each L_mu
+        # the current update's (set by start_update): tokens per bin, w_mu,
+        # this rank's share of each L_mu
         self.bin_tokens = torch.zeros(self.G + 1, device=device)
         self.w = bin_weights(self.neg_log_w, cfg.weighting, cfg.shared_weight)
         self.bin_loss = torch.zeros(self.G + 1, device=device)
 
     def state_dict(self) -> dict:
-        """On the CPU, so that a checkpoint resumes on any device (Adam's load_state_dict moves its moments to
-        the weights' device)."""
+        """On the CPU, so that a checkpoint resumes on any device (Adam's load_state_dict moves its
+        moments to the weights' device)."""
         weight_opt = self.weight_opt.state_dict()
         moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in weight_opt["state"].items()}
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
@@ -208,19 +225,21 @@ class DARO(Algorithm):
         self.bins = state["bins"]
 
     def advantages(self, batch: dict, groups: list[dict]) -> torch.Tensor:
-        """GRPO advantages (B,); batch["bin"] (B,): #correct of each completion's group (mu = bin / G)."""
+        """GRPO advantages (B,), and batch["bin"] (B,): the #correct of each completion's group,
+        its bin mu = bin / G."""
         G = self.G
         advantage = super().advantages(batch, groups)  # GRPO's
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
         if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
-        groups_per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # this rank's
+        # this rank's groups in each bin
+        groups_per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()
         self.bins[2] = all_reduce_sum(groups_per_bin)  # all ranks': the same on every rank
         return advantage
 
     def start_update(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
-        """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins); the
-        update's w_mu, and its L_mu to be summed from zero by loss()."""
+        """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins);
+        the update's w_mu, and its L_mu to be summed from zero by loss()."""
         mask = batch["mask"][rows]
         bins = batch["bin"][rows]
         tokens = all_reduce_sum(tokens_per_bin(mask, bins, self.G))  # the whole update's, all ranks
@@ -232,7 +251,8 @@ class DARO(Algorithm):
         return weight
 
     def loss(self, token_loss: torch.Tensor, mb: dict) -> torch.Tensor:
-        """A micro-batch's share of each L_mu (for the weights' step), and of Eq. (1) on theta's side."""
+        """A micro-batch's share of each L_mu (for the weights' step), and its part of Eq. (1) on
+        theta's side."""
         row_loss = (token_loss.detach() * mb["weight"]).sum(-1)  # (B,)
         self.bin_loss += torch.zeros_like(self.bin_loss).index_add_(0, mb["bin"], row_loss)
         w_row = self.w[mb["bin"]].unsqueeze(-1)  # (B, 1)
@@ -254,9 +274,9 @@ class DARO(Algorithm):
         self.bins[1] += present.float().cpu()
 
     def end_step(self) -> dict:
-        """The step's daro/* record (daro/w_0.125: mu to three decimals): w_mu after the step, L_mu (mean over
-        the updates with bin mu, else 0), n_mu (groups trained on, all ranks); the next step's `bins` start
-        at zero."""
+        """The step's daro/* record (daro/w_0.125: mu to three decimals): w_mu after the step, L_mu
+        (mean over the updates with bin mu, else 0), n_mu (groups trained on, all ranks); the next
+        step's `bins` start at zero."""
         G = self.G
         bins = self.bins
         self.bins = torch.zeros(3, G + 1)  # the next step's
@@ -273,7 +293,7 @@ class DARO(Algorithm):
         ws = [record[f"daro/w_{i / self.G:.3f}"] for i in range(1, self.G)]
         return f" | w {min(ws):.2f}-{max(ws):.2f}"
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Training
 def main(cfg: Config):
     # TRY NOT TO MODIFY: ranks, data, model, rollout engine, optimizer, resume
@@ -285,7 +305,8 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
     base_path = model_path(cfg.model)
-    # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen, adapters on it
+    # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen,
+    # adapters on it
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
@@ -321,7 +342,8 @@ def main(cfg: Config):
         update_rows = []
         next_update = 0
         if pending is None:
-            # 1) roll out G completions per prompt, verify, reward; dynamic sampling keeps the mixed groups
+            # 1) roll out G completions per prompt, verify, reward;
+            # dynamic sampling keeps the mixed groups
             position = stream.position
             rng = rng_state()
             with timer("rollout"):
@@ -374,11 +396,13 @@ def main(cfg: Config):
                     if guard.step(model, opt, cfg.grad_clip, update_loss, sums,
                                   f"step {step} update {u}"):
                         algo.after_update()
-            # 6) the rollout engine takes the new weights (vLLM: streamed, then checked against the trainer's)
+            # 6) the rollout engine takes the new weights (vLLM: streamed,
+            # then checked against the trainer's)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 7) a printed line and a metrics record: sums over micro-batches and ranks, means per token/update
+        # 7) a printed line and a metrics record: sums over micro-batches and ranks,
+        # means per token/update
         lr = sched.get_last_lr()[0]
         mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
         record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
@@ -387,7 +411,8 @@ def main(cfg: Config):
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         logger.samples(step, my_groups)  # every --sample_every steps
-        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs on resume)
+        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs
+        # on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:

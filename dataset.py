@@ -12,7 +12,7 @@ from modeling import DEMO_CHAT_TEMPLATE
 from ranks import die, print0
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Problems. A problem is a dict {"prompt": str, "answer": str, "level": int}
 # (level 0 = unknown difficulty); the built-in task makes its own.
 # The demo's eval set: 200 held-out sums in 5 levels of its own
@@ -59,7 +59,7 @@ def arith_problems(seed: int, eval_per_level: int = 50,
     return train, evals
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Data files: rows in the schemas of docs/data.md, read into problems.
 def _field(row: dict, key: str):
     """row["a"]["b"] for key "a.b"; None when any part is missing."""
@@ -210,7 +210,7 @@ def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "")
             for i, row in enumerate(rows, 1)]
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Prompts (formatted and tokenized once, at load), eval sets with unique names,
 # the seeded training stream.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

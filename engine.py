@@ -1,5 +1,6 @@
 """
-Look up when needed: the rollout engines behind one interface, our sampler here and vLLM in vllm_engine.py.
+Look up when needed: the rollout engines behind one interface,
+our sampler here and vLLM in vllm_engine.py.
 
   engine = make_rollout(cfg, model, tok, dist_info, path)  # HFRollout (our sampler) or VLLMRollout
   engine.calibrate(sharded_model)  # vLLM: the weight-sync probe's start-up gap
@@ -23,7 +24,7 @@ from ranks import DistInfo, die, is_dist, print0
 from vllm_engine import make_vllm_rollout, vllm_usable
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. Our sampler, on the transformers model's own forward and KV cache.
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float):
     """One token per row of logits (B, V), from softmax(logits / temperature) cut to the top_p
@@ -170,7 +171,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int,
     return completions, truncated, logprobs if temperature > 0 else None
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. Our sampler as an engine.
 class HFRollout:
     """Our sampler as an engine, in the trainer's --dtype (autocast), on the trained model itself
@@ -235,17 +236,18 @@ class HFRollout:
         pass
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. Choosing the engine (--rollout hf | vllm | auto); vLLM's own file is vllm_engine.py.
 def resolve_rollout(kind: str, device: torch.device) -> str:
-    """--rollout hf|vllm|auto -> 'hf' or 'vllm'; auto picks vLLM when it is installed and can run
-    here."""
+    """--rollout hf|vllm|auto -> 'hf' or 'vllm'; auto picks vLLM when it is installed and can
+    run here."""
     assert kind in ("hf", "vllm", "auto"), f"--rollout must be hf, vllm or auto, not {kind!r}"
     if kind == "hf":
         return "hf"
     why_not = vllm_usable(device)
     if kind == "vllm" and why_not:
-        die(f"--rollout vllm: {why_not} (install requirements/vllm-{device.type}.txt, or use --rollout hf)")
+        die(f"--rollout vllm: {why_not} (install requirements/vllm-{device.type}.txt, or use "
+            f"--rollout hf)")
     if why_not:
         print0(f"rollout: hf, our sampler on the Hugging Face model ({why_not})")
     return "hf" if why_not else "vllm"
@@ -259,13 +261,13 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit and cfg.max_model_len > limit:
         die(f"--max_model_len {cfg.max_model_len} (the longest prompt + --max_new_tokens "
-            f"{cfg.max_new_tokens}, unless set) exceeds the {limit} positions of --model {cfg.model}: "
-            f"lower --max_new_tokens or --max_prompt_length")
+            f"{cfg.max_new_tokens}, unless set) exceeds the {limit} positions of --model "
+            f"{cfg.model}: lower --max_new_tokens or --max_prompt_length")
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
         engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p)
         if engine.exact_logprobs and cfg.rollout_is != "none":
-            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in float32 "
-                   f"samples with the trainer's own weights and arithmetic, so its log-probs are pi_old "
-                   f"(weights of 1)")
+            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in "
+                   f"float32 samples with the trainer's own weights and arithmetic, so its "
+                   f"log-probs are pi_old (weights of 1)")
         return engine
     return make_vllm_rollout(cfg, model, tok, dist_info, path)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Ranks and collectives, in lockstep: every rank issues the same collectives in the same order,
 # so a choice that changes them comes from the config or an all-reduce (tests/test_lockstep.py).
 @dataclass
@@ -68,8 +68,8 @@ def cleanup_dist(engine=None):
 
 def end_process(status: int = 0):
     """A torchrun rank's last call, after cleanup_dist: the exit handlers, the streams flushed, then
-    os._exit(status), without the interpreter's shutdown that can abort a finished rank (docs/gpu.md,
-    "Stops, preemption and checkpoints", says why). A plain run is untouched."""
+    os._exit(status), without the interpreter's shutdown that can abort a finished rank
+    (docs/gpu.md, "Stops, preemption and checkpoints", says why). A plain run is untouched."""
     if not _launched:
         return
     atexit._run_exitfuncs()
@@ -113,7 +113,7 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Stop signals: the loop polls stop_requested() wherever it can stop (a checkpoint follows).
 _stop_signal = None  # set by the handler of SIGTERM and SIGINT
 
@@ -140,7 +140,7 @@ def stop_requested() -> bool:
     return all_reduce_sum(torch.tensor(float(_stop_signal is not None))).item() > 0
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # How a run ends early: die() on a user error (a bad flag, file or row: one line naming it),
 # or stop_run() after a stop request.
 def die(message: str):

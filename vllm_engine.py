@@ -1,8 +1,9 @@
 """
-Look up when needed: the vLLM engine (--rollout vllm; requirements/vllm-gpu.txt or vllm-cpu.txt), a room
-of its own behind engine.py's interface. One engine per rank, in the training process: it samples, sleeps
-through the update on a GPU, takes the trainer's weights (or LoRA adapter) after each step, and a fixed
-probe checks after every sync that it runs the trainer's weights. engine.make_rollout creates it.
+Look up when needed: the vLLM engine (--rollout vllm; requirements/vllm-gpu.txt or vllm-cpu.txt),
+a room of its own behind engine.py's interface. One engine per rank, in the training process:
+it samples, sleeps through the update on a GPU, takes the trainer's weights (or LoRA adapter)
+after each step, and a fixed probe checks after every sync that it runs the trainer's weights.
+engine.make_rollout creates it.
 """
 import math
 import os
@@ -16,7 +17,7 @@ from lora import adapter_state_dict, is_lora, merged_parameters, save_adapter
 from modeling import autocast, eos_ids, reshard
 from ranks import DistInfo, all_reduce_max, die, print0
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. vLLM (optional: requirements/vllm-gpu.txt or vllm-cpu.txt): one engine per rank,
 # synced and probe-checked.
 VLLM_PROBE_TEXT = ("Question: What is 12 + 345?\n"
@@ -167,22 +168,23 @@ class VLLMRollout:
             free = torch.cuda.mem_get_info()[0]
             short = all_reduce_max(torch.tensor(float(self.freed - free))).item()
             if short > 0:
-                die(f"vLLM cannot wake up: it needs {self.freed / 2**30:.1f} GiB back and a rank is "
-                    f"{short / 2**30:.1f} GiB short (the trainer holds the rest); lower --vllm_gpu_memory "
-                    f"or use --cpu_offload (bench/memory.py prints the arithmetic)")
+                die(f"vLLM cannot wake up: it needs {self.freed / 2**30:.1f} GiB back and a rank "
+                    f"is {short / 2**30:.1f} GiB short (the trainer holds the rest); lower "
+                    f"--vllm_gpu_memory or use --cpu_offload (bench/memory.py prints the "
+                    f"arithmetic)")
         if self.on_gpu and self.asleep:
             self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
 
     def close(self):
-        """vLLM's shutdown destroys the process groups: cleanup_dist runs it between barrier and
-        destroy."""
+        """vLLM's shutdown destroys the process groups: cleanup_dist runs it between barrier
+        and destroy."""
         self.llm.llm_engine.engine_core.shutdown()
         if self.lora_dir:
             shutil.rmtree(self.lora_dir, ignore_errors=True)
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. vLLM's weights: streamed from the trainer after each step, then checked by a probe.
     @torch.no_grad()
     def sync_weights(self, model) -> dict:
@@ -270,9 +272,9 @@ class VLLMRollout:
         base = self.probe_gap(model)
         start_limit = 0.05 if self.dtype == "float32" else 0.5
         if not base < start_limit:
-            die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by {base:.3g} "
-                f"on average before any update (the engine loaded other weights than the trainer's, or "
-                f"another dtype)")
+            die(f"vLLM does not start in sync with the trainer: the probe's log-probs differ by "
+                f"{base:.3g} on average before any update (the engine loaded other weights than "
+                f"the trainer's, or another dtype)")
         floor = 1e-3 if self.dtype == "float32" else 1e-2
         self.sync_tol = 4 * base + floor
         print0(f"rollout: vLLM, probe log-prob gap at start {base:.1e}, "
@@ -280,20 +282,22 @@ class VLLMRollout:
         return base
 
     def check_sync(self, model) -> float:
-        """probe_gap after a sync, against calibrate's tolerance; equal on all ranks, so all stop
-        together."""
+        """probe_gap after a sync, against calibrate's tolerance; equal on all ranks, so all
+        stop together."""
         if self.sync_tol is None:
             self.calibrate(model)
         gap = self.probe_gap(model)
         if not gap <= self.sync_tol:  # `not <=` so that NaN fails too
-            die(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ from the "
-                f"trainer's by {gap:.3g} on average on some rank (tolerance {self.sync_tol:.3g}, 4 x the "
-                f"start-up gap + a floor): the engine is not running the trainer's weights")
+            die(f"vLLM weight sync check failed: the engine's log-probs of a fixed probe differ "
+                f"from the trainer's by {gap:.3g} on average on some rank (tolerance "
+                f"{self.sync_tol:.3g}, 4 x the start-up gap + a floor): the engine is not running "
+                f"the trainer's weights")
         return gap
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 3. What vLLM can do here: serve an adapter, run on this device, and how much GPU memory it may take.
+# --------------------------------------------------------------------------------------------------
+# 3. What vLLM can do here: serve an adapter, run on this device,
+#    and how much GPU memory it may take.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32's --max-lora-rank choices
 
 
@@ -322,14 +326,15 @@ def vllm_usable(device: torch.device) -> str:
     # the engine runs in the training process (VLLMRollout)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        return ("VLLM_ENABLE_V1_MULTIPROCESSING is set to 1, but the engine must run in the training process "
-                "(the weights are handed to it in memory after every step): unset it")
+        return ("VLLM_ENABLE_V1_MULTIPROCESSING is set to 1, but the engine must run in the "
+                "training process (the weights are handed to it in memory after every step): unset "
+                "it")
     if device.type == "cuda":  # vllm 0.32's GPU wheels are CUDA 13 builds: driver R580 or newer
         driver_version = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)
         version = driver_version()  # e.g. 12080 for CUDA 12.8
         if 0 < version < 13000:
-            return (f"vllm 0.32's GPU wheels need CUDA 13 (NVIDIA driver R580 or newer); this driver "
-                    f"supports CUDA {version // 1000}.{version % 1000 // 10}")
+            return (f"vllm 0.32's GPU wheels need CUDA 13 (NVIDIA driver R580 or newer); this "
+                    f"driver supports CUDA {version // 1000}.{version % 1000 // 10}")
     try:
         from vllm.platforms import current_platform
     except (ImportError, OSError, RuntimeError) as e:
@@ -355,15 +360,16 @@ def vllm_memory_share(model, dist_info: DistInfo, cpu_offload: bool) -> float:
     usable = min(free, total - context - resident)
     share = math.floor(100 * (usable / total - 0.05)) / 100  # 5% to spare
     if share < 0.1:
-        die(f"--vllm_gpu_memory: the trainer keeps {resident / 2**30:.0f} GiB on each GPU during rollouts, "
-            f"which leaves vLLM {max(share, 0):.2f} of the {total / 2**30:.0f} GiB: use --cpu_offload or "
-            f"more GPUs (bench/memory.py prints the arithmetic)")
+        die(f"--vllm_gpu_memory: the trainer keeps {resident / 2**30:.0f} GiB on each GPU during "
+            f"rollouts, which leaves vLLM {max(share, 0):.2f} of the {total / 2**30:.0f} GiB: use "
+            f"--cpu_offload or more GPUs (bench/memory.py prints the arithmetic)")
     return share
 
 
 def make_vllm_rollout(cfg, model, tok, dist_info: DistInfo, path: str) -> VLLMRollout:
-    """engine.make_rollout's vLLM: its share of GPU memory (--vllm_gpu_memory, 0: vllm_memory_share),
-    and what it serves after each update with LoRA (the adapter, or merged weights: vllm_serves_adapter)."""
+    """engine.make_rollout's vLLM: its share of GPU memory (--vllm_gpu_memory, 0:
+    vllm_memory_share), and what it serves after each update with LoRA (the adapter, or merged
+    weights: vllm_serves_adapter)."""
     on_gpu = dist_info.device.type == "cuda"
     share = cfg.vllm_gpu_memory
     if not share and on_gpu:
