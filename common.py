@@ -290,11 +290,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     num_kept = len(kept_summaries)
     usable = num_kept - num_kept % world  # an equal share per rank: FSDP's collectives in lockstep
     if num_kept < cfg.prompts_per_step:
-        trained = f"all {usable}"
-        if usable < num_kept:
-            trained = f"{usable} (a multiple of the {world} ranks)"
-        print0(f"warning: dynamic sampling kept {num_kept}/{cfg.prompts_per_step} groups after "
-               f"{num_batches} generation batches (--max_gen_batches); training on {trained}")
+        _warn_at_cap(num_kept, usable, num_batches, cfg.prompts_per_step, world)
     kept_summaries = kept_summaries[:min(cfg.prompts_per_step, usable)]
     for g in kept_summaries:
         if g["origin"][0] == rank:
@@ -303,6 +299,15 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of the step's completions
         stats.update(crosscheck.check_train_groups(my_groups, cfg, rank, world))
     return kept_summaries, generated, stats
+
+
+def _warn_at_cap(num_kept: int, usable: int, num_batches: int, wanted: int, world: int):
+    """Dynamic sampling stopped at --max_gen_batches short of the groups it wanted: say so."""
+    trained = f"all {usable}"
+    if usable < num_kept:
+        trained = f"{usable} (a multiple of the {world} ranks)"
+    print0(f"warning: dynamic sampling kept {num_kept}/{wanted} groups after {num_batches} "
+           f"generation batches (--max_gen_batches); training on {trained}")
 
 
 def rollout_metrics(generated: list[dict], num_kept: int, num_batches: int, verify: dict) -> dict:
@@ -510,13 +515,17 @@ def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleu
 
 @torch.no_grad()
 def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
-    """pi_old: the engine's log-probs if exactly the trainer's (`exact`: our sampler in float32 at
-    top_p = 1, the trainer's own weights and arithmetic), else recomputed before the step's first
-    update. Returns new batch entries: old_logp (B, T) [with top_p < 1 also old_logp_nucleus (B, T),
-    pi_old renormalised over its own nucleus, for the engine's nucleus samples]; an exact engine's
-    rollout_logp becomes old_logp."""
-    if exact:
+    """pi_old, new batch entries: the engine's log-probs if exactly the trainer's (`exact`: our
+    sampler in float32 at top_p = 1, the trainer's own weights and arithmetic), else recomputed."""
+    if exact:  # the engine's log-probs are pi_old itself
         return {"old_logp": batch.pop("rollout_logp")}
+    return recompute_old_logprobs(model, batch, cfg, device)
+
+
+@torch.no_grad()
+def recompute_old_logprobs(model, batch: dict, cfg, device: torch.device) -> dict:
+    """pi_old by the trainer before the step's first update: old_logp (B, T) [with top_p < 1 also
+    old_logp_nucleus (B, T), pi_old renormalised over its own nucleus, as the engine's are]."""
     out = {"old_logp": torch.zeros_like(batch["mask"], dtype=torch.float)}  # (B, T)
     if cfg.top_p < 1:
         out["old_logp_nucleus"] = torch.zeros_like(out["old_logp"])
@@ -720,10 +729,14 @@ class UpdateGuard:
         if applied:
             opt.step()
         opt.zero_grad(set_to_none=True)  # freed at once: no gradient lives through the next rollout
-        if applied:
-            sums.add(loss=loss_value, grad_norm=grad_norm.item() / world)
-            self.in_a_row = 0
-            return True
+        if not applied:
+            return self.skipped(sums, world, where)
+        sums.add(loss=loss_value, grad_norm=grad_norm.item() / world)
+        self.in_a_row = 0
+        return True
+
+    def skipped(self, sums: Sums, world: int, where: str) -> bool:
+        """A skipped update: counted and said; --max_bad_updates of them in a row stop the run."""
         sums.add(skipped=1.0 / world)
         self.in_a_row += 1
         print0(f"warning: {where}: non-finite loss or gradient; update skipped")

@@ -250,8 +250,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
     base_path = model_path(cfg.model)
-    # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen,
-    # adapters on it
+    # on the CPU (the engine takes its GPU memory first); --lora_rank: adapters on the base
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
@@ -287,8 +286,7 @@ def main(cfg: Config):
         update_rows = []
         next_update = 0
         if pending is None:
-            # 1) roll out G completions per prompt, verify, reward;
-            # dynamic sampling keeps the mixed groups
+            # 1) rollout: G completions per prompt, rewarded; dynamic sampling keeps mixed groups
             position = stream.position
             rng = rng_state()
             with timer("rollout"):
@@ -341,13 +339,11 @@ def main(cfg: Config):
                     if guard.step(model, opt, cfg.grad_clip, update_loss, sums,
                                   f"step {step} update {u}"):
                         algo.after_update()
-            # 6) the rollout engine takes the new weights (vLLM: streamed,
-            # then checked against the trainer's)
+            # 6) the rollout engine takes the new weights (vLLM: streamed, then checked by a probe)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 7) a printed line and a metrics record: sums over micro-batches and ranks,
-        # means per token/update
+        # 7) a printed line and a metrics record: sums over micro-batches and ranks, then means
         lr = sched.get_last_lr()[0]
         mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
         record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
@@ -356,8 +352,7 @@ def main(cfg: Config):
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         logger.samples(step, my_groups)  # every --sample_every steps
-        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs
-        # on resume)
+        # 8) eval and checkpoints; a stop request checkpoints at once (a due eval runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:

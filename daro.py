@@ -199,10 +199,7 @@ class DARO(Algorithm):
                           for _ in range(self.G - 1)]  # s_mu, mu = 1/G .. (G-1)/G
         self.weight_opt = torch.optim.Adam(self.neg_log_w, lr=cfg.weight_lr)  # Eq. (3)
         if "daro_neg_log_w" in state:  # a resumed run
-            with torch.no_grad():
-                for s, saved in zip(self.neg_log_w, state["daro_neg_log_w"]):
-                    s.copy_(saved)
-            self.weight_opt.load_state_dict(state["weight_optimizer"])
+            self.load_state_dict(state)
         self.bins = torch.zeros(3, self.G + 1)
         # the current update's (set by start_update): tokens per bin, w_mu,
         # this rank's share of each L_mu
@@ -217,6 +214,13 @@ class DARO(Algorithm):
         moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in weight_opt["state"].items()}
         return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
                 "weight_optimizer": {**weight_opt, "state": moments}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict):
+        """The weights and their Adam, as state_dict() saved them."""
+        for s, saved in zip(self.neg_log_w, state["daro_neg_log_w"]):
+            s.copy_(saved)
+        self.weight_opt.load_state_dict(state["weight_optimizer"])
 
     def step_state(self) -> dict:
         return {"bins": self.bins}  # on the CPU, the same on every rank
@@ -305,8 +309,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     resume_from = find_checkpoint(cfg)  # --resume: the latest checkpoint, else None
     base_path = model_path(cfg.model)
-    # on the CPU (the engine takes its GPU memory first); --lora_rank: the base frozen,
-    # adapters on it
+    # on the CPU (the engine takes its GPU memory first); --lora_rank: adapters on the base
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
@@ -342,8 +345,7 @@ def main(cfg: Config):
         update_rows = []
         next_update = 0
         if pending is None:
-            # 1) roll out G completions per prompt, verify, reward;
-            # dynamic sampling keeps the mixed groups
+            # 1) rollout: G completions per prompt, rewarded; dynamic sampling keeps mixed groups
             position = stream.position
             rng = rng_state()
             with timer("rollout"):
@@ -396,13 +398,11 @@ def main(cfg: Config):
                     if guard.step(model, opt, cfg.grad_clip, update_loss, sums,
                                   f"step {step} update {u}"):
                         algo.after_update()
-            # 6) the rollout engine takes the new weights (vLLM: streamed,
-            # then checked against the trainer's)
+            # 6) the rollout engine takes the new weights (vLLM: streamed, then checked by a probe)
             with timer("sync"):
                 record.update(engine.sync_weights(model))
         sched.step()  # the learning-rate schedule (warm-up) counts RL steps
-        # 7) a printed line and a metrics record: sums over micro-batches and ranks,
-        # means per token/update
+        # 7) a printed line and a metrics record: sums over micro-batches and ranks, then means
         lr = sched.get_last_lr()[0]
         mismatch = not engine.exact_logprobs  # the engine's log-probs are not pi_old: log the gap
         record.update(train_metrics(sums.reduce(), len(update_rows), lr, mismatch))
@@ -411,8 +411,7 @@ def main(cfg: Config):
         logger.log(record)
         logger.line(format_step(step, cfg.steps, record) + algo.line(record))
         logger.samples(step, my_groups)  # every --sample_every steps
-        # 8) evaluation and checkpoints; on a stop request the checkpoint at once (a due eval runs
-        # on resume)
+        # 8) eval and checkpoints; a stop request checkpoints at once (a due eval runs on resume)
         stopping = stop_requested()  # (every rank: an all-reduce)
         eval_due = step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if eval_due and not stopping:

@@ -76,14 +76,9 @@ ANSWER_KEYS = ("answer", "final_answer", "reward_model.ground_truth", "ground_tr
 
 
 def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = "") -> dict:
-    """One problem from a data row; errors name `where`, the row's file and line.
-
-    The problem and answer are read from `prompt_key` and `answer_key` ("a.b" for nested fields),
-    or else from the first of PROMPT_KEYS and ANSWER_KEYS that the row fills. The schemas:
-      plain, MATH-500, AIME, OpenR1-Math-220k: problem | question, answer | final_answer
-      DAPO-Math-17k: prompt (chat list, instruction included), reward_model.ground_truth
-      GSM8K: question, answer ending in '#### <number>'
-    """
+    """One problem from a data row; errors name `where`, the row's file and line. The problem and
+    answer are read from `prompt_key` and `answer_key` ("a.b" for nested fields), or else from the
+    first of PROMPT_KEYS and ANSWER_KEYS that the row fills (docs/data.md: the schemas)."""
     if not isinstance(row, dict):
         die(f"{where}: expected a JSON object per row, got {type(row).__name__}")
     if prompt_key:
@@ -101,23 +96,27 @@ def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = ""
         die(f"{where}: no answer (looked for "
             f"{answer_key or 'answer, final_answer, reward_model.ground_truth'}; "
             f"row keys: {', '.join(sorted(row))}; set --answer_key)")
-    # a chat-format prompt (DAPO-Math-17k): its user turn, used as written
-    templated = isinstance(prompt, list)
-    if templated:
+    templated = isinstance(prompt, list)  # a chat-format prompt (DAPO-Math-17k), used as written
+    if templated or not isinstance(answer, str) or "####" in answer:
+        prompt, answer = _plain_text(prompt, answer)
+    level = row.get("level", 0)
+    level = int(level) if isinstance(level, int) or str(level).isdigit() else 0
+    return {"prompt": str(prompt), "answer": answer, "level": level, "templated": templated}
+
+
+def _plain_text(prompt, answer) -> tuple[str, str]:
+    """The schemas' other forms, as text: a chat-format prompt's last user turn (DAPO-Math-17k), a
+    list of final answers joined (OlympiadBench), GSM8K's final number after '####'."""
+    if isinstance(prompt, list):
         turns = [m for m in prompt if isinstance(m, dict)]
         user_turns = [m.get("content", "") for m in turns if m.get("role") == "user"]
         prompt = user_turns[-1] if user_turns else ""
-    if isinstance(answer, list):  # OlympiadBench stores final answers as a list
+    if isinstance(answer, list):
         answer = ", ".join(map(str, answer))
     answer = str(answer)
-    if "####" in answer:  # GSM8K: the final number follows '####'
+    if "####" in answer:
         answer = answer.rsplit("####", 1)[1].strip()
-    level = row.get("level", 0)
-    if isinstance(level, int) or (isinstance(level, str) and level.isdigit()):
-        level = int(level)
-    else:
-        level = 0
-    return {"prompt": str(prompt), "answer": answer, "level": level, "templated": templated}
+    return prompt, answer
 
 
 def _jsonl_rows(path: str) -> list[tuple[str, object]]:
@@ -197,6 +196,11 @@ def load_data(spec: str, split: str, prompt_key: str = "", answer_key: str = "")
         return load_problems(os.path.join(DEMO_DIR, "reasoning", f"{split}.jsonl"))
     if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
         return load_problems(spec, prompt_key, answer_key)
+    return hub_problems(spec, prompt_key, answer_key)
+
+
+def hub_problems(spec: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
+    """Problems of a hub dataset `name` or `name:split` (the `datasets` package; online)."""
     name, _, hub_split = spec.partition(":")
     try:
         import datasets

@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from common import pad_prompt_completion
 from modeling import autocast, eos_ids, full_tensor, nucleus, positions
 from ranks import DistInfo, die, is_dist, print0
-from vllm_engine import make_vllm_rollout, vllm_usable
+from vllm_engine import make_vllm_rollout, vllm_rollout_kind
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,18 +239,9 @@ class HFRollout:
 # --------------------------------------------------------------------------------------------------
 # 3. Choosing the engine (--rollout hf | vllm | auto); vLLM's own file is vllm_engine.py.
 def resolve_rollout(kind: str, device: torch.device) -> str:
-    """--rollout hf|vllm|auto -> 'hf' or 'vllm'; auto picks vLLM when it is installed and can
-    run here."""
+    """--rollout hf|vllm|auto -> 'hf' or 'vllm' (vllm_engine.vllm_rollout_kind decides vLLM's)."""
     assert kind in ("hf", "vllm", "auto"), f"--rollout must be hf, vllm or auto, not {kind!r}"
-    if kind == "hf":
-        return "hf"
-    why_not = vllm_usable(device)
-    if kind == "vllm" and why_not:
-        die(f"--rollout vllm: {why_not} (install requirements/vllm-{device.type}.txt, or use "
-            f"--rollout hf)")
-    if why_not:
-        print0(f"rollout: hf, our sampler on the Hugging Face model ({why_not})")
-    return "hf" if why_not else "vllm"
+    return "hf" if kind == "hf" else vllm_rollout_kind(kind, device)
 
 
 def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):

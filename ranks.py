@@ -31,14 +31,17 @@ _launched = False
 
 
 def setup_dist(device: str = "") -> DistInfo:
-    """Initialise torch.distributed under torchrun, and pick the device.
-
-    device: "cuda", "cpu", or "" for cuda if available, else cpu.
-    """
-    global _launched
+    """The process's rank and device: device "cuda", "cpu", or "" for cuda if available, else cpu;
+    under torchrun, one rank of its process group (init_ranks)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return DistInfo(device=torch.device(device))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return init_ranks(device)
+    return DistInfo(device=torch.device(device))
+
+
+def init_ranks(device: str) -> DistInfo:
+    """Initialise torch.distributed from torchrun's environment; this rank's DistInfo."""
+    global _launched
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])

@@ -347,6 +347,18 @@ def vllm_usable(device: torch.device) -> str:
     return ""
 
 
+def vllm_rollout_kind(kind: str, device: torch.device) -> str:
+    """engine.resolve_rollout for --rollout vllm or auto: 'vllm' when it can run here; else auto
+    falls back to 'hf' (said in one line) and vllm stops (exit 2)."""
+    why_not = vllm_usable(device)
+    if kind == "vllm" and why_not:
+        die(f"--rollout vllm: {why_not} (install requirements/vllm-{device.type}.txt, or use "
+            f"--rollout hf)")
+    if why_not:
+        print0(f"rollout: hf, our sampler on the Hugging Face model ({why_not})")
+    return "hf" if why_not else "vllm"
+
+
 def vllm_memory_share(model, dist_info: DistInfo, cpu_offload: bool) -> float:
     """--vllm_gpu_memory 0: vLLM's share of this GPU, rounded down to 0.01, set before the trainer
     puts anything on it; what the trainer keeps on the GPU during rollouts is left out
