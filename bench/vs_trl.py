@@ -8,8 +8,9 @@ schedule, clip epsilons 0.2/0.28, no KL, and the same number of optimizer update
 --updates_per_step; TRL: steps_per_generation with num_iterations=1), each update one forward/backward over its
 mini-batch, and pi_old for the later updates (TRL: one extra no-grad pass; ours: the rollout's own log-probs, which in
 float32 are the trainer's, see common.old_logprobs; the same values to ~1e-6). How each side gets there is its own:
-ours samples G completions of one prefill, and packs the rows in training (--padded: rows padded, each group's
-prompt once). Dynamic sampling is off
+ours samples G completions of one prefill, and runs --logprob_path shortcuts (what a model of one's own runs by
+default; the demos run the plain path), packing the rows in training (--padded: rows padded, each group's prompt
+once). Dynamic sampling is off
 on our side because TRL has none: both generate and train on exactly prompts_per_step groups per step. Activation
 checkpointing is off on both (TRL's GRPOConfig turns it on by default, which recomputes every forward in the backward;
 --grad_checkpointing turns it on for both).
@@ -105,7 +106,8 @@ def parse_args(argv=None):
 
 
 def our_config(args, out_dir: str, seed: int, pack: bool = True) -> da3po.Config:
-    """da3po's Config for `--algo dapo`, sized like the TRL run; dynamic sampling off (TRL has none)."""
+    """da3po's Config for `--algo dapo`, sized like the TRL run; dynamic sampling off (TRL has none);
+    --logprob_path shortcuts, what a model of one's own runs by default (the demos run plain)."""
     per_update = args.prompts_per_step // args.updates
     w = args.work
     return da3po.Config(**{**da3po.PRESETS["dapo"], "algo": "dapo", "dynamic_sampling": False}, model=w["model"],
@@ -115,7 +117,7 @@ def our_config(args, out_dir: str, seed: int, pack: bool = True) -> da3po.Config
                         micro_batch_size=per_update * args.group_size,  # one forward/backward per update
                         max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, lr=args.lr,
                         grad_checkpointing=args.grad_checkpointing, eval_every=0, eval_size=4, eval_samples=2,
-                        sample_every=0, pack=pack)
+                        sample_every=0, logprob_path="shortcuts", pack=pack)
 
 
 def trl_config(args, out_dir: str, seed: int, updates: int):

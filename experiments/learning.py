@@ -74,7 +74,7 @@ DEMO_EVAL = "arith"  # the built-in name of demo/arith/eval.jsonl: its keys read
 # start-up 7 s and one evaluation of both sets at 16 samples 3.2 s (da3po.py --eval_only); 60-step runs on `hard`:
 # dapo 42.7, da3po_lam2 44.0, grpo 41.6, daro 46.5 s; dapo on mix_easy75 54.7 s (more all-correct groups to refill);
 # the other mixes interpolated.
-HARD_TASK = {"model": "demo", "eval": [HARD_EVAL, DEMO_EVAL], "flags": ["--demo", "arith"],
+HARD_TASK = {"model": "demo/arith/model", "eval": [HARD_EVAL, DEMO_EVAL], "flags": ["--demo", "arith"],
              "hard_set": "hard_eval", "forget_set": "arith", "cpu_s": {"start": 7.0, "step": 0.25, "eval": 3.2}}
 TASKS = {
     "hard": {**HARD_TASK, "train": "experiments/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0,

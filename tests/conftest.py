@@ -58,12 +58,12 @@ def weighted_loss(logp, old_logp, advantages, weights, *args, **kwargs):
     return (token_loss * weights).sum(), stats
 
 
-def readme_block(marker: str) -> str:
-    """The README's ```python block that contains `marker` (the snippets a user pastes, tested as written)."""
+def docs_block(marker: str, page: str = os.path.join("docs", "integrations.md")) -> str:
+    """The ```python block of a docs page that contains `marker` (the snippets a user pastes, tested as written)."""
     import re
-    blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "README.md")).read(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, page)).read(), re.S)
     found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"one README python block with {marker!r}, found {len(found)}"
+    assert len(found) == 1, f"one python block in {page} with {marker!r}, found {len(found)}"
     return found[0]
 
 
@@ -77,6 +77,37 @@ def random_batch(tok, n, seed=0, skew=False):
     ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
     return {"input_ids": ids, "attention_mask": attn, "mask": mask,
             "advantage": torch.randn(n, generator=g)}
+
+
+def off_policy_batch(model, tok, n: int, g: torch.Generator) -> dict:
+    """n rows of random prompts (2-7 tokens) and completions (1-8) with old log-probs 0.1 off the model's own (so
+    that ratios clip): the micro-batch tests' update, in the model's dtype (float64 there)."""
+    import common
+    prompts = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 8, (n,), generator=g)]
+    completions = [torch.randint(10, 40, (int(k),), generator=g).tolist()
+                   for k in torch.randint(1, 9, (n,), generator=g)]
+    ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
+    T = mask.shape[1]
+    with torch.no_grad():
+        old = common.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(n, T, generator=g, dtype=torch.float64)
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old}
+
+
+def accumulate(model, batch: dict, sizes: list[int], weight_of=lambda mb: mb["weight"]):
+    """One update as the scripts run it: the rows in consecutive micro-batches of `sizes`, each micro-batch's clipped
+    loss (clip 0.2 / 0.28) weighed by weight_of(mb), summed and backward. Returns (the loss, the model's gradients)."""
+    import common
+    model.zero_grad()
+    total, start = 0.0, 0
+    for size in sizes:
+        rows = torch.arange(start, start + size)
+        start += size
+        for _, mb in common.micro_batches(batch, rows, size):
+            logp, _ = common.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
+            loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], weight_of(mb), 0.2, 0.28)
+            loss.backward()
+            total += loss.item()
+    return total, [p.grad.clone() for p in model.parameters()]
 
 
 class ScriptedEngine:

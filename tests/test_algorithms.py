@@ -12,7 +12,7 @@ import shortcuts
 import modeling
 import ranks
 import da3po
-from tests.conftest import ROOT, weighted_loss
+from tests.conftest import ROOT, accumulate, off_policy_batch, weighted_loss
 from da3po import amplification_factors, daa, monte_carlo_factors
 
 
@@ -179,29 +179,12 @@ def test_microbatch_split_does_not_change_loss_or_gradient(float64_model, loss_a
     the tolerance measures the method, not float32's summation order)."""
     model, tok = float64_model
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 8, (12,), generator=g)]
-    completions = [torch.randint(10, 40, (int(n),), generator=g).tolist()
-                   for n in torch.randint(1, 9, (12,), generator=g)]
-    ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
-    T = mask.shape[1]
-    with torch.no_grad():
-        old = shortcuts.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(12, T, generator=g, dtype=torch.float64)
-    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old,
-             "advantage": torch.randn(12, generator=g, dtype=torch.float64),
-             "weight": common.loss_weights(mask.double(), loss_agg, 10)}
+    batch = off_policy_batch(model, tok, 12, g)
+    batch["advantage"] = torch.randn(12, generator=g, dtype=torch.float64)
+    batch["weight"] = common.loss_weights(batch["mask"].double(), loss_agg, 10)
 
     def run(sizes):
-        model.zero_grad()
-        total, start = 0.0, 0
-        for size in sizes:
-            rows = torch.arange(start, start + size)
-            start += size
-            for _, mb in common.micro_batches(batch, rows, size):
-                logp, _ = shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
-                loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], mb["weight"], 0.2, 0.28)
-                loss.backward()
-                total += loss.item()
-        return total, [p.grad.clone() for p in model.parameters()]
+        return accumulate(model, batch, sizes)
 
     loss_one, grads_one = run([12])
     loss_many, grads_many = run([1, 4, 2, 5])

@@ -9,12 +9,11 @@ import sys
 import pytest
 import torch
 
-import common
 import shortcuts
 import config
 import modeling
 import daro
-from tests.conftest import ROOT, weighted_loss
+from tests.conftest import ROOT, accumulate, off_policy_batch
 from daro import (PRESETS, Config, bin_token_weights, bin_weights, check_algorithm_config, closed_form_weights,
                   update_weights, weight_objective)
 from demo.build import warm_start
@@ -156,18 +155,11 @@ def update_batch(float64_model):
     model, tok = float64_model
     g = torch.Generator().manual_seed(0)
     n = 16
-    prompts = [torch.randint(10, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 8, (n,), generator=g)]
-    completions = [torch.randint(10, 40, (int(k),), generator=g).tolist()
-                   for k in torch.randint(1, 9, (n,), generator=g)]
-    ids, attn, mask = common.pad_prompt_completion(prompts, completions, tok.pad_token_id)
-    mask = mask.double()
-    T = mask.shape[1]
-    with torch.no_grad():
-        old = shortcuts.token_logprobs(model, ids, attn, T)[0] + 0.1 * torch.randn(n, T, generator=g, dtype=torch.float64)
+    batch = off_policy_batch(model, tok, n, g)
+    mask = batch["mask"] = batch["mask"].double()
     bins = torch.tensor([1, 1, 2, 0, 3, 3, 3, 8, 5, 5, 7, 1, 0, 2, 7, 5])  # bins 4/8 and 6/8 empty
-    batch = {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logp": old, "bin": bins,
-             "advantage": torch.randn(n, generator=g, dtype=torch.float64),
-             "weight": bin_token_weights(mask, bins, G)[0]}
+    batch.update(bin=bins, advantage=torch.randn(n, generator=g, dtype=torch.float64),
+                 weight=bin_token_weights(mask, bins, G)[0])
     log_w = make_log_w(torch.linspace(-0.5, 0.7, G - 1).tolist(), torch.float64)  # away from 1, all different
     return model, batch, log_w
 
@@ -180,20 +172,10 @@ def same_scale(a, b):
 def run_update(model, batch, log_w, sizes):
     """The script's update, step 4: per-bin weighted losses over the given micro-batch sizes.
     Returns (loss, model gradients, L_mu (G+1,))."""
-    model.zero_grad()
     coef = bin_weights(log_w, "learned").requires_grad_()
     coef.grad = torch.zeros_like(coef)
-    total, start = 0.0, 0
-    for size in sizes:
-        rows = torch.arange(start, start + size)
-        start += size
-        for _, mb in common.micro_batches(batch, rows, size):
-            logp, _ = shortcuts.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1])
-            weight = mb["weight"] * coef[mb["bin"]].unsqueeze(-1)
-            loss, _ = weighted_loss(logp, mb["old_logp"], mb["advantage"], weight, 0.2, 0.28)
-            loss.backward()
-            total += loss.item()
-    return total, [p.grad.clone() for p in model.parameters()], coef.grad.clone()
+    total, grads = accumulate(model, batch, sizes, lambda mb: mb["weight"] * coef[mb["bin"]].unsqueeze(-1))
+    return total, grads, coef.grad.clone()
 
 
 def direct_bin_losses(model, batch):

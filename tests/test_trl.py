@@ -2,8 +2,9 @@
 vectors; real GRPOTrainer runs on the shipped demo model, CPU: DA3PO's advantages are DAA of TRL's group
 advantages and each update is a token mean over its own tokens; DARO's two updates per generation batch equal
 daro.py's two updates on the same rows (loss, gradient, weights, float64); DARO's weights and their Adam state resume
-exactly; TRL's peft_config works with both trainers; the README's snippet runs as written and clip-higher binds; two
-processes (torchrun, gloo) with a group split across them. Skips without TRL (pip install -r requirements/trl.txt).
+exactly; TRL's peft_config works with both trainers; docs/integrations.md's snippet runs as written and
+clip-higher binds; two processes (torchrun, gloo) with a group split across them. Skips without TRL
+(pip install -r requirements/trl.txt).
 Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest -q tests/test_trl.py"""
 import copy
 import json
@@ -20,7 +21,7 @@ import shortcuts
 import da3po  # noqa: E402
 import daro  # noqa: E402
 import modeling  # noqa: E402
-from tests.conftest import ROOT, readme_block, run_script  # noqa: E402
+from tests.conftest import ROOT, docs_block, run_script  # noqa: E402
 from tests.dropin_formulas import check_copied_formulas  # noqa: E402
 from integrations import golden  # noqa: E402
 from integrations import trl_da3po_daro as drop_in  # noqa: E402
@@ -434,8 +435,8 @@ def logged(text: str, key: str) -> list[float]:
     return [float(v) for v in re.findall(rf"'{re.escape(key)}': '?([-0-9.e]+)'?", text)]
 
 
-def test_readme_snippet_runs_as_written():
-    out = run_script(["-c", readme_block("DA3POTrainer")], cwd=ROOT, timeout=600)  # pasted, in the repository root
+def test_the_docs_snippet_runs_as_written():
+    out = run_script(["-c", docs_block("DA3POTrainer")], cwd=ROOT, timeout=600)  # pasted, in the repository root
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert "daa/amplified_frac" in text and "daro/w_0.500" in text
@@ -443,7 +444,7 @@ def test_readme_snippet_runs_as_written():
     high = logged(text, "clip_ratio/high_mean")
     assert len(high) == 8 and high[0] == high[4] == 0  # 2 trainers x 4 updates; each batch's first is on-policy
     assert max(high[1:4]) > 0 and max(high[5:]) > 0  # clip-higher binds after the first update
-    print(f"figure: README snippet clip_ratio/high_mean per update, DA3PO {high[:4]}, DARO {high[4:]}")
+    print(f"figure: docs/integrations.md snippet clip_ratio/high_mean per update, DA3PO {high[:4]}, DARO {high[4:]}")
 
 
 def test_two_processes_group_split_across_them(tmp_path):
