@@ -67,8 +67,8 @@ ROLLOUT_ATTENTION = "rollout_sdpa"
 def _rollout_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa, except for grouped-query attention under a mask on a CPU without
     gradients: there sdpa's enable_gqa reads the key/value heads in place, the same output bit for
-    bit (tests/test_speed.py). With gradients the key/value gradients would be summed in another
-    order, and on GPUs enable_gqa under a mask falls back to the slow math kernel."""
+    bit (tests/test_fast_paths.py). With gradients the key/value gradients would be summed in
+    another order, and on GPUs enable_gqa under a mask falls back to the slow math kernel."""
     grouped = getattr(module, "num_key_value_groups", 1) != 1
     cpu_inference = query.device.type == "cpu" and not torch.is_grad_enabled()
     extras = (kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None

@@ -1,6 +1,6 @@
 """The speed work keeps the math: our sampler against transformers' generate and its top-p filter, one prompt forward
 per group with its KV cache shared by the group's rows, the rollout's own log-probs used as pi_old, the verifier's
-integer fast path. Run: python -m pytest -q tests/test_speed.py"""
+integer fast path. Run: python -m pytest -q tests/test_fast_paths.py"""
 import json
 
 import pytest
