@@ -10,8 +10,9 @@ import json
 import os
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
-from modeling import full_tensor, load_model, model_name
+from modeling import decoder_blocks, full_tensor, load_model, model_name
 from ranks import die
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -25,11 +26,12 @@ def is_lora(model) -> bool:
     return bool(getattr(model, "peft_config", None))
 
 
-def block_linear_names(model) -> list[str]:
-    """The names of the linear layers in the model's blocks, once each (q_proj, ..., down_proj)."""
+def block_linear_names(model, kinds: tuple = (torch.nn.Linear, Conv1D)) -> list[str]:
+    """The names of the linear layers (of `kinds`) in the model's blocks, once each (q_proj, ...,
+    down_proj). GPT-2's are transformers' Conv1D, whose weight is stored (in, out)."""
     names = set()
-    for name, module in model.model.layers.named_modules():
-        if isinstance(module, torch.nn.Linear):
+    for name, module in decoder_blocks(model).named_modules():
+        if isinstance(module, kinds):
             names.add(name.rsplit(".", 1)[-1])
     return sorted(names)
 
@@ -47,9 +49,11 @@ def lora_config(model, cfg):
     if missing:
         die(f"--lora_target_modules: {model_name(model)} has no linear layer named "
             f"{', '.join(missing)} in its blocks (it has {', '.join(available)})")
+    # fan_in_fan_out: peft's name for weights stored (in, out), as Conv1D's are
+    fan_in_fan_out = bool(set(targets) & set(block_linear_names(model, (Conv1D,))))
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
-                      lora_dropout=cfg.lora_dropout, bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=model.config.name_or_path)
+                      lora_dropout=cfg.lora_dropout, fan_in_fan_out=fan_in_fan_out, bias="none",
+                      task_type="CAUSAL_LM", base_model_name_or_path=model.config.name_or_path)
 
 
 def add_lora(model, cfg):
@@ -150,7 +154,10 @@ def merged_parameters(model, device: torch.device, dtype: torch.dtype):
         if leaf == "weight":
             a = full_tensor(layer.lora_A["default"].weight.detach().to(device, torch.float32))
             b = full_tensor(layer.lora_B["default"].weight.detach().to(device, torch.float32))
-            value = value + layer.scaling["default"] * (b @ a)
+            delta = b @ a  # (out, in)
+            if layer.fan_in_fan_out:  # a Conv1D's weight is (in, out)
+                delta = delta.T
+            value = value + layer.scaling["default"] * delta
         yield f"{layer_name}.{leaf}", value.to(dtype)
 
 

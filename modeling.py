@@ -1,8 +1,8 @@
 """
 Look up when needed: the models.
 Loading (a hub id, a folder, or the demo model), the helpers every log-prob path shares (position ids,
-the top_p nucleus, a model's name), FSDP2's sharding and the compute dtype, and the attention
-implementation. Nothing here changes another library's state at import.
+the top_p nucleus, a model's name), where a model keeps its decoder blocks, FSDP2's sharding and the
+compute dtype, and the attention implementation. Nothing here changes another library's state at import.
 """
 import os
 import re
@@ -156,6 +156,25 @@ def model_name(model) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Where a causal LM keeps its decoder blocks: LoRA adapts their layers, FSDP2 shards each as a unit.
+# transformers' families keep them at one of these paths: Llama, Qwen, Mistral, Gemma and most
+# others; GPT-NeoX (Pythia); GPT-2, Falcon, BLOOM, GPT-J; OPT.
+BLOCK_PATHS = ("model.layers", "gpt_neox.layers", "transformer.h", "model.decoder.layers")
+
+
+def decoder_blocks(model) -> torch.nn.ModuleList:
+    """The model's list of decoder blocks (the first of BLOCK_PATHS it has). A model that keeps
+    them elsewhere stops here with one line naming its class."""
+    for path in BLOCK_PATHS:
+        try:
+            return model.get_submodule(path)
+        except AttributeError:
+            continue
+    die(f"{model_name(model)}: its decoder blocks are at none of {', '.join(BLOCK_PATHS)}, where "
+        f"LoRA and FSDP2 (torchrun) look for them (modeling.BLOCK_PATHS)")
+
+
+# ------------------------------------------------------------------------------------------------------------
 # The models as the trainer holds them: sharded, the forward's compute dtype, the whole state
 # for a save.
 def shard_model(model, dist_info: DistInfo, dtype: str = "float32",
@@ -177,6 +196,8 @@ def fully_shard_model(model, dist_info: DistInfo, dtype: str, cpu_offload: bool)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
+    # one all-gather per block: peak memory about one block
+    units = list(decoder_blocks(model)) + [model]
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
     param_dtype = getattr(torch, dtype)
     # gradients are reduced in float32, or in float64 for a float64 model
@@ -186,8 +207,6 @@ def fully_shard_model(model, dist_info: DistInfo, dtype: str, cpu_offload: bool)
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     else:
         offload = OffloadPolicy()
-    # one all-gather per layer: peak memory about one layer
-    units = list(model.model.layers) + [model]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
     for unit in units:
