@@ -60,7 +60,7 @@ class TrainConfig:
     lora_target_modules: str = ""
     """linear layers to adapt, comma-separated (q_proj,v_proj); '' = all in the blocks"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input while training"""
+    """0 only: dropout would make every trainer forward a random draw (docs/gpu.md)"""
     lora_sync: str = "auto"
     """what vLLM receives after each update: adapter | merged | auto (the adapter if it can)"""
     # rollout
@@ -410,8 +410,12 @@ def check_lora_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank == 0 and tuned):
         die(f"--lora_rank {cfg.lora_rank}: LoRA needs a rank >= 1" +
             (f" ({', '.join(tuned)} set: they only apply to LoRA)" if tuned else ""))
-    if cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
-        die(f"--lora_alpha must be > 0 and --lora_dropout in [0, 1), "
-            f"got {cfg.lora_alpha} and {cfg.lora_dropout}")
+    if cfg.lora_alpha <= 0:
+        die(f"--lora_alpha must be > 0, got {cfg.lora_alpha}")
+    # Dropout in the trainer's forwards would make pi_old, pi and the rollout three random draws: the
+    # ratio of identical weights would not be 1, and the start-up checks would compare two draws.
+    if cfg.lora_dropout != 0:
+        die(f"--lora_dropout {cfg.lora_dropout}: only 0 is supported, since dropout makes the trainer's "
+            f"log-probs a random draw and the ratio pi / pi_old of identical weights not 1 (docs/gpu.md)")
     if cfg.lora_sync not in ("auto", "adapter", "merged"):
         die(f"--lora_sync {cfg.lora_sync!r}: choose one of auto, adapter, merged")

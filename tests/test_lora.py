@@ -68,7 +68,7 @@ def run(script, out, *flags):
     (["--lora_alpha", "16"], "--lora_rank 0: LoRA needs a rank >= 1 (--lora_alpha set"),
     (["--lora_target_modules", "q_proj", "--lora_dropout", "0.1"], "(--lora_target_modules, --lora_dropout set"),
     (["--lora_rank", "-1"], "--lora_rank -1: LoRA needs a rank >= 1"),
-    (["--lora_rank", "8", "--lora_dropout", "1"], "--lora_dropout in [0, 1)"),
+    (["--lora_rank", "8", "--lora_dropout", "1"], "--lora_dropout 1.0: only 0 is supported"),
     (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha must be > 0"),
     (["--lora_rank", "8", "--lora_sync", "weights"], "--lora_sync 'weights': choose one of auto, adapter, merged")])
 def test_bad_lora_flags_stop_with_one_line(capsys, flags, says):
@@ -85,6 +85,27 @@ def test_lora_flags_default_to_off_and_every_linear_layer_of_the_blocks(demo_dir
         "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
     assert len(adapted) == 2 * 7 and all(n.startswith("model.layers.") for n in adapted)  # not lm_head
+
+
+def test_lora_dropout_is_refused_with_one_line(demo_dir, capsys):
+    """What --lora_dropout 0.1 did (add_lora with the check bypassed): peft's dropout in training mode made two
+    forwards of one batch at identical weights two random draws, so the ratio pi / pi_old was not 1. It stops now,
+    with one line saying why; at 0 the ratio of identical weights is exactly 1 in training mode."""
+    cfg = config.parse_config(da3po.Config, ["--lora_rank", "8", "--lora_dropout", "0.1"], da3po.PRESETS)
+    line = one_line_exit(capsys, lambda: config.check_config(cfg, 1))
+    assert "--lora_dropout 0.1: only 0 is supported, since dropout makes the trainer's log-probs a random" in line
+    for dropout, ratio_is_one in ((0.1, False), (0.0, True)):
+        model, tok = lora_model(demo_dir, lora_dropout=dropout)
+        g = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():  # trained adapters (B = 0 would compute the base, dropout or not)
+            if ".lora_B." in n:
+                p.data = 0.1 * torch.randn(p.shape, generator=g)
+        mb = micro_batch(tok, model.train())
+        with torch.no_grad():
+            logp, old_logp = [common.token_logprobs(model, mb["input_ids"], mb["attention_mask"],
+                                                    mb["mask"].shape[1])[0] for _ in range(2)]
+        ratio_gap = ((logp - old_logp).exp() - 1).abs() * mb["mask"]  # |pi / pi_old - 1| per token
+        assert (ratio_gap.max() == 0) == ratio_is_one, ratio_gap.max()
 
 
 @pytest.mark.parametrize("targets,missing", [("q_proj,lm_head", "lm_head"), ("qproj", "qproj")])
