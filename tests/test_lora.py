@@ -264,6 +264,32 @@ def test_resuming_the_other_kind_stops_with_one_line(lora_checkpoints, tmp_path,
         capsys, lambda: bookkeeping.load_policy(ckpt, modeling.model_path("demo"), cfg))
 
 
+def test_resuming_on_another_base_stops_with_one_line_naming_both(lora_checkpoints, demo_dir, tmp_path, capsys):
+    """The sums demo's adapter resumed with --model demo/reasoning/model (the same architecture and sizes, other
+    weights): the script stops with one line naming both bases. The same base from another folder (another clone's
+    demo) or in bfloat16 resumes: the check compares the weights' fingerprints, not the paths."""
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(lora_checkpoints, out)
+    r = run_script(["da3po.py", *SMALL, "--model", "demo/reasoning/model", "--lora_rank", "4", "--lr", "1e-3",
+                    "--steps", "4", "--resume", "--out_dir", str(out)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    copied = out / "step_000003"
+    assert line.startswith(f"error: --resume: {copied}'s adapter was trained on the base {demo_dir} "), line
+    assert "not on this run's --model demo/reasoning/model (weights " in line
+    clone = tmp_path / "clone" / "model"
+    shutil.copytree(demo_dir, clone)
+    ckpt = str(lora_checkpoints / "step_000003")
+    saved = json.load(open(os.path.join(ckpt, lora.BASE_RECORD)))
+    assert saved["name_or_path"] == demo_dir
+    for base, dtype in ((str(clone), "float32"), (demo_dir, "bfloat16")):
+        model = bookkeeping.load_policy(ckpt, base, lora_cfg(lora_alpha=32.0, dtype=dtype))[0]
+        assert model.lora_base["fingerprint"] == saved["fingerprint"]
+    assert "not on this run's --model" in one_line_exit(capsys, lambda: bookkeeping.load_policy(
+        ckpt, config.DEMOS["reasoning"]["model"], lora_cfg(lora_alpha=32.0)))
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # The demos learn, in one process and on 2 gloo ranks
 def gain(stdout: str) -> float:
