@@ -16,7 +16,7 @@ import torch
 
 import crosscheck
 from dataset import parse_eval_data
-from ranks import die, is_dist
+from ranks import die, is_dist, print0
 
 # ------------------------------------------------------------------------------------------------------------
 # 1. The knobs both scripts share, written once; each script's Config adds its paper's own. Defaults run
@@ -404,7 +404,7 @@ def check_config(cfg, world_size: int, check_algorithm=None):
 
 def check_lora_config(cfg):
     """The --lora_* flags: a rank >= 1 turns LoRA on; the others only tune it, so setting them without a rank
-    is a mistake, not a silent full fine-tune."""
+    is a mistake, not a silent full fine-tune. A rate chosen for full fine-tuning gets a note."""
     tuned = [f"--{f.name}" for f in fields(cfg)
              if f.name.startswith("lora_") and f.name != "lora_rank" and getattr(cfg, f.name) != f.default]
     if cfg.lora_rank < 0 or (cfg.lora_rank == 0 and tuned):
@@ -419,3 +419,9 @@ def check_lora_config(cfg):
             f"log-probs a random draw and the ratio pi / pi_old of identical weights not 1 (docs/gpu.md)")
     if cfg.lora_sync not in ("auto", "adapter", "merged"):
         die(f"--lora_sync {cfg.lora_sync!r}: choose one of auto, adapter, merged")
+    # The rates chosen for full fine-tuning: the default (the demos') and the papers' (docs/gpu.md)
+    full_rates = (next(f.default for f in fields(cfg) if f.name == "lr"), 1e-6)
+    if cfg.lora_rank and cfg.lr in full_rates:
+        print0(f"note: --lora_rank {cfg.lora_rank} trains at --lr {cfg.lr:g}, a rate chosen for full "
+               f"fine-tuning; LoRA's best rates were higher: 1e-3 on both demos, 3.3x full fine-tuning's "
+               f"best (experiments/results/lora_study.md), about 10x in LoRA Without Regret (docs/gpu.md)")

@@ -108,6 +108,19 @@ def test_lora_dropout_is_refused_with_one_line(demo_dir, capsys):
         assert (ratio_gap.max() == 0) == ratio_is_one, ratio_gap.max()
 
 
+def test_a_full_fine_tuning_rate_gets_a_note(capsys):
+    """--lora_rank at the default --lr (the demos' full fine-tuning rate) or the papers' full fine-tuning rate gets
+    one note giving the rates the study chose for LoRA; a rate of the user's own, or no LoRA, none."""
+    for flags, noted in [([], True), (["--lr", "1e-6"], True), (["--lr", "1e-3"], False),
+                         (["--lora_rank", "0"], False)]:
+        cfg = config.parse_config(da3po.Config, ["--lora_rank", "8", *flags], da3po.PRESETS)
+        config.check_config(cfg, 1)
+        out = capsys.readouterr().out
+        assert out.count("note: --lora_rank 8 trains at --lr") == noted, (flags, out)
+        if noted:
+            assert "a rate chosen for full fine-tuning; LoRA's best rates were higher: 1e-3 on both demos" in out
+
+
 @pytest.mark.parametrize("targets,missing", [("q_proj,lm_head", "lm_head"), ("qproj", "qproj")])
 def test_a_target_the_blocks_lack_stops_with_one_line(demo_dir, capsys, targets, missing):
     model, _ = modeling.load_model(demo_dir)
@@ -302,6 +315,7 @@ def test_the_reasoning_demo_learns_with_lora(script, tmp_path):
     r = run_script([script, "--lora_rank", "8", "--out_dir", str(tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert gain(r.stdout) > 0.05, r.stdout[-2000:]
+    assert r.stdout.count("note: --lora_rank 8 trains at --lr 0.0001, a rate chosen for full fine-tuning") == 1
 
 
 @pytest.mark.parametrize("script", ["da3po.py", "daro.py"])

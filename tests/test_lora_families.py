@@ -114,12 +114,14 @@ def test_fsdp_on_two_ranks_updates_each_family_as_one_process(family_dirs, tmp_p
 
 def test_the_script_runs_gpt2_with_lora_on_two_ranks(family_dirs, tmp_path):
     """da3po.py on 2 FSDP2 ranks with LoRA on a tiny random GPT-2 (Conv1D layers): it trains (a gradient, with
-    rewards that differ by length) and its checkpoint is GPT-2's adapter in peft's format."""
+    rewards that differ by length) and its checkpoint is GPT-2's adapter in peft's format. At --demo arith's --lr,
+    a full fine-tuning rate, rank 0 says so once."""
     out = tmp_path / "run"
     r = run_script([*TORCHRUN, "da3po.py", "--model", str(family_dirs / "gpt2"), "--demo", "arith", "--lora_rank", "4",
                     "--steps", "1", "--no-dynamic_sampling", "--prompts_per_step", "4", "--updates_per_step", "1",
                     "--eval_size", "4", "--eval_samples", "2", "--out_dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("note: --lora_rank 4 trains at --lr 0.0001, a rate chosen for full fine-tuning") == 1
     train = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
     assert len(train) == 1 and train[0]["train/grad_norm"] > 0, train
     adapter = json.load(open(out / "step_000001" / "adapter_config.json"))
