@@ -1,8 +1,8 @@
 """
-Look up when needed: the models.
-Loading (a hub id, a folder, or the demo model), the helpers every log-prob path shares (position ids,
-the top_p nucleus, a model's name), FSDP2's sharding and the compute dtype, and the attention
-implementation. Nothing here changes another library's state at import.
+Look up when needed: the models. Loading (a hub id, a folder, or the demo model),
+the helpers every log-prob path shares (position ids, the top_p nucleus, a model's name),
+where a model keeps its decoder blocks, FSDP2's sharding and the compute dtype,
+and the attention implementation. Nothing here changes another library's state at import.
 """
 import os
 import re
@@ -12,7 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from ranks import DistInfo, die, is_dist
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading. `--model demo` is a tiny Qwen3 with a character-level tokenizer, warm-started on the
 # reasoning demo's sums by demo/build.py (which says why its weights are shipped; the sums demo's
 # is in demo/arith/model), loaded as a hub model is: the demo runs real code.
@@ -116,12 +116,12 @@ def load_model(name: str, device: torch.device = torch.device("cpu"), dtype: str
     return model, tok
 
 
-# ------------------------------------------------------------------------------------------------------------
-# What every path that computes log-probs shares: the position ids of left-padded rows, the top_p nucleus
-# the engines sample from, and a model's name for messages.
+# --------------------------------------------------------------------------------------------------
+# What every path that computes log-probs shares: the position ids of left-padded rows,
+# the top_p nucleus the engines sample from, and a model's name for messages.
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """position_ids from an attention mask: 0 at each row's first real token (left padding shifts
-    none)."""
+    """position_ids from an attention mask: 0 at each row's first real token (left padding
+    shifts none)."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
@@ -155,7 +155,26 @@ def model_name(model) -> str:
     return next(c.__name__ for c in type(model).__mro__ if not c.__module__.startswith("torch."))
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Where a causal LM keeps its decoder blocks: LoRA adapts their layers, FSDP2 shards each as a unit.
+# transformers' families keep them at one of these paths: Llama, Qwen, Mistral, Gemma and most
+# others; GPT-NeoX (Pythia); GPT-2, Falcon, BLOOM, GPT-J; OPT.
+BLOCK_PATHS = ("model.layers", "gpt_neox.layers", "transformer.h", "model.decoder.layers")
+
+
+def decoder_blocks(model) -> torch.nn.ModuleList:
+    """The model's list of decoder blocks (the first of BLOCK_PATHS it has). A model that keeps
+    them elsewhere stops here with one line naming its class."""
+    for path in BLOCK_PATHS:
+        try:
+            return model.get_submodule(path)
+        except AttributeError:
+            continue
+    die(f"{model_name(model)}: its decoder blocks are at none of {', '.join(BLOCK_PATHS)}, where "
+        f"LoRA and FSDP2 (torchrun) look for them (modeling.BLOCK_PATHS)")
+
+
+# --------------------------------------------------------------------------------------------------
 # The models as the trainer holds them: sharded, the forward's compute dtype, the whole state
 # for a save.
 def shard_model(model, dist_info: DistInfo, dtype: str = "float32",
@@ -177,6 +196,8 @@ def fully_shard_model(model, dist_info: DistInfo, dtype: str, cpu_offload: bool)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
+    # one all-gather per block: peak memory about one block
+    units = list(decoder_blocks(model)) + [model]
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
     param_dtype = getattr(torch, dtype)
     # gradients are reduced in float32, or in float64 for a float64 model
@@ -186,8 +207,6 @@ def fully_shard_model(model, dist_info: DistInfo, dtype: str, cpu_offload: bool)
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     else:
         offload = OffloadPolicy()
-    # one all-gather per layer: peak memory about one layer
-    units = list(model.model.layers) + [model]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
     for unit in units:
@@ -205,8 +224,8 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
 
 def reshard(model):
     """Free the gathered copy of an FSDP2 root's parameters, kept after a forward for the backward
-    that usually follows (none follows a no-grad forward). Local (no collective); a no-op without
-    FSDP."""
+    that usually follows (none follows a no-grad forward). Local (no collective); a no-op
+    without FSDP."""
     if hasattr(model, "reshard"):
         model.reshard()
 
@@ -218,8 +237,8 @@ def autocast(dtype: str, device: torch.device):
 
 
 def full_state_dict(model) -> dict:
-    """The unsharded state dict, on CPU; under FSDP every rank must call it and rank 0 gets the
-    tensors."""
+    """The unsharded state dict, on CPU; under FSDP every rank must call it and rank 0 gets
+    the tensors."""
     if not is_dist():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -227,7 +246,7 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=options)
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The attention implementation the trainer runs (--attn_implementation), set before sharding.
 def set_attention(model, implementation: str):
     """Set the model's attention implementation (--attn_implementation), transformers' own, before

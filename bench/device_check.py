@@ -498,7 +498,8 @@ def main(argv=None):
     cfg = types.SimpleNamespace(dtype=dtype, logprob_chunk=a.logprob_chunk, temperature=1.0, top_p=1.0,
                                 micro_batch_size=a.logprob_micro_batch, micro_batch_tokens=0, rollout_is="token",
                                 rollout_is_cap=2.0, rollout_is_mask=False, clip_low=0.2, clip_high=0.28,
-                                clip_ratio_c=0.0, seq_ratio=False, kl_coef=0.0, pack=True)
+                                clip_ratio_c=0.0, seq_ratio=False, kl_coef=0.0, pack=True,
+                                logprob_path="shortcuts")  # what a model of your own runs
     attention = a.attn_implementation or ("sdpa" if not on_gpu else "flash_attention_2"
                                           if importlib.util.find_spec("flash_attn") else "flex_attention")
 

@@ -68,7 +68,7 @@ def run(script, out, *flags):
     (["--lora_alpha", "16"], "--lora_rank 0: LoRA needs a rank >= 1 (--lora_alpha set"),
     (["--lora_target_modules", "q_proj", "--lora_dropout", "0.1"], "(--lora_target_modules, --lora_dropout set"),
     (["--lora_rank", "-1"], "--lora_rank -1: LoRA needs a rank >= 1"),
-    (["--lora_rank", "8", "--lora_dropout", "1"], "--lora_dropout in [0, 1)"),
+    (["--lora_rank", "8", "--lora_dropout", "1"], "--lora_dropout 1.0: only 0 is supported"),
     (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha must be > 0"),
     (["--lora_rank", "8", "--lora_sync", "weights"], "--lora_sync 'weights': choose one of auto, adapter, merged")])
 def test_bad_lora_flags_stop_with_one_line(capsys, flags, says):
@@ -85,6 +85,40 @@ def test_lora_flags_default_to_off_and_every_linear_layer_of_the_blocks(demo_dir
         "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
     assert len(adapted) == 2 * 7 and all(n.startswith("model.layers.") for n in adapted)  # not lm_head
+
+
+def test_lora_dropout_is_refused_with_one_line(demo_dir, capsys):
+    """What --lora_dropout 0.1 did (add_lora with the check bypassed): peft's dropout in training mode made two
+    forwards of one batch at identical weights two random draws, so the ratio pi / pi_old was not 1. It stops now,
+    with one line saying why; at 0 the ratio of identical weights is exactly 1 in training mode."""
+    cfg = config.parse_config(da3po.Config, ["--lora_rank", "8", "--lora_dropout", "0.1"], da3po.PRESETS)
+    line = one_line_exit(capsys, lambda: config.check_config(cfg, 1))
+    assert "--lora_dropout 0.1: only 0 is supported, since dropout makes the trainer's log-probs a random" in line
+    for dropout, ratio_is_one in ((0.1, False), (0.0, True)):
+        model, tok = lora_model(demo_dir, lora_dropout=dropout)
+        g = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():  # trained adapters (B = 0 would compute the base, dropout or not)
+            if ".lora_B." in n:
+                p.data = 0.1 * torch.randn(p.shape, generator=g)
+        mb = micro_batch(tok, model.train())
+        with torch.no_grad():
+            logp, old_logp = [common.token_logprobs(model, mb["input_ids"], mb["attention_mask"],
+                                                    mb["mask"].shape[1])[0] for _ in range(2)]
+        ratio_gap = ((logp - old_logp).exp() - 1).abs() * mb["mask"]  # |pi / pi_old - 1| per token
+        assert (ratio_gap.max() == 0) == ratio_is_one, ratio_gap.max()
+
+
+def test_a_full_fine_tuning_rate_gets_a_note(capsys):
+    """--lora_rank at the default --lr (the demos' full fine-tuning rate) or the papers' full fine-tuning rate gets
+    one note giving the rates the study chose for LoRA; a rate of the user's own, or no LoRA, none."""
+    for flags, noted in [([], True), (["--lr", "1e-6"], True), (["--lr", "1e-3"], False),
+                         (["--lora_rank", "0"], False)]:
+        cfg = config.parse_config(da3po.Config, ["--lora_rank", "8", *flags], da3po.PRESETS)
+        config.check_config(cfg, 1)
+        out = capsys.readouterr().out
+        assert out.count("note: --lora_rank 8 trains at --lr") == noted, (flags, out)
+        if noted:
+            assert "a rate chosen for full fine-tuning; LoRA's best rates were higher: 1e-3 on both demos" in out
 
 
 @pytest.mark.parametrize("targets,missing", [("q_proj,lm_head", "lm_head"), ("qproj", "qproj")])
@@ -243,6 +277,32 @@ def test_resuming_the_other_kind_stops_with_one_line(lora_checkpoints, tmp_path,
         capsys, lambda: bookkeeping.load_policy(ckpt, ARITH_MODEL, cfg))
 
 
+def test_resuming_on_another_base_stops_with_one_line_naming_both(lora_checkpoints, demo_dir, tmp_path, capsys):
+    """The sums demo's adapter resumed with --model demo/reasoning/model (the same architecture and sizes, other
+    weights): the script stops with one line naming both bases. The same base from another folder (another clone's
+    demo) or in bfloat16 resumes: the check compares the weights' fingerprints, not the paths."""
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(lora_checkpoints, out)
+    r = run_script(["da3po.py", *SMALL, "--model", "demo/reasoning/model", "--lora_rank", "4", "--lr", "1e-3",
+                    "--steps", "4", "--resume", "--out_dir", str(out)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    copied = out / "step_000003"
+    assert line.startswith(f"error: --resume: {copied}'s adapter was trained on the base {demo_dir} "), line
+    assert "not on this run's --model demo/reasoning/model (weights " in line
+    clone = tmp_path / "clone" / "model"
+    shutil.copytree(demo_dir, clone)
+    ckpt = str(lora_checkpoints / "step_000003")
+    saved = json.load(open(os.path.join(ckpt, lora.BASE_RECORD)))
+    assert saved["name_or_path"] == demo_dir
+    for base, dtype in ((str(clone), "float32"), (demo_dir, "bfloat16")):
+        model = bookkeeping.load_policy(ckpt, base, lora_cfg(lora_alpha=32.0, dtype=dtype))[0]
+        assert model.lora_base["fingerprint"] == saved["fingerprint"]
+    assert "not on this run's --model" in one_line_exit(capsys, lambda: bookkeeping.load_policy(
+        ckpt, config.DEMOS["reasoning"]["model"], lora_cfg(lora_alpha=32.0)))
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # The demos learn, in one process and on 2 gloo ranks
 def gain(stdout: str) -> float:
@@ -255,6 +315,7 @@ def test_the_reasoning_demo_learns_with_lora(script, tmp_path):
     r = run_script([script, "--lora_rank", "8", "--out_dir", str(tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert gain(r.stdout) > 0.05, r.stdout[-2000:]
+    assert r.stdout.count("note: --lora_rank 8 trains at --lr 0.0001, a rate chosen for full fine-tuning") == 1
 
 
 @pytest.mark.parametrize("script", ["da3po.py", "daro.py"])
