@@ -95,27 +95,31 @@ class Logger:
                 self.tracker = Tracker(cfg.report_to, cfg.out_dir, config, cfg.wandb_project)
 
     def log(self, record: dict, name: str = "metrics.jsonl"):
-        rows = record.get("crosscheck_samples")  # --verifier_crosscheck's disagreements: a file of their own
-        if rows is not None:
-            record = {k: v for k, v in record.items() if k != "crosscheck_samples"}
-            for row in rows:
-                self.log({"step": record["step"], **row}, "crosscheck.jsonl")
+        if "crosscheck_samples" in record:  # --verifier_crosscheck's disagreements: a file of their own
+            record = self.log_disagreements(record)
         if self.enabled:
             with open(os.path.join(self.out_dir, name), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
             if self.tracker is not None and name == "metrics.jsonl":
                 self.tracker.log(record)
 
+    def log_disagreements(self, record: dict) -> dict:
+        """Write the record's cross-check disagreements to crosscheck.jsonl; the record without them."""
+        for row in record["crosscheck_samples"]:
+            self.log({"step": record["step"], **row}, "crosscheck.jsonl")
+        return {k: v for k, v in record.items() if k != "crosscheck_samples"}
+
     def line(self, text: str):
         if self.enabled:
             tqdm.write(text)
 
-    def samples(self, step: int, groups: list[dict], n: int = 4):
-        """Every --sample_every steps: a few completions of the step's first group to samples.jsonl, one of
-        them to the console."""
-        if not (self.sample_every and step % self.sample_every == 0 and groups):
-            return
-        group = groups[0]
+    def samples(self, step: int, groups: list[dict]):
+        """Every --sample_every steps, a few of the step's completions (write_samples)."""
+        if self.sample_every and step % self.sample_every == 0 and groups:
+            self.write_samples(step, groups[0])
+
+    def write_samples(self, step: int, group: dict, n: int = 4):
+        """A few completions of a group to samples.jsonl, one of them to the console."""
         for text, reward in list(zip(group["texts"], group["reward"]))[:n]:
             row = {"step": step, "prompt": group["prompt"], "answer": group["answer"],
                    "completion": text, "reward": reward}
