@@ -333,10 +333,11 @@ def test_importing_the_project_leaves_transformers_attention_as_it_was():
 DIST_CHECKS = r"""
 import json
 import torch
-import common, engine, modeling, ranks
+import bookkeeping, config, engine, modeling, ranks
 d = ranks.setup_dist("cpu")
 torch.manual_seed(0)
-cfg = config.TrainConfig(dtype="bfloat16", kl_coef=0.1)  # --pack, --logprob_chunk 1024 by default; a KL anchor
+# --pack, --logprob_chunk 1024 by default; a KL anchor; the shortcuts checked
+cfg = config.TrainConfig(dtype="bfloat16", kl_coef=0.1, logprob_path="shortcuts")
 seen, load_model = [], modeling.load_model
 
 
@@ -359,7 +360,8 @@ def watched(model):
     return model
 
 
-modeling.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)  # the KL anchor prepare_models loads
+# the KL anchor prepare_models loads (bookkeeping's own name for the function)
+bookkeeping.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)
 model, tok = load_model(modeling.model_path("demo"))
 rollout = engine.HFRollout(watched(model), tok, d, cfg.dtype)
 model, ref_model = bookkeeping.prepare_models(model, rollout, modeling.model_path("demo"), cfg, d)
