@@ -7,9 +7,11 @@ numbers with three shortcuts, each checked at start-up against each row's own fo
   - packed rows: transformers' padding-free path, no padding positions (_packed_outputs);
   - the output layer in chunks, recomputed in the backward: no (B, T, V) logits (_chunked_logprobs).
 common.py reaches this file through one dispatch line; nothing here imports common.
-tests/test_pack.py, tests/test_heads.py and tests/test_shortcuts.py hold each equal to the plain path.
+tests/test_pack.py, tests/test_heads.py and tests/test_chunked_logprobs.py hold each equal to the plain
+path; tests/test_shortcut_checks.py holds the start-up checks.
 """
 import contextlib
+import math
 
 import torch
 import torch.utils.checkpoint
@@ -504,14 +506,15 @@ def _probe(model, rows, dtype: str, device, alone: bool = False, **path):
     try:
         for i, keep, n in parts:
             part = (ids, attn) if i is None else (ids[i, keep][None], attn[i, keep][None])
-            with torch.set_grad_enabled(trains), autocast(dtype, device):
-                out = token_logprobs(model, *part, n, **path)[0].double() * part[1][:, -n:]
+            with torch.set_grad_enabled(trains):
+                with autocast(dtype, device):
+                    out = token_logprobs(model, *part, n, **path)[0].double() * part[1][:, -n:]
+                if trains:
+                    (out * torch.arange(1, n + 1, device=device)).sum().backward()
             if i is None:
                 logp[:, :n] = out.detach()
             else:
                 logp[i, :n] = out.detach()
-            if trains:
-                (out * torch.arange(1, n + 1, device=device)).sum().backward()
     except Exception as e:
         # any failure refuses the path (the same on every rank: same model, same rows)
         logp = _error(e)
@@ -531,28 +534,56 @@ def _gaps(probe, reference) -> tuple[float, float]:
 
 
 def _path_refusal(model, rows, dtype: str, device, reference, noise: tuple, **path) -> str:
-    """'' if the path gives each row's own log-probs and gradient (`reference`) to within 4 x
-    `noise` (the padded rows' gaps from them) plus a few roundings of the compute dtype, else why
-    not (docs/gpu.md, "Start-up checks": the tolerance). Agreed across ranks."""
+    """'' if the path gives each row's own log-probs and gradient (`reference`) to within
+    _tolerances, else why not. Agreed across ranks."""
     probe = _probe(model, rows, dtype, device, **path)
     if isinstance(probe[0], str):
         return _agreed(probe[0])
-    # the compute dtype: bf16 or fp16 under its autocast, else the weights' (float32 at least)
+    logp, grad = _gaps(probe, reference)
+    logp_tol, grad_tol = _tolerances(model, rows, dtype, reference, noise)
+    why = ""
+    if not logp <= logp_tol:  # (NaN fails too)
+        why = f"log-probs off by {logp:.3g}"
+    elif not grad <= grad_tol:
+        why = f"gradient off by {grad:.3g} of itself"
+    return _agreed(why)
+
+
+def _tolerances(model, rows, dtype: str, reference, noise: tuple) -> tuple[float, float]:
+    """How far a path's log-probs and gradient sums may sit from each row's own (`reference`):
+    4 x `noise` (the padded rows' gaps from them), plus roundings of the compute dtype (bf16 or
+    fp16 under its autocast, else the weights', float32 at least): 2 at the log-probs' scale, 8
+    of the gradient (float32's at least: families round there, RMSNorm); plus the sums behind
+    them, accumulated in float32 (float64 for a float64 model): a random walk of one rounding per
+    term (_sums_per_forward; twice as many for the gradient, forward and backward), at 4 standard
+    deviations. The padded rows share most of their roundings with each row's own forward, so
+    their gap can be far below what another exact layout rounds to (docs/gpu.md, "Start-up
+    checks": measured)."""
     if dtype in ("bfloat16", "float16"):
         compute = getattr(torch, dtype)
     else:
         compute = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     eps = torch.finfo(compute).eps
-    logp, grad = _gaps(probe, reference)
+    float32_eps = torch.finfo(torch.float32).eps
+    sums_eps = torch.finfo(torch.promote_types(compute, torch.float32)).eps
+    terms = _sums_per_forward(model, rows[0].shape[1])
     logp_scale = 1 + reference[0].abs().max().item()
-    # the gradient at least at float32's rounding: families round it there (RMSNorm)
-    grad_eps = max(eps, torch.finfo(torch.float32).eps)
-    why = ""
-    if not logp <= 4 * noise[0] + 2 * eps * logp_scale:  # (NaN fails too)
-        why = f"log-probs off by {logp:.3g}"
-    elif not grad <= 4 * noise[1] + 8 * grad_eps:
-        why = f"gradient off by {grad:.3g} of itself"
-    return _agreed(why)
+    logp = 4 * noise[0] + (2 * eps + 4 * math.sqrt(terms) * sums_eps) * logp_scale
+    grad = 4 * noise[1] + 8 * max(eps, float32_eps) + 4 * math.sqrt(2 * terms) * sums_eps
+    return logp, grad
+
+
+def _sums_per_forward(model, width: int) -> int:
+    """About how many terms the sums behind one output of a forward add up: in each layer, over
+    the hidden size, the MLP's inner size and the `width` positions.
+    Example: the demo model (2 layers, 128 and 512 wide) on 12 positions: 2 x 652 = 1,304."""
+    config = model.config.get_text_config()
+    hidden = getattr(config, "hidden_size", None) or model.get_input_embeddings().embedding_dim
+    inner = getattr(config, "intermediate_size", None)
+    if isinstance(inner, (list, tuple)):  # one per layer (Gemma 3n)
+        inner = max(inner)
+    layers = getattr(config, "num_hidden_layers", None) or 1
+    return layers * (hidden + (inner or 4 * hidden) + width)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -619,6 +650,12 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None):
       model.pack_refusal    packed rows (--pack): '' or why not, with a note
     """
     device = device or next(model.parameters()).device
+    if any(p.requires_grad for p in model.parameters()) and not torch.is_grad_enabled():
+        # a caller's mistake (torch.no_grad, torch.inference_mode): every probe's backward would
+        # fail, and the model's forward be blamed
+        raise RuntimeError("check_logprob_paths was called with gradients disabled "
+                           "(torch.no_grad() or torch.inference_mode()); its probes of a model "
+                           "that trains run a backward: call it with gradients enabled")
     rows = _probe_rows(model, device)
     # each row's own forward: what is right
     alone = _probe(model, rows, cfg.dtype, device, alone=True)
