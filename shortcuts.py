@@ -640,7 +640,8 @@ def _head_refusal(model, head, dtype: str) -> str:
     return ""
 
 
-def check_logprob_paths(model, cfg, device: torch.device | None = None):
+def check_logprob_paths(model, cfg, device: torch.device | None = None,
+                        recorded: dict | None = None) -> dict:
     """Start-up checks of the sharded model on `device` (default: the parameters'): each shortcut
     token_logprobs may take, against each row's own forward, in cfg.dtype under autocast, with a
     backward for a model that trains. Sets what token_logprobs reads:
@@ -648,9 +649,58 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None):
       model.shares_prompts  a group's prompt run once (padded rows, no checkpointing; a hybrid or
                             recurrent cache may not index out)
       model.pack_refusal    packed rows (--pack): '' or why not, with a note
+    Returns the verdict: {"setup": what it depends on (_setup), "shares_prompts", and
+    "pack_refusal" with --pack}. Given the verdict of a run's start (`recorded`, from the
+    checkpoint a --resume continues) for the same setup, it takes that one and probes nothing: a
+    resumed run takes the paths its start took, whatever the rounding here would now say.
     """
     device = device or next(model.parameters()).device
-    if any(p.requires_grad for p in model.parameters()) and not torch.is_grad_enabled():
+    setup = _setup(model, cfg, device)
+    if recorded is not None and recorded.get("setup") == setup:
+        verdict = recorded
+        print0(f"--resume: {model_name(model)} takes the log-prob paths the run's start chose "
+               f"(not probed again): {_paths_taken(verdict)}")
+    else:
+        if recorded is not None:
+            was = recorded.get("setup", {})
+            changed = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in setup.items()
+                                if was.get(k) != v)
+            print0(f"note: --resume: the run's start checked {model_name(model)}'s log-prob paths "
+                   f"for another setup ({changed}): checked again")
+        verdict = {"setup": setup, **_decide_paths(model, cfg, device)}
+    model.shares_prompts = verdict["shares_prompts"]
+    if "pack_refusal" in verdict:
+        model.pack_refusal = verdict["pack_refusal"]
+        if model.pack_refusal:
+            print0(f"note: --pack: {model_name(model)} runs padded ({model.pack_refusal})")
+    if not model.shares_prompts:
+        print0(f"note: {model_name(model)}'s KV cache cannot be shared by a group's rows: "
+               "each row runs its prompt")
+    return verdict
+
+
+def _setup(model, cfg, device: torch.device) -> dict:
+    """What the start-up verdicts depend on besides the weights and the kernels' rounding."""
+    import transformers
+    return {"model": model_name(model), "attention": model.config._attn_implementation,
+            "dtype": cfg.dtype, "device": device.type, "pack": bool(getattr(cfg, "pack", False)),
+            "logprob_chunk": cfg.logprob_chunk > 0,
+            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+            "transformers": transformers.__version__}
+
+
+def _paths_taken(verdict: dict) -> str:
+    """A verdict in words. Example: 'a group's prompt once, packed rows'."""
+    taken = ["a group's prompt once" if verdict["shares_prompts"] else "each row's prompt"]
+    if "pack_refusal" in verdict:
+        taken.append("padded rows" if verdict["pack_refusal"] else "packed rows")
+    return ", ".join(taken)
+
+
+def _decide_paths(model, cfg, device: torch.device) -> dict:
+    """check_logprob_paths' probes: {"shares_prompts", and "pack_refusal" with --pack}."""
+    trains = any(p.requires_grad for p in model.parameters())
+    if trains and not torch.is_grad_enabled():
         # a caller's mistake (torch.no_grad, torch.inference_mode): every probe's backward would
         # fail, and the model's forward be blamed
         raise RuntimeError("check_logprob_paths was called with gradients disabled "
@@ -676,17 +726,14 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None):
         if why:
             die(f"--logprob_chunk: the chunked log-probs of {model_name(model)} would not be "
                 f"its own ({why}); run with --logprob_chunk 0")
+    verdict = {"shares_prompts": True}
     model.shares_prompts = True
     if _shares_prompts(model, rows[3]):
-        model.shares_prompts = not check(groups=rows[3])
+        verdict["shares_prompts"] = not check(groups=rows[3])
     if getattr(cfg, "pack", False):
         model.pack_refusal = ""  # (so that the probe runs packed)
-        model.pack_refusal = pack_refusal(model) or check(pack=True)
-        if model.pack_refusal:
-            print0(f"note: --pack: {model_name(model)} runs padded ({model.pack_refusal})")
-    if not model.shares_prompts:
-        print0(f"note: {model_name(model)}'s KV cache cannot be shared by a group's rows: "
-               "each row runs its prompt")
+        verdict["pack_refusal"] = pack_refusal(model) or check(pack=True)
+    return verdict
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,20 @@
 """The start-up checks of the log-prob shortcuts (shortcuts.check_logprob_paths): in float32 an exact shortcut is
-accepted whatever the weights, a wrong one refused; a call under torch.no_grad says what is wrong.
+accepted whatever the weights, a wrong one refused; a run decides once, and a resumed run takes the verdicts its
+start recorded in the checkpoint; a call under torch.no_grad says what is wrong.
 Run: python -m pytest -q tests/test_shortcut_checks.py"""
+import json
 import os
+import signal
 
 import pytest
 import torch
 
+import bookkeeping
+import common
 import config
+import da3po
 import modeling
+import ranks
 import shortcuts
 from tests import test_heads
 from tests.conftest import ROOT
@@ -82,3 +89,69 @@ def test_a_call_under_no_grad_says_so():
             shortcuts.check_logprob_paths(frozen, cfg)
         verdicts.append((frozen.shares_prompts, frozen.pack_refusal))
     assert verdicts == [(True, "")] * 2
+
+
+def test_a_recorded_verdict_is_taken_without_probing(capsys):
+    """Given the verdict a run's start recorded, for the same setup, the check runs no forward and takes it, whatever
+    probing would say now; for another setup (here the attention implementation) it probes again and says why."""
+    cfg = config.TrainConfig(pack=True, logprob_path="shortcuts")
+    model = modeling.load_model(modeling.model_path("demo"))[0].train()
+    verdict = shortcuts.check_logprob_paths(model, cfg)
+    assert verdict["pack_refusal"] == "" and verdict["shares_prompts"]
+    assert json.loads(json.dumps(verdict)) == verdict  # (it goes into a JSON file)
+    recorded = {**verdict, "pack_refusal": "as recorded", "shares_prompts": False}
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    capsys.readouterr()
+    assert shortcuts.check_logprob_paths(model, cfg, recorded=recorded) == recorded
+    assert not forwards and model.pack_refusal == "as recorded" and not model.shares_prompts
+    said = capsys.readouterr().out
+    assert "takes the log-prob paths the run's start chose (not probed again)" in said
+    assert "note: --pack: Qwen3ForCausalLM runs padded (as recorded)" in said
+    model.config._attn_implementation = "eager"
+    again = shortcuts.check_logprob_paths(model, cfg, recorded=recorded)
+    assert forwards and again["pack_refusal"] == "" and again["setup"]["attention"] == "eager"
+    assert "for another setup (attention sdpa -> eager): checked again" in capsys.readouterr().out
+
+
+SMALL = ["--demo", "arith", "--prompts_per_step", "8", "--updates_per_step", "2", "--eval_size", "16",
+         "--eval_samples", "2", "--logprob_path", "shortcuts", "--steps", "3", "--eval_every", "2"]
+
+
+def records(path):
+    """metrics.jsonl without wall-clock fields (the only thing allowed to differ between runs)."""
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in open(path)]
+
+
+def test_a_resumed_run_takes_the_paths_its_start_chose(tmp_path, monkeypatch, capsys):
+    """--logprob_path shortcuts: a run stopped in step 2 and resumed on a machine whose rounding would now refuse a
+    group's prompt once and packed rows (the check's refusal forced) takes the paths its start chose, recorded in
+    out_dir and in the checkpoint, and its metrics.jsonl equals the uninterrupted run's."""
+    def run(out, *flags):
+        da3po.main(config.parse_config(da3po.Config, ["--out_dir", str(out), *SMALL, *flags], da3po.PRESETS))
+
+    run(tmp_path / "straight")
+    straight = records(tmp_path / "straight" / "metrics.jsonl")
+    out = tmp_path / "stopped"
+    real_step, calls = common.UpdateGuard.step, [0]
+
+    def step(self, *args, **kwargs):  # a stop request at the run's 3rd update, step 2's first
+        calls[0] += 1
+        if calls[0] == 3:
+            ranks._stop_signal = signal.SIGTERM
+        return real_step(self, *args, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(common.UpdateGuard, "step", step)
+        run(out)
+    ranks._stop_signal = None
+    chosen = json.load(open(out / bookkeeping.PATHS_FILE))
+    assert chosen["policy"]["pack_refusal"] == "" and chosen["policy"]["shares_prompts"]
+    assert json.load(open(out / "step_000002" / bookkeeping.PATHS_FILE)) == chosen
+    capsys.readouterr()
+    def refusal(*args, **path):  # as the rounding of another machine might say (the chunks pass)
+        return "" if "chunk_tokens" in path else "gradient off by 1.81e-06 of itself"
+    monkeypatch.setattr(shortcuts, "_path_refusal", refusal)
+    run(out, "--resume")
+    said = capsys.readouterr().out
+    assert "takes the log-prob paths the run's start chose" in said and "note: --pack" not in said
+    assert records(out / "metrics.jsonl") == straight
