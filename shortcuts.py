@@ -16,7 +16,7 @@ import math
 import torch
 import torch.utils.checkpoint
 
-from modeling import OUTSIDE_NUCLEUS, autocast, model_name, nucleus, positions
+from modeling import OUTSIDE_NUCLEUS, autocast, model_name, nucleus, positions, reshard
 from ranks import all_reduce_max, all_reduce_sum, die, print0
 
 
@@ -653,6 +653,7 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None,
     "pack_refusal" with --pack}. Given the verdict of a run's start (`recorded`, from the
     checkpoint a --resume continues) for the same setup, it takes that one and probes nothing: a
     resumed run takes the paths its start took, whatever the rounding here would now say.
+    After the probes FSDP2's root is resharded: a no-grad forward leaves it gathered.
     """
     device = device or next(model.parameters()).device
     setup = _setup(model, cfg, device)
@@ -668,6 +669,7 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None,
             print0(f"note: --resume: the run's start checked {model_name(model)}'s log-prob paths "
                    f"for another setup ({changed}): checked again")
         verdict = {"setup": setup, **_decide_paths(model, cfg, device)}
+        reshard(model)
     model.shares_prompts = verdict["shares_prompts"]
     if "pack_refusal" in verdict:
         model.pack_refusal = verdict["pack_refusal"]

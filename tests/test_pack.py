@@ -333,6 +333,7 @@ def test_importing_the_project_leaves_transformers_attention_as_it_was():
 DIST_CHECKS = r"""
 import json
 import torch
+from torch.distributed.tensor import DTensor
 import bookkeeping, config, engine, modeling, ranks
 d = ranks.setup_dist("cpu")
 torch.manual_seed(0)
@@ -365,8 +366,11 @@ bookkeeping.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)
 model, tok = load_model(modeling.model_path("demo"))
 rollout = engine.HFRollout(watched(model), tok, d, cfg.dtype)
 model, ref_model = bookkeeping.prepare_models(model, rollout, modeling.model_path("demo"), cfg, d)
+# FSDP2 swaps a gathered unit's parameters for plain tensors; a sharded one's are DTensors
+gathered = [sum(not isinstance(p, DTensor) for p in m.parameters()) for m in (model, ref_model)]
 with open(f"{out}/rank{{d.rank}}.json", "w") as f:  # (one file each: the ranks' prints would interleave)
-    json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal), f)
+    json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal,
+                   gathered=gathered), f)
 ranks.cleanup_dist()
 ranks.end_process()
 """
@@ -377,7 +381,8 @@ def test_start_up_checks_run_where_training_runs_and_agree(tmp_path):
     under the bfloat16 autocast of --dtype bfloat16, the trained model's with gradients and a backward through them.
     A packed path that is wrong on rank 1 only is refused on both ranks: for the KL anchor (no gradient: only rank 1
     sees its log-probs off) rank 0 says it failed on another rank. The verdict is all-reduced before any rank acts on
-    it, so the ranks' forward paths, and their collectives, stay the same."""
+    it, so the ranks' forward paths, and their collectives, stay the same. After the checks no parameter of either
+    model stays gathered (the KL anchor's no-grad forwards would leave its root unit so until the first step)."""
     script = tmp_path / "checks.py"
     script.write_text(DIST_CHECKS.format(out=tmp_path))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -390,6 +395,7 @@ def test_start_up_checks_run_where_training_runs_and_agree(tmp_path):
         assert x["seen"] and all(s["sharded"] and s["autocast"] for s in x["seen"]), x["seen"]
         assert any(s["grad"] and s["backward"] for s in x["seen"]) and any(s["packed"] for s in x["seen"])
         assert x["pack_refusal"]  # (its gradient, all-reduced, is off on both ranks)
+        assert x["gathered"] == [0, 0], x["gathered"]  # (policy, KL anchor)
     assert results[0]["ref_refusal"] == "it failed on another rank"
     assert results[1]["ref_refusal"].startswith("log-probs off by")
     assert r.stdout.count("note: --pack:") == 2  # rank 0's line, for each model
