@@ -296,18 +296,18 @@ def _one_row(model) -> bool:
     return model.config._attn_implementation == "flex_attention"
 
 
-def pack_refusal(model) -> str:
-    """Why `model` does not run packed forwards, or '' if it does, from its attention
-    implementation and device (the same on every rank): flash attention and flex attention pack
-    anywhere; sdpa and eager on a CPU only, since on a GPU their masks would be dense (L x L at
-    --micro_batch_tokens 24576)."""
+def pack_refusal(model, device: torch.device) -> str:
+    """Why `model` does not run packed forwards on the training `device`, or '' if it does, from
+    its attention implementation and that device (the same on every rank): flash attention and
+    flex attention pack anywhere; sdpa and eager on a CPU only, since on a GPU their masks would
+    be dense (L x L at --micro_batch_tokens 24576). The device the forwards run on, not the
+    parameters': under --cpu_offload the shards sit on the host and the forwards run on the GPU."""
     implementation = model.config._attn_implementation
     if _one_row(model):
         return ""
     if implementation not in DENSE_MASK_ATTENTION:
         return (f"transformers packs no sequences under its attention implementation "
                 f"{implementation!r}")
-    device = next(model.parameters()).device
     if device.type != "cpu":
         return (f"{implementation} would build a dense mask for packed rows on {device.type}; "
                 f"--attn_implementation flash_attention_2 or flex_attention packs without one")
@@ -320,7 +320,7 @@ def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
     runs fewer tokens (each row's but its last; the filler not counted) than the padded path runs
     positions. The counts are summed over ranks first, so that every rank takes the same path
     (lockstep). docs/gpu.md, "A group's prompt once, or packed rows": what each demo takes."""
-    if not _runs_packed(model, pack):
+    if not _runs_packed(model, pack, attention_mask.device):
         return False
     if not _shares_prompts(model, groups):
         return True
@@ -335,14 +335,15 @@ def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
     return tokens < padded
 
 
-def _runs_packed(model, pack: bool) -> bool:
-    """Whether token_logprobs runs packed: asked, on a model that packs (the start-up verdict,
-    model.pack_refusal, once check_logprob_paths has run; pack_refusal before)."""
+def _runs_packed(model, pack: bool, device: torch.device) -> bool:
+    """Whether token_logprobs runs packed on `device` (the batch's): asked, on a model that packs
+    (the start-up verdict, model.pack_refusal, once check_logprob_paths has run; pack_refusal
+    before)."""
     if not pack:
         return False
     refusal = getattr(model, "pack_refusal", None)
     if refusal is None:
-        refusal = pack_refusal(model)
+        refusal = pack_refusal(model, device)
     return not refusal
 
 
@@ -734,7 +735,7 @@ def _decide_paths(model, cfg, device: torch.device) -> dict:
         verdict["shares_prompts"] = not check(groups=rows[3])
     if getattr(cfg, "pack", False):
         model.pack_refusal = ""  # (so that the probe runs packed)
-        verdict["pack_refusal"] = pack_refusal(model) or check(pack=True)
+        verdict["pack_refusal"] = pack_refusal(model, device) or check(pack=True)
     return verdict
 
 

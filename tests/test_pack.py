@@ -113,17 +113,22 @@ def test_packed_attention_keeps_sequences_apart(float64_model):
 
 def test_pack_refusal_names_what_does_not_pack(float64_model):
     """transformers packs under flash attention and flex attention anywhere, under sdpa and eager on a CPU only (on a
-    GPU they would get a dense mask per packed row); the verdict comes from the model and config (the same on every
-    rank), said once at start-up. A `meta` model stands in for one on a GPU."""
+    GPU they would get a dense mask per packed row); the verdict comes from the model, the config and the training
+    device (the same on every rank), said once at start-up. The training device, not the parameters': under
+    --cpu_offload the shards sit on the host (here: a model on the CPU) while the forwards run on the GPU."""
     model, _ = float64_model
-    assert shortcuts.pack_refusal(model) == ""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # (naming a device needs no GPU)
+    assert shortcuts.pack_refusal(model, cpu) == ""
     for implementation in ("flash_attention_2", "flex_attention"):
         model.config._attn_implementation = implementation
-        assert shortcuts.pack_refusal(model) == "" and shortcuts.pack_refusal(model.to("meta")) == ""
+        assert shortcuts.pack_refusal(model, cpu) == "" and shortcuts.pack_refusal(model, gpu) == ""
     model.config._attn_implementation = "sdpa"
-    assert "dense mask" in shortcuts.pack_refusal(model) and "flash_attention_2" in shortcuts.pack_refusal(model)
+    refusal = shortcuts.pack_refusal(model, gpu)
+    assert "dense mask" in refusal and "on cuda" in refusal and "flash_attention_2" in refusal
+    assert next(model.parameters()).device == cpu  # the parameters' device did not decide it
+    assert shortcuts.pack_refusal(model.to("meta"), cpu) == ""
     model.config._attn_implementation = "paged|eager"
-    assert "paged|eager" in shortcuts.pack_refusal(model)
+    assert "paged|eager" in shortcuts.pack_refusal(model, cpu)
 
 
 def test_start_up_check_compares_packed_and_padded(float64_model):
