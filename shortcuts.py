@@ -552,14 +552,17 @@ def _path_refusal(model, rows, dtype: str, device, reference, noise: tuple, **pa
 
 def _tolerances(model, rows, dtype: str, reference, noise: tuple) -> tuple[float, float]:
     """How far a path's log-probs and gradient sums may sit from each row's own (`reference`):
-    4 x `noise` (the padded rows' gaps from them), plus roundings of the compute dtype (bf16 or
-    fp16 under its autocast, else the weights', float32 at least): 2 at the log-probs' scale, 8
-    of the gradient (float32's at least: families round there, RMSNorm); plus the sums behind
-    them, accumulated in float32 (float64 for a float64 model): a random walk of one rounding per
-    term (_sums_per_forward; twice as many for the gradient, forward and backward), at 4 standard
-    deviations. The padded rows share most of their roundings with each row's own forward, so
-    their gap can be far below what another exact layout rounds to (docs/gpu.md, "Start-up
-    checks": measured)."""
+    the sum of
+      4 x `noise`  the padded rows' gaps from them (the kernels' rounding between two layouts);
+      roundings    of the compute dtype (bf16 or fp16 under its autocast, else the weights',
+                   float32 at least): 2 at the log-probs' scale, 8 of the gradient (float32's at
+                   least: families round there, RMSNorm);
+      the sums     behind them, accumulated in float32 (float64 for a float64 model): a random
+                   walk of one rounding per term, at 4 standard deviations (_sums_per_forward
+                   terms, twice as many for the gradient: forward and backward).
+    The padded rows share most of their roundings with each row's own forward, so their gap
+    alone can sit far below what another exact layout rounds to (docs/gpu.md, "Start-up checks").
+    """
     if dtype in ("bfloat16", "float16"):
         compute = getattr(torch, dtype)
     else:
