@@ -29,6 +29,8 @@ from modeling import full_state_dict, load_model, set_attention, shard_model
 from ranks import DistInfo, all_reduce_max, die, is_dist, print0
 from shortcuts import check_logprob_paths
 
+# the log-prob paths the start-up checks chose, by model: in out_dir and in every checkpoint
+PATHS_FILE = "logprob_paths.json"
 # torch.distributed.checkpoint warns at each save/load of a plain run that it works in one process: it should
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -37,11 +39,18 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # The models at start-up: the policy loaded (with LoRA's adapters), sharded, and checked where it trains.
 def load_policy(resume_from: str | None, base_path: str, cfg):
     """(model, tokenizer, the folder of its full weights), on the CPU: the checkpoint's model
-    (--resume) or --model's; with --lora_rank, the base with LoRA adapters (lora.load_lora_policy)."""
+    (--resume) or --model's; with --lora_rank, the base with LoRA adapters (lora.load_lora_policy).
+    A resumed model carries the log-prob paths the run's start chose (model.logprob_paths, from
+    the checkpoint's PATHS_FILE), which prepare_models takes again."""
     if cfg.lora_rank:
-        return load_lora_policy(resume_from, base_path, cfg)
-    path = resume_from or base_path
-    model, tok = load_model(path)
+        model, tok, path = load_lora_policy(resume_from, base_path, cfg)
+    else:
+        path = resume_from or base_path
+        model, tok = load_model(path)
+    recorded = resume_from and os.path.join(resume_from, PATHS_FILE)
+    if recorded and os.path.exists(recorded):
+        with open(recorded) as f:
+            model.logprob_paths = json.load(f)
     return model, tok, path
 
 
@@ -49,26 +58,38 @@ def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
     """(model, ref_model), sharded and checked where they train, and the rollout engine calibrated
     against the model (vLLM: the weight-sync probe's start-up gap). ref_model, the KL anchor, is
     the initial model even after a resume: with LoRA the model itself, which token_losses runs
-    with its adapters off (the base: no second copy); None without KL."""
+    with its adapters off (the base: no second copy); None without KL.
+    --logprob_path shortcuts: each model's shortcuts checked where training runs, once per run: a
+    resumed run takes the verdicts its start recorded (load_policy). model.logprob_paths holds
+    them for every checkpoint (save_checkpoint), and out_dir/PATHS_FILE for the reader."""
+    recorded = getattr(model, "logprob_paths", {})
     set_attention(model, cfg.attn_implementation)
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
-    if cfg.logprob_path == "shortcuts":  # each shortcut checked where training runs (shortcuts.py)
-        check_logprob_paths(model, cfg, dist_info.device)
+    paths = {}
+    if cfg.logprob_path == "shortcuts":  # shortcuts.check_logprob_paths
+        paths["policy"] = check_logprob_paths(model, cfg, dist_info.device, recorded.get("policy"))
     engine.calibrate(model)
-    if cfg.kl_coef <= 0:
-        return model, None
-    return model, (model if is_lora(model) else load_ref_model(base_path, cfg, dist_info))
+    ref_model = None
+    if cfg.kl_coef > 0:
+        ref_model = model if is_lora(model) else load_ref_model(base_path, cfg, dist_info)
+    if ref_model is not None and ref_model is not model and cfg.logprob_path == "shortcuts":
+        paths["reference"] = check_logprob_paths(ref_model, cfg, dist_info.device,
+                                                 recorded.get("reference"))
+    model.logprob_paths = paths
+    if paths and dist_info.is_main and cfg.out_dir:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, PATHS_FILE), "w") as f:
+            json.dump(paths, f, indent=1)
+    return model, ref_model
 
 
 def load_ref_model(base_path: str, cfg, dist_info: DistInfo):
-    """--kl_coef > 0 without LoRA: the KL anchor, the initial model frozen, sharded and checked as the
-    policy is (in eval mode: a no-grad forward's gathered parameters are freed after it)."""
+    """--kl_coef > 0 without LoRA: the KL anchor, the initial model frozen and sharded as the
+    policy is (in eval mode: a no-grad forward's gathered parameters are freed after it);
+    prepare_models checks it."""
     ref_model = load_model(base_path)[0].requires_grad_(False)
     set_attention(ref_model, cfg.attn_implementation)
-    ref_model = shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
-    if cfg.logprob_path == "shortcuts":
-        check_logprob_paths(ref_model, cfg, dist_info.device)
-    return ref_model
+    return shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -244,11 +265,13 @@ def step_bar(start_step: int, cfg, dist_info: DistInfo):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Checkpoints, what they hold. out_dir/step_XXXXXX/: a Hugging Face model folder (from_pretrained, vLLM);
-# optimizer/, sharded by torch.distributed.checkpoint (dcp), resumable on any number of ranks; trainer.pt
-# (step, scheduler, data position, the algorithm's state); rank<r>.pt per rank (RNG states and, after a stop
-# mid-step, that step's remaining work: a PendingStep). The .pt files hold only tensors and plain types, for
-# torch's safe loader: a checkpoint from elsewhere cannot run code on --resume (dcp's metadata is a pickle).
+# Checkpoints, what they hold. out_dir/step_XXXXXX/: a Hugging Face model folder (from_pretrained,
+# vLLM); optimizer/, sharded by torch.distributed.checkpoint (dcp), resumable on any number of
+# ranks; trainer.pt (step, scheduler, data position, the algorithm's state); logprob_paths.json
+# (the start-up checks' verdicts, taken again on --resume); rank<r>.pt per rank (RNG states and,
+# after a stop mid-step, that step's remaining work: a PendingStep). The .pt files hold only tensors
+# and plain types, for torch's safe loader: a checkpoint from elsewhere cannot run code on --resume
+# (dcp's metadata is a pickle).
 def rng_state() -> dict:
     """This rank's RNG states, as tensors and plain types: Python's, numpy's, torch's (CPU and GPUs)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -413,6 +436,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         skeleton.save_pretrained(tmp, state_dict=state_dict)
     if rank == 0:
         tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, PATHS_FILE), "w") as f:  # what a --resume takes again
+            json.dump(getattr(model, "logprob_paths", {}), f, indent=1)
         torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
                     "optimizer_fresh": fresh, "data_position": stream.position,
                     "pad_token_id": tok.pad_token_id, **extra},  # (a stopped step's batch, split anew)
@@ -438,7 +463,7 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
 
 def check_every_rank_sees(path: str, weights: str, world: int):
     """Exit 2 on every rank unless each rank sees the whole checkpoint (several nodes, one filesystem)."""
-    files = ["trainer.pt", weights, os.path.join("optimizer", ".metadata")] + [
+    files = ["trainer.pt", PATHS_FILE, weights, os.path.join("optimizer", ".metadata")] + [
         f"rank{r}.pt" for r in range(world)]
     missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
     if all_reduce_max(torch.tensor(float(len(missing)))).item():

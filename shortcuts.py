@@ -7,14 +7,16 @@ numbers with three shortcuts, each checked at start-up against each row's own fo
   - packed rows: transformers' padding-free path, no padding positions (_packed_outputs);
   - the output layer in chunks, recomputed in the backward: no (B, T, V) logits (_chunked_logprobs).
 common.py reaches this file through one dispatch line; nothing here imports common.
-tests/test_pack.py, tests/test_heads.py and tests/test_shortcuts.py hold each equal to the plain path.
+tests/test_pack.py, tests/test_heads.py and tests/test_chunked_logprobs.py hold each equal to the plain
+path; tests/test_shortcut_checks.py holds the start-up checks.
 """
 import contextlib
+import math
 
 import torch
 import torch.utils.checkpoint
 
-from modeling import OUTSIDE_NUCLEUS, autocast, model_name, nucleus, positions
+from modeling import OUTSIDE_NUCLEUS, autocast, model_name, nucleus, positions, reshard
 from ranks import all_reduce_max, all_reduce_sum, die, print0
 
 
@@ -294,18 +296,18 @@ def _one_row(model) -> bool:
     return model.config._attn_implementation == "flex_attention"
 
 
-def pack_refusal(model) -> str:
-    """Why `model` does not run packed forwards, or '' if it does, from its attention
-    implementation and device (the same on every rank): flash attention and flex attention pack
-    anywhere; sdpa and eager on a CPU only, since on a GPU their masks would be dense (L x L at
-    --micro_batch_tokens 24576)."""
+def pack_refusal(model, device: torch.device) -> str:
+    """Why `model` does not run packed forwards on the training `device`, or '' if it does, from
+    its attention implementation and that device (the same on every rank): flash attention and
+    flex attention pack anywhere; sdpa and eager on a CPU only, since on a GPU their masks would
+    be dense (L x L at --micro_batch_tokens 24576). The device the forwards run on, not the
+    parameters': under --cpu_offload the shards sit on the host and the forwards run on the GPU."""
     implementation = model.config._attn_implementation
     if _one_row(model):
         return ""
     if implementation not in DENSE_MASK_ATTENTION:
         return (f"transformers packs no sequences under its attention implementation "
                 f"{implementation!r}")
-    device = next(model.parameters()).device
     if device.type != "cpu":
         return (f"{implementation} would build a dense mask for packed rows on {device.type}; "
                 f"--attn_implementation flash_attention_2 or flex_attention packs without one")
@@ -318,7 +320,7 @@ def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
     runs fewer tokens (each row's but its last; the filler not counted) than the padded path runs
     positions. The counts are summed over ranks first, so that every rank takes the same path
     (lockstep). docs/gpu.md, "A group's prompt once, or packed rows": what each demo takes."""
-    if not _runs_packed(model, pack):
+    if not _runs_packed(model, pack, attention_mask.device):
         return False
     if not _shares_prompts(model, groups):
         return True
@@ -333,14 +335,15 @@ def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
     return tokens < padded
 
 
-def _runs_packed(model, pack: bool) -> bool:
-    """Whether token_logprobs runs packed: asked, on a model that packs (the start-up verdict,
-    model.pack_refusal, once check_logprob_paths has run; pack_refusal before)."""
+def _runs_packed(model, pack: bool, device: torch.device) -> bool:
+    """Whether token_logprobs runs packed on `device` (the batch's): asked, on a model that packs
+    (the start-up verdict, model.pack_refusal, once check_logprob_paths has run; pack_refusal
+    before)."""
     if not pack:
         return False
     refusal = getattr(model, "pack_refusal", None)
     if refusal is None:
-        refusal = pack_refusal(model)
+        refusal = pack_refusal(model, device)
     return not refusal
 
 
@@ -504,14 +507,15 @@ def _probe(model, rows, dtype: str, device, alone: bool = False, **path):
     try:
         for i, keep, n in parts:
             part = (ids, attn) if i is None else (ids[i, keep][None], attn[i, keep][None])
-            with torch.set_grad_enabled(trains), autocast(dtype, device):
-                out = token_logprobs(model, *part, n, **path)[0].double() * part[1][:, -n:]
+            with torch.set_grad_enabled(trains):
+                with autocast(dtype, device):
+                    out = token_logprobs(model, *part, n, **path)[0].double() * part[1][:, -n:]
+                if trains:
+                    (out * torch.arange(1, n + 1, device=device)).sum().backward()
             if i is None:
                 logp[:, :n] = out.detach()
             else:
                 logp[i, :n] = out.detach()
-            if trains:
-                (out * torch.arange(1, n + 1, device=device)).sum().backward()
     except Exception as e:
         # any failure refuses the path (the same on every rank: same model, same rows)
         logp = _error(e)
@@ -531,28 +535,59 @@ def _gaps(probe, reference) -> tuple[float, float]:
 
 
 def _path_refusal(model, rows, dtype: str, device, reference, noise: tuple, **path) -> str:
-    """'' if the path gives each row's own log-probs and gradient (`reference`) to within 4 x
-    `noise` (the padded rows' gaps from them) plus a few roundings of the compute dtype, else why
-    not (docs/gpu.md, "Start-up checks": the tolerance). Agreed across ranks."""
+    """'' if the path gives each row's own log-probs and gradient (`reference`) to within
+    _tolerances, else why not. Agreed across ranks."""
     probe = _probe(model, rows, dtype, device, **path)
     if isinstance(probe[0], str):
         return _agreed(probe[0])
-    # the compute dtype: bf16 or fp16 under its autocast, else the weights' (float32 at least)
+    logp, grad = _gaps(probe, reference)
+    logp_tol, grad_tol = _tolerances(model, rows, dtype, reference, noise)
+    why = ""
+    if not logp <= logp_tol:  # (NaN fails too)
+        why = f"log-probs off by {logp:.3g}"
+    elif not grad <= grad_tol:
+        why = f"gradient off by {grad:.3g} of itself"
+    return _agreed(why)
+
+
+def _tolerances(model, rows, dtype: str, reference, noise: tuple) -> tuple[float, float]:
+    """How far a path's log-probs and gradient sums may sit from each row's own (`reference`):
+    the sum of
+      4 x `noise`  the padded rows' gaps from them (the kernels' rounding between two layouts);
+      roundings    of the compute dtype (bf16 or fp16 under its autocast, else the weights',
+                   float32 at least): 2 at the log-probs' scale, 8 of the gradient (float32's at
+                   least: families round there, RMSNorm);
+      the sums     behind them, accumulated in float32 (float64 for a float64 model): a random
+                   walk of one rounding per term, at 4 standard deviations (_sums_per_forward
+                   terms, twice as many for the gradient: forward and backward).
+    The padded rows share most of their roundings with each row's own forward, so their gap
+    alone can sit far below what another exact layout rounds to (docs/gpu.md, "Start-up checks").
+    """
     if dtype in ("bfloat16", "float16"):
         compute = getattr(torch, dtype)
     else:
         compute = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     eps = torch.finfo(compute).eps
-    logp, grad = _gaps(probe, reference)
+    float32_eps = torch.finfo(torch.float32).eps
+    sums_eps = torch.finfo(torch.promote_types(compute, torch.float32)).eps
+    terms = _sums_per_forward(model, rows[0].shape[1])
     logp_scale = 1 + reference[0].abs().max().item()
-    # the gradient at least at float32's rounding: families round it there (RMSNorm)
-    grad_eps = max(eps, torch.finfo(torch.float32).eps)
-    why = ""
-    if not logp <= 4 * noise[0] + 2 * eps * logp_scale:  # (NaN fails too)
-        why = f"log-probs off by {logp:.3g}"
-    elif not grad <= 4 * noise[1] + 8 * grad_eps:
-        why = f"gradient off by {grad:.3g} of itself"
-    return _agreed(why)
+    logp = 4 * noise[0] + (2 * eps + 4 * math.sqrt(terms) * sums_eps) * logp_scale
+    grad = 4 * noise[1] + 8 * max(eps, float32_eps) + 4 * math.sqrt(2 * terms) * sums_eps
+    return logp, grad
+
+
+def _sums_per_forward(model, width: int) -> int:
+    """About how many terms the sums behind one output of a forward add up: in each layer, over
+    the hidden size, the MLP's inner size and the `width` positions.
+    Example: the demo model (2 layers, 128 and 512 wide) on 12 positions: 2 x 652 = 1,304."""
+    config = model.config.get_text_config()
+    hidden = getattr(config, "hidden_size", None) or model.get_input_embeddings().embedding_dim
+    inner = getattr(config, "intermediate_size", None)
+    if isinstance(inner, (list, tuple)):  # one per layer (Gemma 3n)
+        inner = max(inner)
+    layers = getattr(config, "num_hidden_layers", None) or 1
+    return layers * (hidden + (inner or 4 * hidden) + width)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -609,7 +644,8 @@ def _head_refusal(model, head, dtype: str) -> str:
     return ""
 
 
-def check_logprob_paths(model, cfg, device: torch.device | None = None):
+def check_logprob_paths(model, cfg, device: torch.device | None = None,
+                        recorded: dict | None = None) -> dict:
     """Start-up checks of the sharded model on `device` (default: the parameters'): each shortcut
     token_logprobs may take, against each row's own forward, in cfg.dtype under autocast, with a
     backward for a model that trains. Sets what token_logprobs reads:
@@ -617,8 +653,65 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None):
       model.shares_prompts  a group's prompt run once (padded rows, no checkpointing; a hybrid or
                             recurrent cache may not index out)
       model.pack_refusal    packed rows (--pack): '' or why not, with a note
+    Returns the verdict: {"setup": what it depends on (_setup), "shares_prompts", and
+    "pack_refusal" with --pack}. Given the verdict of a run's start (`recorded`, from the
+    checkpoint a --resume continues) for the same setup, it takes that one and probes nothing: a
+    resumed run takes the paths its start took, whatever the rounding here would now say.
+    After the probes FSDP2's root is resharded: a no-grad forward leaves it gathered.
     """
     device = device or next(model.parameters()).device
+    setup = _setup(model, cfg, device)
+    if recorded is not None and recorded.get("setup") == setup:
+        verdict = recorded
+        print0(f"--resume: {model_name(model)} takes the log-prob paths the run's start chose "
+               f"(not probed again): {_paths_taken(verdict)}")
+    else:
+        if recorded is not None:
+            was = recorded.get("setup", {})
+            changed = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in setup.items()
+                                if was.get(k) != v)
+            print0(f"note: --resume: the run's start checked {model_name(model)}'s log-prob paths "
+                   f"for another setup ({changed}): checked again")
+        verdict = {"setup": setup, **_decide_paths(model, cfg, device)}
+        reshard(model)
+    model.shares_prompts = verdict["shares_prompts"]
+    if "pack_refusal" in verdict:
+        model.pack_refusal = verdict["pack_refusal"]
+        if model.pack_refusal:
+            print0(f"note: --pack: {model_name(model)} runs padded ({model.pack_refusal})")
+    if not model.shares_prompts:
+        print0(f"note: {model_name(model)}'s KV cache cannot be shared by a group's rows: "
+               "each row runs its prompt")
+    return verdict
+
+
+def _setup(model, cfg, device: torch.device) -> dict:
+    """What the start-up verdicts depend on besides the weights and the kernels' rounding."""
+    import transformers
+    return {"model": model_name(model), "attention": model.config._attn_implementation,
+            "dtype": cfg.dtype, "device": device.type, "pack": bool(getattr(cfg, "pack", False)),
+            "logprob_chunk": cfg.logprob_chunk > 0,
+            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+            "transformers": transformers.__version__}
+
+
+def _paths_taken(verdict: dict) -> str:
+    """A verdict in words. Example: 'a group's prompt once, packed rows'."""
+    taken = ["a group's prompt once" if verdict["shares_prompts"] else "each row's prompt"]
+    if "pack_refusal" in verdict:
+        taken.append("padded rows" if verdict["pack_refusal"] else "packed rows")
+    return ", ".join(taken)
+
+
+def _decide_paths(model, cfg, device: torch.device) -> dict:
+    """check_logprob_paths' probes: {"shares_prompts", and "pack_refusal" with --pack}."""
+    trains = any(p.requires_grad for p in model.parameters())
+    if trains and not torch.is_grad_enabled():
+        # a caller's mistake (torch.no_grad, torch.inference_mode): every probe's backward would
+        # fail, and the model's forward be blamed
+        raise RuntimeError("check_logprob_paths was called with gradients disabled "
+                           "(torch.no_grad() or torch.inference_mode()); its probes of a model "
+                           "that trains run a backward: call it with gradients enabled")
     rows = _probe_rows(model, device)
     # each row's own forward: what is right
     alone = _probe(model, rows, cfg.dtype, device, alone=True)
@@ -639,17 +732,14 @@ def check_logprob_paths(model, cfg, device: torch.device | None = None):
         if why:
             die(f"--logprob_chunk: the chunked log-probs of {model_name(model)} would not be "
                 f"its own ({why}); run with --logprob_chunk 0")
+    verdict = {"shares_prompts": True}
     model.shares_prompts = True
     if _shares_prompts(model, rows[3]):
-        model.shares_prompts = not check(groups=rows[3])
+        verdict["shares_prompts"] = not check(groups=rows[3])
     if getattr(cfg, "pack", False):
         model.pack_refusal = ""  # (so that the probe runs packed)
-        model.pack_refusal = pack_refusal(model) or check(pack=True)
-        if model.pack_refusal:
-            print0(f"note: --pack: {model_name(model)} runs padded ({model.pack_refusal})")
-    if not model.shares_prompts:
-        print0(f"note: {model_name(model)}'s KV cache cannot be shared by a group's rows: "
-               "each row runs its prompt")
+        verdict["pack_refusal"] = pack_refusal(model, device) or check(pack=True)
+    return verdict
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -140,12 +140,22 @@ def trainer_update_peak(m: dict, gpus: int, offload: bool, act: float) -> dict:
     return dict(parts, peak=sum(parts.values()), host=0 if not offload else 16 * N)
 
 
+def gathered_for_forward(m: dict) -> int:
+    """Bytes FSDP2 gathers on the GPU while a forward runs, in bf16: the root unit, gathered through the whole
+    forward (2R), and two decoder layers, the current one and the prefetched next (4P)."""
+    return 2 * root_params(m) + 4 * layer_params(m)
+
+
 def trainer_rollout_resident(m: dict, gpus: int, offload: bool) -> float:
     """Per-GPU bytes the trainer keeps beside the awake engine: master weights + AdamW, sharded (gradients are freed
-    after every update: UpdateGuard), none with --cpu_offload. After its no-grad forwards (pi_old, the sync probe)
-    the trainer reshards FSDP2's root unit (modeling.reshard), so no gathered copy stays."""
-    shard = 0 if offload else param_count(m) / gpus
-    return 12 * shard
+    after every update: UpdateGuard). With --cpu_offload those sit on the host, and what the GPU holds is what the
+    trainer's no-grad forwards gather while vLLM is awake (pi_old, the sync probe: gathered_for_forward); after them
+    the trainer reshards FSDP2's root unit (modeling.reshard), so no gathered copy stays. Without --cpu_offload the
+    same passes gather the same units beside the sharded state; there they are left to the margin, as
+    vllm_engine.vllm_memory_share leaves them."""
+    if offload:
+        return gathered_for_forward(m)
+    return 12 * param_count(m) / gpus
 
 
 def vllm_fixed(m: dict, tokens: int = VLLM_TOKENS) -> dict:
@@ -232,10 +242,12 @@ def report(name: str, gpus: int, total: float, label: str) -> tuple[list[str], l
         lines.append(f"    host RAM for the offloaded state: 16N = {upd['host'] / GiB:.0f} GiB per node "
                      f"(+4N = {4 * N / GiB:.0f} GiB on rank 0 while a checkpoint is written)")
     lines += attention_lines(m, recipe, p["mbt"])
-    kept = "none with --cpu_offload" if p["offload"] else f"+{4 * N / gpus / GiB:.1f} GiB if gradients were kept"
+    if p["offload"]:
+        kept = "weights and AdamW on the host; the bf16 root unit + 2 layers its no-grad passes gather, 2R + 4P"
+    else:
+        kept = f"weights + AdamW sharded, gradients freed: +{4 * N / gpus / GiB:.1f} GiB if they were kept"
     need = (p["engine_len"] + 16) * p["kvb"]
-    lines += [f"  rollout, per GPU: trainer resident {g(p['resident'])}  (weights + AdamW sharded, gradients freed: "
-              f"{kept})",
+    lines += [f"  rollout, per GPU: trainer resident {g(p['resident'])}  ({kept})",
               f"    engine start: before the trainer's model is on the GPU, {p['free_at_start'] / GiB:.1f} GiB free "
               f"(vLLM 0.32's request_memory needs u x total free then); during rollouts u x total sits beside the "
               f"trainer's resident state: u = min(free, total - context - resident) / total - margin",
@@ -303,15 +315,16 @@ def lora_plan(m: dict, recipe: dict, total: float, offload: bool, micro_batch_to
     """Every number of one LoRA case on one GPU, and whether it fits. Updates (vLLM asleep: its graphs stay): the
     base 2N (plain run) or FSDP2's gathered bf16 units, 2R + two layers 4P (--cpu_offload), the adapters 16A (on the
     host with --cpu_offload), activations as full fine-tuning's (the gradient still flows through every layer).
-    Rollouts: the trainer keeps 2N + 12A (0 with --cpu_offload) beside vLLM, and its no-grad passes (pi_old, the
-    probe) need one layer's activations or the log-prob chunks on top: vLLM's share leaves room for them."""
+    Rollouts: the trainer keeps 2N + 12A beside vLLM (with --cpu_offload: the bf16 units its no-grad passes gather,
+    gathered_for_forward), and its no-grad passes (pi_old, the probe) need one layer's activations or the log-prob
+    chunks on top: vLLM's share leaves room for them."""
     N, A, max_len, kvb = param_count(m), lora_params(m, rank), recipe["prompt"] + recipe["completion"], \
         kv_bytes_per_token(m)
     act = activation_bytes(m, micro_batch_tokens, max_len, LOGPROB_CHUNK)
     base = 2 * root_params(m) + 4 * layer_params(m) if offload else 2 * N
     upd = dict(base=base, adapters=0 if offload else 16 * A, activations=act["total"], other=CONTEXT + LORA_GRAPHS)
     upd["peak"] = sum(upd.values())
-    resident = 0 if offload else 2 * N + 12 * A
+    resident = gathered_for_forward(m) if offload else 2 * N + 12 * A
     passes = ACT_MARGIN * max(act["layer"], act["logits"]) / 2  # a forward alone: about half of forward + backward
     free_at_start = total - CONTEXT
     u = vllm_share(total, free_at_start, resident + passes)
@@ -359,8 +372,9 @@ def lora_report(name: str, total: float, label: str, rank: int = LORA_RANK) -> t
              f"{p['act']['tokens']} tokens)",
              f"    CUDA context + vLLM graphs  {g(upd['other'])}  (estimate; graphs with and without LoRA)",
              f"    trainer peak                {g(upd['peak'])}  of {usable / GiB:.1f} usable ({MARGIN:.0%} margin)",
-             f"  rollout: trainer resident {g(p['resident'])} (base 2N + adapters and AdamW 12A"
-             + (", none: all on the host" if p["offload"] else "") + f") + its no-grad passes {g(p['passes'])} "
+             f"  rollout: trainer resident {g(p['resident'])} ("
+             + ("all on the host; the bf16 root unit + 2 layers its passes gather, 2R + 4P" if p["offload"]
+                else "base 2N + adapters and AdamW 12A") + f") + its no-grad passes {g(p['passes'])} "
              f"(estimate: pi_old and the probe run while vLLM is awake)",
              f"    vLLM share u = {p['u']:.2f} = {p['u'] * total / GiB:.1f} GiB: base bf16 2N {f['weights'] / GiB:.1f} "
              f"+ adapter slots {f['adapter slots'] / GiB:.2f} + activations/workspace {f['activations'] / GiB:.1f} "

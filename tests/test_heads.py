@@ -241,9 +241,9 @@ def test_chunked_path_raises_when_the_head_is_not_called():
 
 DIST_PROBE = r"""
 import torch
-import common
 import modeling
 import ranks
+import shortcuts
 from tests import test_heads
 
 d = ranks.setup_dist("cpu")

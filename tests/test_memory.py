@@ -91,3 +91,26 @@ def test_packed_attention_memory_by_hand():
     flash = re.findall(r"flash_attention_2 +([\d.]+) MiB per forward \+ ([\d.]+) MiB per layer", r.stdout)
     assert len(flash) == verdicts == 12 + 16 and all(float(w) <= 0.1 and float(l) <= 3.0 for w, l in flash), flash
     assert r.stdout.count("(the recipes')") == verdicts and "linear in tokens" in r.stdout
+
+
+def test_the_rollout_phase_counts_the_units_offloaded_passes_gather():
+    """--cpu_offload: the trainer's state sits on the host, but its no-grad passes while vLLM is awake (pi_old, the
+    sync probe) gather FSDP2's root unit and two layers on the GPU, 2R + 4P in bf16 (1.1 GiB for Qwen3-4B, 3.0 GiB for
+    Qwen3-8B). The rollout budget counts them: vLLM's share, the trainer's context, those units and the passes'
+    activations stay within the usable memory (Qwen3-8B's LoRA run on 48 GB needed 45.7 GiB of 45.0 without them)."""
+    GiB = 2**30
+    m4, m8 = memory.MODELS["Qwen3-4B-Base"], memory.MODELS["Qwen3-8B-Base"]
+    assert memory.gathered_for_forward(m4) == 2 * (151_936 * 2560 + 2560) + 4 * 100_930_816
+    assert round(memory.gathered_for_forward(m4) / GiB, 1) == 1.1
+    assert round(memory.gathered_for_forward(m8) / GiB, 1) == 3.0
+    assert memory.trainer_rollout_resident(m8, 1, True) == memory.gathered_for_forward(m8)
+    for name, gb in (("Qwen3-4B-Base", 24564 / 1024), ("Qwen3-8B-Base", 46068 / 1024)):
+        total = gb * GiB
+        p = memory.best_lora_plan(memory.MODELS[name], memory.RECIPE[name], total, 32)
+        assert p["offload"] and p["resident"] == memory.gathered_for_forward(memory.MODELS[name])
+        assert p["u"] * total + memory.CONTEXT + p["resident"] + p["passes"] <= (1 - memory.MARGIN) * total, name
+    total = 81559 / 1024 * GiB
+    p = memory.best_plan(m8, memory.RECIPE["Qwen3-8B-Base"], 1, total)
+    assert p["offload"] and p["u"] * total + memory.CONTEXT + p["resident"] <= (1 - memory.MARGIN) * total
+    r = run_script(["-m", "bench.memory", "--model", "Qwen3-8B-Base", "--gpus", "1", "--gpu_gb", "80"], timeout=60)
+    assert "trainer resident    3.0 GiB  (weights and AdamW on the host; the bf16 root unit + 2 layers" in r.stdout

@@ -113,17 +113,22 @@ def test_packed_attention_keeps_sequences_apart(float64_model):
 
 def test_pack_refusal_names_what_does_not_pack(float64_model):
     """transformers packs under flash attention and flex attention anywhere, under sdpa and eager on a CPU only (on a
-    GPU they would get a dense mask per packed row); the verdict comes from the model and config (the same on every
-    rank), said once at start-up. A `meta` model stands in for one on a GPU."""
+    GPU they would get a dense mask per packed row); the verdict comes from the model, the config and the training
+    device (the same on every rank), said once at start-up. The training device, not the parameters': under
+    --cpu_offload the shards sit on the host (here: a model on the CPU) while the forwards run on the GPU."""
     model, _ = float64_model
-    assert shortcuts.pack_refusal(model) == ""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # (naming a device needs no GPU)
+    assert shortcuts.pack_refusal(model, cpu) == ""
     for implementation in ("flash_attention_2", "flex_attention"):
         model.config._attn_implementation = implementation
-        assert shortcuts.pack_refusal(model) == "" and shortcuts.pack_refusal(model.to("meta")) == ""
+        assert shortcuts.pack_refusal(model, cpu) == "" and shortcuts.pack_refusal(model, gpu) == ""
     model.config._attn_implementation = "sdpa"
-    assert "dense mask" in shortcuts.pack_refusal(model) and "flash_attention_2" in shortcuts.pack_refusal(model)
+    refusal = shortcuts.pack_refusal(model, gpu)
+    assert "dense mask" in refusal and "on cuda" in refusal and "flash_attention_2" in refusal
+    assert next(model.parameters()).device == cpu  # the parameters' device did not decide it
+    assert shortcuts.pack_refusal(model.to("meta"), cpu) == ""
     model.config._attn_implementation = "paged|eager"
-    assert "paged|eager" in shortcuts.pack_refusal(model)
+    assert "paged|eager" in shortcuts.pack_refusal(model, cpu)
 
 
 def test_start_up_check_compares_packed_and_padded(float64_model):
@@ -333,10 +338,12 @@ def test_importing_the_project_leaves_transformers_attention_as_it_was():
 DIST_CHECKS = r"""
 import json
 import torch
-import common, engine, modeling, ranks
+from torch.distributed.tensor import DTensor
+import bookkeeping, config, engine, modeling, ranks
 d = ranks.setup_dist("cpu")
 torch.manual_seed(0)
-cfg = config.TrainConfig(dtype="bfloat16", kl_coef=0.1)  # --pack, --logprob_chunk 1024 by default; a KL anchor
+# --pack, --logprob_chunk 1024 by default; a KL anchor; the shortcuts checked
+cfg = config.TrainConfig(dtype="bfloat16", kl_coef=0.1, logprob_path="shortcuts")
 seen, load_model = [], modeling.load_model
 
 
@@ -359,12 +366,16 @@ def watched(model):
     return model
 
 
-modeling.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)  # the KL anchor prepare_models loads
+# the KL anchor prepare_models loads (bookkeeping's own name for the function)
+bookkeeping.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)
 model, tok = load_model(ARITH_MODEL)
 rollout = engine.HFRollout(watched(model), tok, d, cfg.dtype)
 model, ref_model = bookkeeping.prepare_models(model, rollout, ARITH_MODEL, cfg, d)
+# FSDP2 swaps a gathered unit's parameters for plain tensors; a sharded one's are DTensors
+gathered = [sum(not isinstance(p, DTensor) for p in m.parameters()) for m in (model, ref_model)]
 with open(f"{out}/rank{{d.rank}}.json", "w") as f:  # (one file each: the ranks' prints would interleave)
-    json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal), f)
+    json.dump(dict(rank=d.rank, seen=seen, pack_refusal=model.pack_refusal, ref_refusal=ref_model.pack_refusal,
+                   gathered=gathered), f)
 ranks.cleanup_dist()
 ranks.end_process()
 """
@@ -375,7 +386,8 @@ def test_start_up_checks_run_where_training_runs_and_agree(tmp_path):
     under the bfloat16 autocast of --dtype bfloat16, the trained model's with gradients and a backward through them.
     A packed path that is wrong on rank 1 only is refused on both ranks: for the KL anchor (no gradient: only rank 1
     sees its log-probs off) rank 0 says it failed on another rank. The verdict is all-reduced before any rank acts on
-    it, so the ranks' forward paths, and their collectives, stay the same."""
+    it, so the ranks' forward paths, and their collectives, stay the same. After the checks no parameter of either
+    model stays gathered (the KL anchor's no-grad forwards would leave its root unit so until the first step)."""
     script = tmp_path / "checks.py"
     script.write_text(DIST_CHECKS.format(out=tmp_path))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -388,6 +400,7 @@ def test_start_up_checks_run_where_training_runs_and_agree(tmp_path):
         assert x["seen"] and all(s["sharded"] and s["autocast"] for s in x["seen"]), x["seen"]
         assert any(s["grad"] and s["backward"] for s in x["seen"]) and any(s["packed"] for s in x["seen"])
         assert x["pack_refusal"]  # (its gradient, all-reduced, is off on both ranks)
+        assert x["gathered"] == [0, 0], x["gathered"]  # (policy, KL anchor)
     assert results[0]["ref_refusal"] == "it failed on another rank"
     assert results[1]["ref_refusal"].startswith("log-probs off by")
     assert r.stdout.count("note: --pack:") == 2  # rank 0's line, for each model

@@ -7,7 +7,6 @@ import subprocess
 
 import pytest
 
-import bookkeeping
 import config
 import dataset
 import da3po
@@ -20,22 +19,26 @@ SAME_RUN = {"algo", "out_dir"}  # what differs between two arms of one compariso
 
 
 def doc_commands() -> list[list[str]]:
-    """Every torchrun command of docs/gpu.md's ```bash blocks, as bash itself expands it (variables, quotes, line
-    continuations): the blocks run in order in one bash, with torchrun a function that prints its arguments."""
+    """Every torchrun or python command of docs/gpu.md's ```bash blocks, as bash itself expands it (variables,
+    quotes, line continuations): the blocks run in order in one bash, with torchrun and python functions that print
+    their arguments."""
     blocks = re.findall(r"```bash\n(.*?)```", open(DOC).read(), re.S)
-    stub = "torchrun() { printf '%s\\x1f' \"$@\"; printf '\\x1e'; }\n"
+    stub = ("torchrun() { printf '%s\\x1f' \"$@\"; printf '\\x1e'; }\n"
+            "python() { printf '%s\\x1f' \"$@\"; printf '\\x1e'; }\n")
     out = subprocess.run(["bash", "-euc", stub + "\n".join(blocks)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return [cmd.split("\x1f")[:-1] for cmd in out.stdout.split("\x1e")[:-1]]
 
 
 def run_config(argv: list[str], capsys, monkeypatch):
-    """(script, world size, config, the `note:` lines) of one torchrun command, through parse_config and
+    """(script, world size, config, the `note:` lines) of one torchrun or python command, through parse_config and
     check_config as the script's start-up runs them (check_config exits 2 on any bad combination)."""
     script = next(a for a in argv if a.endswith(".py"))
-    nproc = next(int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node="))
+    nproc = next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 0)
     nnodes = next((int(a.split("=")[1]) for a in argv if a.startswith("--nnodes=")), 1)
-    monkeypatch.setattr(bookkeeping, "is_dist", lambda: True)  # as under torchrun, where --cpu_offload is allowed
+    # under torchrun --cpu_offload is allowed; a plain python run (no --nproc_per_node) refuses it
+    monkeypatch.setattr(config, "is_dist", lambda: nproc > 0)
+    nproc = max(nproc, 1)
     cls, presets = SCRIPTS[script]
     capsys.readouterr()
     cfg = config.parse_config(cls, argv[argv.index(script) + 1:], presets)
@@ -165,8 +168,8 @@ def test_the_one_gpu_lora_recipes_are_bench_memorys_plans(recipes):
     its model and GPU gives (--vllm_gpu_memory, --cpu_offload, --micro_batch_tokens), the doc quoting the row's
     margin; besides those, only the one-GPU batch differs from the paper's 8-GPU run of the same algorithm."""
     memory, rows = load_memory(), memory_tables()[1]
-    gpu = {"Qwen/Qwen3-4B-Base": "1 x 24 GB", "Qwen/Qwen3-8B-Base": "1 x 48 GB", "Qwen/Qwen2.5-Math-7B": "1 x 24 GB",
-           "meta-llama/Llama-3.1-8B": "1 x 24 GB"}
+    gpu = {"Qwen/Qwen3-4B-Base": "1 x 24 GB", "Qwen/Qwen3-8B-Base": "1 x 48 GB", "Qwen/Qwen2.5-Math-7B": "1 x 48 GB",
+           "meta-llama/Llama-3.1-8B": "1 x 48 GB"}
     lora = [(s, c) for s, w, c, _ in recipes if c.lora_rank]
     assert sorted(c.model for _, c in lora) == sorted(gpu) and all(w == 1 for _, w, c, _ in recipes if c.lora_rank)
     doc = " ".join(open(DOC).read().replace("\n# ", "\n").split())
@@ -177,7 +180,8 @@ def test_the_one_gpu_lora_recipes_are_bench_memorys_plans(recipes):
         assert cfg.lr == pytest.approx(10 * eight[script, cfg.algo].lr, rel=1e-12)
         flags = f"--lora_rank 32 --vllm_gpu_memory {cfg.vllm_gpu_memory:.2f}" + " --cpu_offload" * cfg.cpu_offload + (
             f" --micro_batch_tokens {cfg.micro_batch_tokens}" if cfg.micro_batch_tokens != 24576 else "")
-        assert row[-1].endswith(flags) and row[-1].startswith("fits: torchrun"), (cfg.model, row[-1], flags)
+        launch = "fits: torchrun" if cfg.cpu_offload else "fits: python"  # (python refuses --cpu_offload)
+        assert row[-1].endswith(flags) and row[-1].startswith(launch), (cfg.model, row[-1], flags)
         usable = f"{(1 - memory.MARGIN) * dict((label, gb) for gb, label in memory.LORA_MACHINES)[row[1]]:.1f}"
         assert f"update peak {row[3]} GiB of {usable} usable: {row[4]} GiB to spare" in doc, cfg.model
         assert changed(cfg, eight[script, cfg.algo]) <= {"model", "prompts_per_step", "lora_rank", "lr",
