@@ -1,7 +1,7 @@
 """
-Look up when needed: what keeps a run going around the step. The models at start-up (loaded, sharded,
-checked), records (metrics.jsonl, samples.jsonl, config.json, trackers), checkpoints: atomic, resumed
-exactly on any number of ranks.
+Look up when needed: what keeps a run going around the step. The models at start-up (loaded,
+sharded, checked), records (metrics.jsonl, samples.jsonl, config.json, trackers), checkpoints:
+atomic, resumed exactly on any number of ranks.
 """
 import atexit
 import glob
@@ -31,12 +31,15 @@ from shortcuts import check_logprob_paths
 
 # the log-prob paths the start-up checks chose, by model: in out_dir and in every checkpoint
 PATHS_FILE = "logprob_paths.json"
-# torch.distributed.checkpoint warns at each save/load of a plain run that it works in one process: it should
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# torch.distributed.checkpoint warns at each save/load of a plain run that it works in one process:
+# it should
+warnings.filterwarnings("ignore",
+                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-# ------------------------------------------------------------------------------------------------------------
-# The models at start-up: the policy loaded (with LoRA's adapters), sharded, and checked where it trains.
+# --------------------------------------------------------------------------------------------------
+# The models at start-up: the policy loaded (with LoRA's adapters), sharded,
+# and checked where it trains.
 def load_policy(resume_from: str | None, base_path: str, cfg):
     """(model, tokenizer, the folder of its full weights), on the CPU: the checkpoint's model
     (--resume) or --model's; with --lora_rank, the base with LoRA adapters (lora.load_lora_policy).
@@ -92,11 +95,13 @@ def load_ref_model(base_path: str, cfg, dist_info: DistInfo):
     return shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Records, by rank 0: metrics.jsonl (a record per step and evaluation, the source of truth), samples.jsonl,
-# config.json, a console line per step (tqdm.write keeps a bar intact); --report_to: TensorBoard or wandb too.
+# --------------------------------------------------------------------------------------------------
+# Records, by rank 0: metrics.jsonl (a record per step and evaluation, the source of truth),
+# samples.jsonl, config.json, a console line per step (tqdm.write keeps a bar intact); --report_to:
+# TensorBoard or wandb too.
 class Logger:
-    """--resume drops records after step `resumed_step` (all at -1: no checkpoint); the run rewrites them."""
+    """rank 0's records. --resume drops those after step `resumed_step` (all at -1: no checkpoint):
+    the run writes them again."""
 
     def __init__(self, cfg, dist_info: DistInfo, resumed_step: int = -1):
         self.enabled = dist_info.is_main  # rank 0 writes
@@ -116,7 +121,8 @@ class Logger:
                 self.tracker = Tracker(cfg.report_to, cfg.out_dir, config, cfg.wandb_project)
 
     def log(self, record: dict, name: str = "metrics.jsonl"):
-        if "crosscheck_samples" in record:  # --verifier_crosscheck's disagreements: a file of their own
+        # --verifier_crosscheck's disagreements: a file of their own
+        if "crosscheck_samples" in record:
             record = self.log_disagreements(record)
         if self.enabled:
             with open(os.path.join(self.out_dir, name), "a", encoding="utf-8") as f:
@@ -125,7 +131,7 @@ class Logger:
                 self.tracker.log(record)
 
     def log_disagreements(self, record: dict) -> dict:
-        """Write the record's cross-check disagreements to crosscheck.jsonl; the record without them."""
+        """Write the record's cross-check disagreements to crosscheck.jsonl; return the rest."""
         for row in record["crosscheck_samples"]:
             self.log({"step": record["step"], **row}, "crosscheck.jsonl")
         return {k: v for k, v in record.items() if k != "crosscheck_samples"}
@@ -150,9 +156,9 @@ class Logger:
 
 
 class Tracker:
-    """--report_to tensorboard (event files in out_dir/tensorboard) or wandb (project --wandb_project, run
-    files in out_dir/wandb, offline with WANDB_MODE=offline), imported only when chosen: the config, then
-    every record's numbers under their metrics.jsonl names."""
+    """--report_to tensorboard (event files in out_dir/tensorboard) or wandb (project
+    --wandb_project, run files in out_dir/wandb, offline with WANDB_MODE=offline), imported only
+    when chosen: the config, then every record's numbers under their metrics.jsonl names."""
 
     def __init__(self, kind: str, out_dir: str, config: dict, wandb_project: str):
         self.kind = kind
@@ -166,7 +172,8 @@ class Tracker:
                 self.run = wandb.init(project=wandb_project, dir=out_dir, config=config,
                                       name=os.path.basename(os.path.normpath(out_dir)))
         except ImportError as e:
-            die(f"--report_to {kind}: {e.name} is not installed (pip install -r requirements/tracking.txt)")
+            die(f"--report_to {kind}: {e.name} is not installed "
+                f"(pip install -r requirements/tracking.txt)")
         atexit.register(self.close)
 
     def log(self, record: dict):
@@ -233,17 +240,18 @@ def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int 
     return out
 
 
-def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger, step: int,
-                     before: dict | None = None) -> dict:
-    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k, levels); at
-    the last step, with `before`, the step-0 evaluation's record, the run's gain too."""
+def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, logger: Logger,
+                     step: int, before: dict | None = None) -> dict:
+    """evaluate_sets at `step`: a metrics.jsonl record, a line per eval set (acc, pass@k, maj@k,
+    levels); at the last step, with `before`, the step-0 evaluation's record, the run's gain too."""
     scores = evaluate_sets(engine, tok, eval_sets, cfg, dist_info.rank, dist_info.world_size)
     record = {"step": step, **scores}
     logger.log(record)
     for name in eval_sets:
         prefix = f"eval/{name}/"
         scores = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
-        passes = " | ".join(f"{k} {v:.3f}" for k, v in scores.items() if k.startswith(("pass@", "maj@")))
+        passes = " | ".join(f"{k} {v:.3f}" for k, v in scores.items()
+                            if k.startswith(("pass@", "maj@")))
         levels = " ".join(f"L{k[9:]} {v:.2f}" for k, v in scores.items()
                           if k.startswith("acc_level") and k != "acc_level0")
         label = f" [{name}]" if len(eval_sets) > 1 else ""
@@ -255,16 +263,18 @@ def evaluate_and_log(engine, tok, eval_sets: dict, cfg, dist_info: DistInfo, log
 
 
 def step_bar(start_step: int, cfg, dist_info: DistInfo):
-    """The loop's steps, those after start_step up to --steps (none with --eval_only), with a progress bar on
-    rank 0 in a terminal (none in a log file). A --resume with none left says that the run is done."""
+    """The loop's steps, those after start_step up to --steps (none with --eval_only), with a
+    progress bar on rank 0 in a terminal (none in a log file). A --resume with none left says that
+    the run is done."""
     steps = range(start_step + 1, 0 if cfg.eval_only else cfg.steps + 1)
     if cfg.resume and not steps and not cfg.eval_only:
         print0(f"--resume: the run is done (step {start_step} of {cfg.steps}, its evaluation too): "
                f"nothing to add (a larger --steps trains on)")
-    return tqdm(steps, desc="steps", leave=False, disable=not dist_info.is_main or not sys.stderr.isatty())
+    hidden = not dist_info.is_main or not sys.stderr.isatty()
+    return tqdm(steps, desc="steps", leave=False, disable=hidden)
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Checkpoints, what they hold. out_dir/step_XXXXXX/: a Hugging Face model folder (from_pretrained,
 # vLLM); optimizer/, sharded by torch.distributed.checkpoint (dcp), resumable on any number of
 # ranks; trainer.pt (step, scheduler, data position, the algorithm's state); logprob_paths.json
@@ -273,9 +283,10 @@ def step_bar(start_step: int, cfg, dist_info: DistInfo):
 # and plain types, for torch's safe loader: a checkpoint from elsewhere cannot run code on --resume
 # (dcp's metadata is a pickle).
 def rng_state() -> dict:
-    """This rank's RNG states, as tensors and plain types: Python's, numpy's, torch's (CPU and GPUs)."""
+    """This rank's RNG states as tensors and plain types: Python's, numpy's, torch's (CPU, GPUs)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)  # no ndarray
+    # no ndarray
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
     return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
@@ -301,15 +312,17 @@ def _to(obj, device):
 
 @dataclass
 class PendingStep:
-    """What a stop mid-step leaves on this rank; only `batch` is on the training device, the rest on CPU."""
+    """What a stop mid-step leaves on this rank: `batch` on the training device, the rest on CPU."""
     step: int  # the unfinished step
-    record: dict  # its metrics record so far (rollout, advantages, pi_old); rank 0's is the one logged
+    # its metrics record so far (rollout, advantages, pi_old); rank 0's is the one logged
+    record: dict
     groups: list  # its first group on this rank (samples.jsonl)
     update_rows: list  # the rows of each of its updates (tensors)
     batch: dict  # the batch's tensors (common: the batch contract)
     next_update: int  # the first update not yet applied
     sums: dict  # Sums.values of its updates so far on this rank (summed over ranks when logged)
-    algo: dict  # the algorithm's own sums over the step, the same on every rank (algo.step_state(): DARO's
+    # the algorithm's own sums over the step, the same on every rank (algo.step_state(): DARO's
+    algo: dict
     #             per-bin sums)
 
     def plain(self) -> dict:
@@ -317,19 +330,21 @@ class PendingStep:
         return _to(asdict(self), "cpu")
 
     def resume(self, sums, algo) -> tuple:
-        """Put the step's sums back (the loop's Sums, the algorithm's own); returns where the loop goes on."""
+        """Put the step's sums back (the loop's Sums, the algorithm's own); returns where the loop
+        goes on."""
         sums.values = self.sums
         algo.load_step_state(self.algo)
         return self.record, self.groups, self.update_rows, self.batch, self.next_update
 
 
 def _group_rows(pending: PendingStep, rows: torch.Tensor) -> list[torch.Tensor]:
-    """An update's rows on one rank, cut into its groups (make_batch lays a group's rows out together)."""
+    """An update's rows on one rank, cut into its groups (make_batch keeps their rows together)."""
     counts = torch.unique_consecutive(pending.batch["group"][rows], return_counts=True)[1]
     return list(rows.split(counts.tolist()))
 
 
-def _repadded(pending: PendingStep, key: str, rows: torch.Tensor, width: tuple, pad_id: int) -> torch.Tensor:
+def _repadded(pending: PendingStep, key: str, rows: torch.Tensor, width: tuple,
+              pad_id: int) -> torch.Tensor:
     """pending.batch[key][rows] in a batch of `width` (P, T): prompts left-padded to P, completions
     right-padded to T (common.make_batch's layout), with pad_id (input_ids) or 0."""
     x = pending.batch[key][rows]
@@ -344,19 +359,21 @@ def _repadded(pending: PendingStep, key: str, rows: torch.Tensor, width: tuple, 
 
 
 def reshard_pending(pendings: list[PendingStep], rank: int, world: int, pad_id: int) -> PendingStep:
-    """This rank's share of a step a stop interrupted on len(pendings) ranks, for a run on `world` ranks (each
-    rank computes it from all the saved ones, no collective). Each remaining update's groups, in old-rank
-    order, are cut into `world` contiguous shares of one size, so that every rank trains as many rows and
-    issues the same collectives; a share a group short gets a copy of one with its mask zeroed (it adds to no
-    loss, count or sum). The loss denominators are global: the update is the one the old ranks would have
-    made. The step's sums so far go to rank 0 (they are summed over ranks when logged); every rank takes old
-    rank 0's record (the one logged) and the algorithm's step state (the same on every rank).
-    Example: 3 groups left on 1 rank, for 2 ranks -> rank 0 takes groups 0 and 1, rank 1 group 2 and a zeroed
-    copy of group 0."""
+    """This rank's share of a step a stop interrupted on len(pendings) ranks, for a run on `world`
+    ranks (each rank computes it from all the saved ones, no collective). Each remaining update's
+    groups, in old-rank order, are cut into `world` contiguous shares of one size, so that every
+    rank trains as many rows and issues the same collectives; a share a group short gets a copy of
+    one with its mask zeroed (it adds to no loss, count or sum). The loss denominators are global:
+    the update is the one the old ranks would have made. The step's sums so far go to rank 0 (they
+    are summed over ranks when logged); every rank takes old rank 0's record (the one logged) and
+    the algorithm's step state (the same on every rank). Example: 3 groups left on 1 rank, for 2
+    ranks -> rank 0 takes groups 0 and 1, rank 1 group 2 and a zeroed copy of group 0."""
     head = pendings[0]
     prompt_width = max(p.batch["input_ids"].shape[1] - p.batch["mask"].shape[1] for p in pendings)
-    width = (prompt_width, max(p.batch["mask"].shape[1] for p in pendings))  # (P, T) of the new batch
-    pieces = []  # this rank's groups: (the pending step holding it, its rows there, trained or a copy)
+    # (P, T) of the new batch
+    width = (prompt_width, max(p.batch["mask"].shape[1] for p in pendings))
+    # this rank's groups: (the pending step holding it, its rows there, trained or a copy)
+    pieces = []
     update_rows = []
     for u in range(len(head.update_rows)):
         if u < head.next_update:  # applied before the stop
@@ -365,56 +382,64 @@ def reshard_pending(pendings: list[PendingStep], rank: int, world: int, pad_id: 
         groups = [(p, rows, True) for p in pendings for rows in _group_rows(p, p.update_rows[u])]
         share = -(-len(groups) // world)  # groups per rank, rounded up
         mine = groups[rank * share:(rank + 1) * share]
-        mine += [(groups[0][0], groups[0][1], False)] * (share - len(mine))  # copies to train nothing
+        # copies that train nothing
+        mine += [(groups[0][0], groups[0][1], False)] * (share - len(mine))
         start = sum(len(rows) for _, rows, _ in pieces)
         pieces += mine
         update_rows.append(torch.arange(start, start + sum(len(rows) for _, rows, _ in mine)))
     batch = {k: torch.cat([_repadded(p, k, rows, width, pad_id) for p, rows, _ in pieces])
              for k in head.batch}
-    batch["group"] = torch.cat([torch.full((len(rows),), i) for i, (_, rows, _) in enumerate(pieces)])
-    trained = torch.cat([torch.full((len(rows),), t) for _, rows, t in pieces]).unsqueeze(-1)  # (B, 1)
+    batch["group"] = torch.cat([torch.full((len(rows),), i)
+                                for i, (_, rows, _) in enumerate(pieces)])
+    trained = torch.cat([torch.full((len(rows),), t) for _, rows, t in pieces])[:, None]  # (B, 1)
     for key in ("mask", "rejected"):  # what the losses and sums count (common.token_losses)
         if key in batch:
             batch[key] = batch[key] * trained
     sums = {k: sum(p.sums[k] for p in pendings) if rank == 0 else 0.0 for k in head.sums}
     groups = head.groups if rank == 0 else []  # (samples.jsonl, written by rank 0)
-    return PendingStep(head.step, head.record, groups, update_rows, batch, head.next_update, sums, head.algo)
+    return PendingStep(head.step, head.record, groups, update_rows, batch, head.next_update, sums,
+                       head.algo)
 
 
 def _load_plain(path: str):
-    """torch.load with the safe loader, onto the CPU whatever device a tensor was saved from (a GPU run's
-    checkpoint resumes anywhere; under torchrun no rank loads onto GPU 0); a file with more than tensors and
-    plain types dies with one line."""
+    """torch.load with the safe loader, onto the CPU whatever device a tensor was saved from (a GPU
+    run's checkpoint resumes anywhere; under torchrun no rank loads onto GPU 0); a file with more
+    than tensors and plain types dies with one line."""
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded: unpickling it "
-            f"could run code (a checkpoint written before this format, by an older version of this code, "
-            f"lands here too: resume it with that version, or start from its model with --model). "
-            f"torch: {str(e).splitlines()[0][:80]}")
+        die(f"--resume: {path} holds more than tensors and plain types, so it is not loaded: "
+            f"unpickling it could run code (a checkpoint written before this format, by an older "
+            f"version of this code, lands here too: resume it with that version, or start from its "
+            f"model with --model). torch: {str(e).splitlines()[0][:80]}")
 
 
 def seed_everything(seed: int):
-    """Seed this rank's sampling RNGs: torch (our sampler), numpy (vLLM seeds requests from it), random."""
+    """Seed this rank's sampling RNGs: torch's (our sampler), numpy's (vLLM seeds its requests
+    from it) and Python's."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Checkpoints, written and read: atomically, by every rank, on any number of ranks; --resume's choice of one.
-def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream, extra: dict,
+# --------------------------------------------------------------------------------------------------
+# Checkpoints, written and read: atomically, by every rank, on any number of ranks;
+# --resume's choice of one.
+def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream,
+                    extra: dict,
                     keep: int = 2, pending: PendingStep | None = None) -> str:
-    """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step; with
-    `pending` the folder takes the unfinished step's number. The model goes through an empty (meta-device)
-    copy of its architecture, so no second full copy exists under FSDP; the optimizer through dcp, each rank
-    its shards, keyed by parameter name; `extra` is the algorithm's state (the same on every rank)."""
+    """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step;
+    with `pending` the folder takes the unfinished step's number. The model goes through an empty
+    (meta-device) copy of its architecture, so no second full copy exists under FSDP; the optimizer
+    through dcp, each rank its shards, keyed by parameter name; `extra` is the algorithm's state
+    (the same on every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
     rank = dist.get_rank() if is_dist() else 0
     world = dist.get_world_size() if is_dist() else 1
-    path = os.path.join(out_dir, f"step_{pending.step if pending else step:06d}")  # unfinished: its own step
+    # an unfinished step's folder takes its number
+    path = os.path.join(out_dir, f"step_{pending.step if pending else step:06d}")
     tmp = path + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -422,10 +447,12 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         dist.barrier()
     os.makedirs(tmp, exist_ok=True)
     lora = is_lora(model)
-    state_dict = adapter_state_dict(model) if lora else full_state_dict(model)  # LoRA: the adapter alone
-    # An optimizer that has not stepped yet (a stop in step 1) has no state; torch's optimizer state dict
-    # gives it one with a zero-lr step of its own (Adam's step count 1): saved as "fresh" and undone below, so
-    # that the first real update, resumed or not, is Adam's step 1. (Every rank agrees: they step together.)
+    # LoRA: the adapter alone
+    state_dict = adapter_state_dict(model) if lora else full_state_dict(model)
+    # An optimizer that has not stepped yet (a stop in step 1) has no state;
+    # torch's optimizer state dict gives it one with a zero-lr step of its own (Adam's step count
+    # 1): saved as "fresh" and undone below, so that the first real update, resumed or not,
+    # is Adam's step 1. (Every rank agrees: they step together.)
     fresh = not opt.state
     if rank == 0 and lora:
         save_adapter(model, state_dict, tmp)  # peft's format: the base is --model's
@@ -440,7 +467,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
             json.dump(getattr(model, "logprob_paths", {}), f, indent=1)
         torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
                     "optimizer_fresh": fresh, "data_position": stream.position,
-                    "pad_token_id": tok.pad_token_id, **extra},  # (a stopped step's batch, split anew)
+                    # (a stopped step's batch, split anew)
+                    "pad_token_id": tok.pad_token_id, **extra},
                    os.path.join(tmp, "trainer.pt"))
     dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
              checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not is_dist())
@@ -452,7 +480,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)  # the atomic step: a checkpoint folder without .tmp is always complete
+        # the atomic step: a checkpoint folder without .tmp is always complete
+        os.replace(tmp, path)
         for old in sorted(glob.glob(os.path.join(out_dir, "step_??????")))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if is_dist():
@@ -462,7 +491,7 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
 
 
 def check_every_rank_sees(path: str, weights: str, world: int):
-    """Exit 2 on every rank unless each rank sees the whole checkpoint (several nodes, one filesystem)."""
+    """Exit 2 on every rank unless each sees the whole checkpoint (several nodes, one disk)."""
     files = ["trainer.pt", PATHS_FILE, weights, os.path.join("optimizer", ".metadata")] + [
         f"rank{r}.pt" for r in range(world)]
     missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
@@ -472,7 +501,7 @@ def check_every_rank_sees(path: str, weights: str, world: int):
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
-    """The newest complete checkpoint folder in out_dir (an interrupted write's .tmp folder is ignored)."""
+    """The newest complete checkpoint folder in out_dir (an interrupted write's .tmp is ignored)."""
     found = sorted(glob.glob(os.path.join(out_dir, "step_??????")))
     return found[-1] if found else None
 
@@ -483,7 +512,8 @@ def find_checkpoint(cfg) -> str | None:
 
 
 def resume_from(cfg) -> str | None:
-    """The latest checkpoint in --out_dir (rank 0's choice, on every rank; said if none), checked."""
+    """The latest checkpoint in --out_dir, checked (rank 0's choice, on every rank; said if
+    there is none)."""
     ckpt = [latest_checkpoint(cfg.out_dir)]
     if is_dist():
         dist.broadcast_object_list(ckpt, src=0)
@@ -495,38 +525,44 @@ def resume_from(cfg) -> str | None:
 
 
 def check_checkpoint_kind(ckpt: str, lora_rank: int):
-    """A LoRA run resumes an adapter checkpoint, a full fine-tune a whole model's, never the other's."""
+    """A LoRA run resumes an adapter checkpoint and a full fine-tune a whole model's: never the
+    other kind."""
     adapter = os.path.exists(os.path.join(ckpt, ADAPTER_CONFIG))
     if lora_rank and not adapter:
-        die(f"--resume: {ckpt} was written without LoRA (a whole model, no adapter): resume it without "
-            f"--lora_rank, or start LoRA from its model (--model {ckpt}) in a new --out_dir")
+        die(f"--resume: {ckpt} was written without LoRA (a whole model, no adapter): resume it "
+            f"without --lora_rank, or start LoRA from its model (--model {ckpt}) in a new "
+            f"--out_dir")
     if not lora_rank and adapter:
         rank = json.load(open(os.path.join(ckpt, ADAPTER_CONFIG)))["r"]
-        die(f"--resume: {ckpt} holds a LoRA adapter of rank {rank}: resume it with its --lora_* flags, or "
-            f"merge it (python -m tools.merge_lora {ckpt} <folder>) and start from that with --model")
+        die(f"--resume: {ckpt} holds a LoRA adapter of rank {rank}: resume it with its --lora_* "
+            f"flags, or merge it (python -m tools.merge_lora {ckpt} <folder>) and start from that "
+            f"with --model")
 
 
 def load_checkpoint(ckpt: str | None, model, opt, sched, stream: PromptStream, seed: int,
                     dist_info: DistInfo):
-    """(the step to continue after, the saved state): a fresh run (no `ckpt`) seeds this rank's RNGs and
-    starts at step 0; --resume restores the trainer's state (resume_checkpoint)."""
+    """(the step to continue after, the saved state): a fresh run (no `ckpt`) seeds this rank's RNGs
+    and starts at step 0; --resume restores the trainer's state (resume_checkpoint)."""
     if ckpt is None:
         seed_everything(seed + dist_info.rank)
         return 0, {"pending": None}
     return resume_checkpoint(ckpt, model, opt, sched, stream, seed, dist_info)
 
 
-def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: int, dist_info: DistInfo):
-    """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's ranks),
-    scheduler, data position, this rank's RNGs (a run on another number of ranks seeds them afresh: the saved
-    streams belong to the old ranks; a stopped step's work is then split anew, reshard_pending). Returns (the
-    step to continue after, the saved state: the algorithm's entries, "eval_due", and "pending": this rank's
-    PendingStep or None)."""
+def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: int,
+                      dist_info: DistInfo):
+    """Inverse of save_checkpoint for the trainer's state: the optimizer (resharded to this run's
+    ranks), scheduler, data position, this rank's RNGs (a run on another number of ranks seeds them
+    afresh: the saved streams belong to the old ranks; a stopped step's work is then split anew,
+    reshard_pending). Returns (the step to continue after, the saved state: the algorithm's entries,
+    "eval_due", and "pending": this rank's PendingStep or None)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
     state = _load_plain(os.path.join(ckpt, "trainer.pt"))
     if not state.get("optimizer_fresh"):  # (a fresh one stays as it is: see save_checkpoint)
-        optim = {"optimizer": get_optimizer_state_dict(model, opt)}  # this run's layout: the state to fill
+        # this run's layout: the state to fill
+        optim = {"optimizer": get_optimizer_state_dict(model, opt)}
         dcp.load(optim, checkpoint_id=os.path.join(ckpt, "optimizer"), no_dist=not is_dist())
         set_optimizer_state_dict(model, opt, optim["optimizer"])
     sched.load_state_dict(state["scheduler"])
@@ -537,13 +573,18 @@ def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: 
         state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
     else:
         files = [os.path.join(ckpt, f"rank{r}.pt") for r in range(state["world_size"])]
-        saved = [_load_plain(f)["pending"] for f in files]  # every old rank's: the step's rows, split anew
-        print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has {dist_info.world_size}: "
-               f"the optimizer state is resharded, the sampling RNGs are seeded afresh"
+        # every old rank's: the step's rows, split anew
+        saved = [_load_plain(f)["pending"] for f in files]
+        print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has "
+               f"{dist_info.world_size}: the optimizer state is resharded, the sampling RNGs are "
+               f"seeded afresh"
                + (", the stopped step's remaining work is split anew" if saved[0] else ""))
         seed_everything(seed + dist_info.rank + 1_000_003 * state["step"])
-        state["pending"] = saved[0] and reshard_pending([PendingStep(**p) for p in saved], dist_info.rank,
-                                                        dist_info.world_size, state.get("pad_token_id", 0))
+        state["pending"] = None
+        if saved[0]:  # a stopped step: its remaining work split anew over this run's ranks
+            pendings = [PendingStep(**p) for p in saved]
+            state["pending"] = reshard_pending(pendings, dist_info.rank, dist_info.world_size,
+                                               state.get("pad_token_id", 0))
     if state["pending"]:  # its batch to the training device (see PendingStep)
         state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     print0(f"resumed from {ckpt} (step {state['step']})")

@@ -440,14 +440,6 @@ def group_advantages(rewards: torch.Tensor, std_norm: bool = True,
     return centered / (rewards.std(-1, keepdim=True) + eps)
 
 
-def completion_lengths(batch: dict, rows: torch.Tensor) -> torch.Tensor:
-    """Completion lengths (len(rows),), counted on the attention mask, not the loss mask: a trained
-    token after a hole in that (tokens rollout_correction rejects, DARO's bins 0 and G) stays in
-    the micro-batch."""
-    P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
-    return batch["attention_mask"][rows, P:].sum(-1)
-
-
 def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int = 0):
     """The rows `index` of `batch` in micro-batches of `size` rows (max_tokens > 0: packed by
     length, shortcuts.token_budget_rows), each with its empty padding columns trimmed away (the loss
@@ -455,11 +447,12 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
     chunks = [index[s:s + size] for s in range(0, len(index), size)]
     if max_tokens > 0:  # --micro_batch_tokens
         chunks = shortcuts.token_budget_rows(batch, index, size, max_tokens)
+    P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     for rows in chunks:
         mb = {k: v[rows] for k, v in batch.items()}
-        # the longest completion, >= 2 (_predicting_outputs)
-        T = int(completion_lengths(batch, rows).max().clamp(min=2))
-        P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
+        # the longest completion (>= 2), by the attention mask: a trained token after a hole in the
+        # loss mask (rollout_correction's rejections, DARO's bins 0 and G) stays in
+        T = int(batch["attention_mask"][rows, P:].sum(-1).max().clamp(min=2))
         left_pads = (mb["attention_mask"][:, :P].cumsum(-1) == 0).sum(-1)  # (B,)
         shared_pad = int(left_pads.min())  # the left padding every row has
         for k in ("input_ids", "attention_mask"):

@@ -1,14 +1,15 @@
 """
 Look up when needed: the log-prob shortcuts, a room of their own beside the plain path.
 common.token_logprobs computes log pi with one padded forward; at scale that costs time and memory,
-so --logprob_path shortcuts (the rule for a model of your own: --logprob_path auto) computes the same
-numbers with three shortcuts, each checked at start-up against each row's own forward:
+so --logprob_path shortcuts (what a model of your own runs by default) computes the same numbers
+with three shortcuts, each checked at start-up against each row's own forward:
   - a group's prompt once: its KV cache indexed out to the group's rows (_predicting_outputs);
   - packed rows: transformers' padding-free path, no padding positions (_packed_outputs);
   - the output layer in chunks, recomputed in the backward: no (B, T, V) logits (_chunked_logprobs).
-common.py reaches this file through one dispatch line; nothing here imports common.
-tests/test_pack.py, tests/test_heads.py and tests/test_chunked_logprobs.py hold each equal to the plain
-path; tests/test_shortcut_checks.py holds the start-up checks.
+Also here: micro-batches by a token budget, and ranks dealt as many tokens (--micro_batch_tokens).
+common.py calls this file only under those flags; nothing here imports common. tests/test_pack.py,
+tests/test_heads.py and tests/test_chunked_logprobs.py hold each shortcut equal to the plain path;
+tests/test_shortcut_checks.py holds the start-up checks.
 """
 import contextlib
 import math
@@ -20,7 +21,7 @@ from modeling import OUTSIDE_NUCLEUS, autocast, model_name, nucleus, positions, 
 from ranks import all_reduce_max, all_reduce_sum, die, print0
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Any family's output layer, so that log-probs computed a chunk of positions at a time are its
 # forward's own.
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
@@ -151,7 +152,7 @@ def _head_inputs_as_logits(model, head):
         handle.remove()
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Log-probs of completion tokens under pi or pi_old: a group's prompt runs once, the output layer
 # in chunks.
 def _shares_prompts(model, groups) -> bool:
@@ -276,7 +277,7 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     return _unpack(logp, where), None if second is None else _unpack(second, where)
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Packed forwards (--pack): transformers' own padding-free path. A micro-batch's rows, each its
 # tokens but its last, go one after another with position_ids that restart at 0 for each, with no
 # attention mask and no cache: transformers finds the sequences in the position_ids and keeps them
@@ -337,8 +338,8 @@ def _packs(model, attention_mask, T: int, groups, pack: bool) -> bool:
 
 def _runs_packed(model, pack: bool, device: torch.device) -> bool:
     """Whether token_logprobs runs packed on `device` (the batch's): asked, on a model that packs
-    (the start-up verdict, model.pack_refusal, once check_logprob_paths has run; pack_refusal
-    before)."""
+    (the start-up verdict, model.pack_refusal, once check_logprob_paths has run;
+    pack_refusal before)."""
     if not pack:
         return False
     refusal = getattr(model, "pack_refusal", None)
@@ -394,8 +395,8 @@ def _packed_outputs(model, input_ids, attention_mask, T: int):
     """_predicting_outputs' outputs, packed: (1, N, .) at the positions that predict each row's
     completion tokens (N = their number, rows in order), from one forward of every row's tokens but
     its last, whatever the data (lockstep). Filler after a packed row's sequences is a sequence of
-    its own (positions from 0), seen by none. The same values and gradients as the padded path
-    (tests/test_pack.py)."""
+    its own (positions from 0), seen by none. The same values and gradients as the padded
+    path (tests/test_pack.py)."""
     keep, at, used, W = _packed_layout(model, attention_mask, T)
     R = len(used)
     P = attention_mask.shape[1] - T
@@ -415,9 +416,9 @@ def _packed_outputs(model, input_ids, attention_mask, T: int):
 
 def forward_tokens(model, attention_mask, T: int, groups=None,
                    pack: bool = False) -> tuple[int, int]:
-    """(positions token_logprobs' forwards run, those they need) for perf/pad_frac, in the layout
-    it takes (_packs: under torchrun every rank must call this for every micro-batch, as
-    token_logprobs)."""
+    """(positions token_logprobs' forwards run, those they need) for perf/pad_frac, in the layout it
+    takes (_packs: under torchrun every rank must call this for every micro-batch,
+    as token_logprobs)."""
     if _packs(model, attention_mask, T, groups, pack):
         keep, _, used, W = _packed_layout(model, attention_mask, T)
         return len(used) * W, int(keep.sum())  # the packed rows' positions, filler included
@@ -437,15 +438,15 @@ def _padded_tokens(model, attention_mask, T: int, groups=None) -> tuple[int, int
     return len(first) * (width - T) + B * (T - 1), needed
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Start-up: each shortcut of token_logprobs checked where training runs (after sharding, on the
 # training device, in the training dtype under autocast, with a backward where training runs one)
 # against the path it stands in for; every rank runs the same forwards (lockstep) and each verdict
 # is all-reduced before any rank acts on it. Then vLLM's calibration, and the KL anchor.
 # docs/gpu.md, "Start-up checks": what is compared, and the tolerances.
 def _agreed(why: str) -> str:
-    """`why` ('' = passed) once every rank has passed or failed: a failure anywhere fails
-    everywhere."""
+    """`why` ('' = passed) once every rank has passed or failed: a failure anywhere
+    fails everywhere."""
     failed = all_reduce_max(torch.tensor(float(bool(why)))).item() > 0
     return (why or "it failed on another rank") if failed else ""
 
@@ -492,9 +493,8 @@ def _probe(model, rows, dtype: str, device, alone: bool = False, **path):
     itself, unpadded). Every rank runs it (its collectives) and the gradient's all-reduce,
     whatever happened.
 
-    Returns its log-probs (B, T) in float64, 0 off the completions, or the error it raised, as
-    text; and _gradient_sums of sum_t t log p_t after a backward (None for a model that does not
-    train).
+    Returns its log-probs (B, T) in float64, 0 off the completions, or the error it raised, as text;
+    and _gradient_sums of sum_t t log p_t after a backward (None for a model that does not train).
     """
     ids, attn, T, _ = rows
     trains = any(p.requires_grad for p in model.parameters())
@@ -525,8 +525,8 @@ def _probe(model, rows, dtype: str, device, alone: bool = False, **path):
 
 
 def _gaps(probe, reference) -> tuple[float, float]:
-    """The largest gap of two probes' log-probs, and of their gradient sums relative to the
-    reference's."""
+    """The largest gap of two probes' log-probs, and of their gradient sums relative to
+    the reference's."""
     logp = (probe[0] - reference[0]).abs().max().item()
     if reference[1] is None:
         return logp, 0.0
@@ -590,8 +590,9 @@ def _sums_per_forward(model, width: int) -> int:
     return layers * (hidden + (inner or 4 * hidden) + width)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# The checks: the output layer in chunks on its own, then each shortcut against each row's own forward.
+# --------------------------------------------------------------------------------------------------
+# The checks: the output layer in chunks on its own, then each shortcut against each row's
+# own forward.
 @torch.no_grad()
 def check_chunked_logprobs(model, dtype: str = "float32"):
     """Exit 2 (every rank) unless the model's output layer is one token_logprobs' chunks can stand
@@ -742,14 +743,15 @@ def _decide_paths(model, cfg, device: torch.device) -> dict:
     return verdict
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Micro-batches packed by length (--micro_batch_tokens): a token budget per forward instead of a row
 # count, and each rank dealt as many tokens as can be.
-def token_budget_rows(batch: dict, index: torch.Tensor, size: int, max_tokens: int) -> list[torch.Tensor]:
-    """The rows `index` of the batch in micro-batches packed by length: rows sorted longest first, each
-    micro-batch filled while its padded size (rows x (longest prompt + longest completion)) stays within
-    max_tokens and it has at most `size` rows; then every rank splits its largest micro-batches until all
-    make as many as the busiest one (FSDP: collectives must match)."""
+def token_budget_rows(batch: dict, index: torch.Tensor, size: int,
+                      max_tokens: int) -> list[torch.Tensor]:
+    """The rows `index` of the batch in micro-batches packed by length: rows sorted longest first,
+    each micro-batch filled while its padded size (rows x (longest prompt + longest completion))
+    stays within max_tokens and it has at most `size` rows; then every rank splits its largest
+    micro-batches until all make as many as the busiest one (FSDP: collectives must match)."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     prompt_len = batch["attention_mask"][index, :P].sum(-1).tolist()
     completion_len = batch["attention_mask"][index, P:].sum(-1).tolist()
