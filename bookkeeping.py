@@ -30,7 +30,6 @@ from ranks import DistInfo, all_reduce_max, die, is_dist, print0
 from shortcuts import check_logprob_paths
 
 # the log-prob paths the start-up checks chose, by model: in out_dir and in every checkpoint
-PATHS_FILE = "logprob_paths.json"
 # torch.distributed.checkpoint warns at each save/load of a plain run that it works in one process:
 # it should
 warnings.filterwarnings("ignore",
@@ -43,46 +42,31 @@ warnings.filterwarnings("ignore",
 def load_policy(resume_from: str | None, base_path: str, cfg):
     """(model, tokenizer, the folder of its full weights), on the CPU: the checkpoint's model
     (--resume) or --model's; with --lora_rank, the base with LoRA adapters (lora.load_lora_policy).
-    A resumed model carries the log-prob paths the run's start chose (model.logprob_paths, from
-    the checkpoint's PATHS_FILE), which prepare_models takes again."""
+    A resumed model carries the log-prob paths its run's start chose (recorded_paths)."""
     if cfg.lora_rank:
         model, tok, path = load_lora_policy(resume_from, base_path, cfg)
     else:
         path = resume_from or base_path
         model, tok = load_model(path)
-    recorded = resume_from and os.path.join(resume_from, PATHS_FILE)
-    if recorded and os.path.exists(recorded):
-        with open(recorded) as f:
-            model.logprob_paths = json.load(f)
+    if resume_from:
+        model.logprob_paths = recorded_paths(resume_from)
     return model, tok, path
 
 
 def prepare_models(model, engine, base_path: str, cfg, dist_info: DistInfo):
-    """(model, ref_model), sharded and checked where they train, and the rollout engine calibrated
-    against the model (vLLM: the weight-sync probe's start-up gap). ref_model, the KL anchor, is
-    the initial model even after a resume: with LoRA the model itself, which token_losses runs
-    with its adapters off (the base: no second copy); None without KL.
-    --logprob_path shortcuts: each model's shortcuts checked where training runs, once per run: a
-    resumed run takes the verdicts its start recorded (load_policy). model.logprob_paths holds
-    them for every checkpoint (save_checkpoint), and out_dir/PATHS_FILE for the reader."""
-    recorded = getattr(model, "logprob_paths", {})
+    """(model, ref_model), sharded, and the rollout engine calibrated against the model (vLLM: the
+    weight-sync probe's start-up gap). ref_model, the KL anchor, is the initial model even after a
+    resume: with LoRA the model itself, which token_losses runs with its adapters off (the base: no
+    second copy); None without KL. --logprob_path shortcuts: each model's shortcuts checked where
+    training runs, once a run (decide_paths)."""
     set_attention(model, cfg.attn_implementation)
     model = shard_model(model, dist_info, cfg.dtype, cfg.grad_checkpointing, cfg.cpu_offload)
-    paths = {}
-    if cfg.logprob_path == "shortcuts":  # shortcuts.check_logprob_paths
-        paths["policy"] = check_logprob_paths(model, cfg, dist_info.device, recorded.get("policy"))
     engine.calibrate(model)
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = model if is_lora(model) else load_ref_model(base_path, cfg, dist_info)
-    if ref_model is not None and ref_model is not model and cfg.logprob_path == "shortcuts":
-        paths["reference"] = check_logprob_paths(ref_model, cfg, dist_info.device,
-                                                 recorded.get("reference"))
-    model.logprob_paths = paths
-    if paths and dist_info.is_main and cfg.out_dir:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, PATHS_FILE), "w") as f:
-            json.dump(paths, f, indent=1)
+    if cfg.logprob_path == "shortcuts":
+        decide_paths(model, ref_model, cfg, dist_info)
     return model, ref_model
 
 
@@ -93,6 +77,37 @@ def load_ref_model(base_path: str, cfg, dist_info: DistInfo):
     ref_model = load_model(base_path)[0].requires_grad_(False)
     set_attention(ref_model, cfg.attn_implementation)
     return shard_model(ref_model, dist_info, cfg.dtype, cpu_offload=cfg.cpu_offload).eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# --logprob_path shortcuts: the verdicts of the start-up checks, decided once a run, recorded in
+# every checkpoint (save_checkpoint writes model.logprob_paths to PATHS_FILE) and in --out_dir for a
+# reader; a --resume takes them again.
+PATHS_FILE = "logprob_paths.json"
+
+
+def recorded_paths(checkpoint: str) -> dict:
+    """The verdicts a checkpoint recorded ({} in one written before they were)."""
+    path = os.path.join(checkpoint, PATHS_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def decide_paths(model, ref_model, cfg, dist_info):
+    """Each model's shortcuts checked where training runs (check_logprob_paths), or the verdicts the
+    run's start recorded (model.logprob_paths, set by load_policy on --resume)."""
+    recorded = getattr(model, "logprob_paths", {})
+    paths = {"policy": check_logprob_paths(model, cfg, dist_info.device, recorded.get("policy"))}
+    if ref_model is not None and ref_model is not model:
+        paths["reference"] = check_logprob_paths(ref_model, cfg, dist_info.device,
+                                                 recorded.get("reference"))
+    model.logprob_paths = paths
+    if dist_info.is_main and cfg.out_dir:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, PATHS_FILE), "w") as f:
+            json.dump(paths, f, indent=1)
 
 
 # --------------------------------------------------------------------------------------------------
