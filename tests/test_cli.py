@@ -1,10 +1,12 @@
 """Config -> CLI. Run: python -m pytest -q tests/test_cli.py"""
 import dataclasses
+import os
 
 import pytest
 
-import common
 import config
+import dataset
+import modeling
 from da3po import PRESETS, Config
 
 
@@ -18,24 +20,23 @@ def test_flag_forms_and_presets(capsys):
     cfg = config.parse_config(Config, ["--algo=gspo", "--clip_high", "0.001"], PRESETS)
     assert cfg.seq_ratio is True and cfg.clip_low == 3e-4 and cfg.clip_high == 0.001
     assert capsys.readouterr().out.strip() == "note: --clip_high 0.001 overrides the gspo preset's clip_high = 0.0004"
-    assert config.parse_config(Config, ["--demo", "arith"], PRESETS) == Config(demo="arith")
-    # no flags: the reasoning demo, whose flags replace seven defaults (the sums demo's) and nothing else
-    no_flags = config.parse_config(Config, [], PRESETS)
-    changed = {f.name for f in dataclasses.fields(Config) if getattr(no_flags, f.name) != getattr(Config(), f.name)}
-    assert no_flags.demo == "reasoning" and changed == {"demo", *config.DEMOS["reasoning"]}
+    # no flags: the reasoning demo, which is Config()'s defaults (one default demo, in code and on the command line)
+    assert config.parse_config(Config, [], PRESETS) == Config() and Config().demo == "reasoning"
+    # --demo arith: the sums demo's flags replace seven defaults and nothing else
+    arith = config.parse_config(Config, ["--demo", "arith"], PRESETS)
+    changed = {f.name for f in dataclasses.fields(Config) if getattr(arith, f.name) != getattr(Config(), f.name)}
+    assert changed == {"demo", *config.DEMOS["arith"]} and arith.train_data == "arith"
     assert capsys.readouterr().out == ""  # no note without an override
 
 
 def test_demo_reasoning_stands_for_its_flags_which_presets_and_flags_override(capsys):
-    import os
     cfg = config.parse_config(Config, ["--demo", "reasoning"], PRESETS)
-    folder = os.path.join(os.path.dirname(common.__file__), "demo", "reasoning")
     spelled = config.parse_config(Config, [
-        "--demo", "reasoning", "--model", os.path.join(folder, "model"), "--train_data",
-        os.path.join(folder, "train.jsonl"), "--eval_data", os.path.join(folder, "eval.jsonl"), "--max_new_tokens",
-        "72", "--overlong_buffer", "16", "--prompts_per_step", "16", "--steps", "20"], PRESETS)
-    assert cfg == spelled and os.path.isfile(os.path.join(cfg.model, "config.json"))
-    assert os.path.isfile(cfg.train_data) and os.path.isfile(cfg.eval_data)
+        "--demo", "reasoning", "--model", "demo", "--train_data", "reasoning", "--eval_data", "reasoning",
+        "--max_new_tokens", "72", "--overlong_buffer", "16", "--prompts_per_step", "16", "--steps", "20"], PRESETS)
+    assert cfg == spelled and os.path.isfile(os.path.join(modeling.model_path(cfg.model), "config.json"))
+    assert modeling.model_path(cfg.model).endswith(os.path.join("demo", "reasoning", "model"))
+    assert len(dataset.load_data(cfg.train_data, "train")) == 4000 and len(dataset.load_data("reasoning", "eval")) == 200
     assert config.parse_config(Config, ["--demo", "reasoning", "--steps", "3"], PRESETS).steps == 3
     grpo = config.parse_config(Config, ["--demo", "reasoning", "--algo", "grpo"], PRESETS)
     assert grpo.overlong_buffer == 0 and grpo.max_new_tokens == 72  # GRPO's recipe has no shaping
@@ -147,6 +148,8 @@ def test_a_demo_given_with_a_model_of_your_own_says_what_it_brings(capsys):
                                               "prompts_per_step 16, lr 0.0001"
     assert cfg.model == "m" and cfg.steps == 20 and cfg.max_new_tokens == 4096
     # the demos' own models are no model of the user's own: --model demo/reasoning/model is the default demo
-    folder = config.DEMOS["reasoning"]["model"]
-    assert config.parse_config(Config, ["--model", folder], PRESETS) == config.parse_config(Config, [], PRESETS)
+    folder = os.path.join(config.DEMO_DIR, "reasoning", "model")
+    assert config.parse_config(Config, ["--model", folder], PRESETS).demo == "reasoning"
+    assert config.parse_config(Config, ["--model", config.ARITH_MODEL, "--demo", "arith"], PRESETS) == \
+        config.parse_config(Config, ["--demo", "arith"], PRESETS)
     assert capsys.readouterr().out == ""
