@@ -1,6 +1,7 @@
 """The shipped demo model and its calibrated eval set, and the code that builds them (demo/build.py).
 Run: python -m pytest -q tests/test_demo.py"""
 import json
+import os
 
 import torch
 
@@ -33,8 +34,10 @@ def test_reasoning_demo_data_are_calibrated_right_and_disjoint():
     problem a training row, and the weights demo/reasoning/README.md names by their sha256."""
     import hashlib
     cfg = config.parse_config(__import__("da3po").Config, ["--demo", "reasoning"])
-    rows = [json.loads(line) for line in open(cfg.eval_data)]
-    train = [json.loads(line) for line in open(cfg.train_data)]
+    assert (cfg.train_data, cfg.eval_data, cfg.model) == ("reasoning", "reasoning", "demo")  # the demo's names
+    folder = os.path.join(config.DEMO_DIR, "reasoning")
+    rows = [json.loads(line) for line in open(os.path.join(folder, "eval.jsonl"))]
+    train = [json.loads(line) for line in open(os.path.join(folder, "train.jsonl"))]
     assert len(rows) == 200 and all(sum(r["level"] == level for r in rows) == 40 for level in LEVEL_BANDS)
     for r in rows + train:
         assert int(r["answer"]) == sum(map(int, r["problem"].split("+"))), r
@@ -42,7 +45,7 @@ def test_reasoning_demo_data_are_calibrated_right_and_disjoint():
         low, high = LEVEL_BANDS[r["level"]]
         assert low <= r["pass_rate_at_build"] < high
     assert len(train) == 4000 and not {r["problem"] for r in train} & {r["problem"] for r in rows}
-    weights = open(f"{cfg.model}/model.safetensors", "rb").read()
+    weights = open(os.path.join(modeling.model_path(cfg.model), "model.safetensors"), "rb").read()
     assert hashlib.sha256(weights).hexdigest() == "79cb14fc9a7ac937263bc2efe95bdac43733b1b4465a366abd80bf01cea14894"
 
 
@@ -65,7 +68,7 @@ def test_no_flags_run_the_reasoning_demo_which_starts_where_the_readme_says():
     """`python da3po.py` with no flags: the reasoning demo's model and sets; eval/acc at step 0 (the whole eval set,
     4 samples, seed 0) is 0.444 in the README; another machine's kernels change a few samples, not the levels."""
     cfg = config.parse_config(__import__("da3po").Config, [])
-    assert cfg.demo == "reasoning" and cfg.max_new_tokens == 72 and cfg.eval_data.endswith("reasoning/eval.jsonl")
+    assert cfg.demo == "reasoning" and cfg.max_new_tokens == 72 and cfg.eval_data == "reasoning"
     model, tok = modeling.load_model(modeling.model_path(cfg.model), torch.device("cpu"))
     cfg.prompt_template = dataset.resolve_template(cfg.prompt_template, tok)
     problems = dataset.tokenize_problems(dataset.load_data(cfg.eval_data, "eval"), tok, "none", 64, cfg.eval_data)
