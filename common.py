@@ -1,10 +1,10 @@
 """
-The RL step both scripts share, in the order the loop takes it:
-every part of one step that no equation of DA3PO or DARO points at. Read it after a script's main().
+The RL step both scripts share, in the order the loop takes it: every part of one step that no
+equation of DA3PO or DARO points at. Read it after a script's main().
 The files around it are to look up when needed: config.py (the flags), ranks.py (processes,
-collectives, stop signals), modeling.py (loading, sharding), dataset.py (problems, prompts,
-eval sets), engine.py (rollout engines), bookkeeping.py (start-up, records, checkpoints),
-verifier.py; and the rooms a real run adds: shortcuts.py, lora.py, vllm_engine.py.
+collectives, stop signals), modeling.py (loading, sharding), dataset.py (problems, prompts, eval
+sets), engine.py (rollout engines), bookkeeping.py (start-up, records, checkpoints) and
+verifier.py. The rooms a real run adds are shortcuts.py, lora.py and vllm_engine.py.
 
    1. the algorithm's hooks                   5. pi and pi_old: log-probs of the completions
    2. the step's record and its metrics       6. the token losses and the guarded update
