@@ -300,7 +300,7 @@ def test_resuming_on_another_base_stops_with_one_line_naming_both(lora_checkpoin
         model = bookkeeping.load_policy(ckpt, base, lora_cfg(lora_alpha=32.0, dtype=dtype))[0]
         assert model.lora_base["fingerprint"] == saved["fingerprint"]
     assert "not on this run's --model" in one_line_exit(capsys, lambda: bookkeeping.load_policy(
-        ckpt, config.DEMOS["reasoning"]["model"], lora_cfg(lora_alpha=32.0)))
+        ckpt, os.path.join(config.DEMO_DIR, "reasoning", "model"), lora_cfg(lora_alpha=32.0)))
 
 
 # -----------------------------------------------------------------------------------------------------------------
