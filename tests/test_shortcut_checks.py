@@ -20,7 +20,7 @@ from tests import test_heads
 from tests.conftest import ROOT
 
 SEEDS = 20  # seed 0: the shipped weights; the others: each weight times 1 + 0.05 x a normal draw
-DEMOS = {"arith": modeling.DEMO_MODEL, "reasoning": os.path.join(ROOT, "demo", "reasoning", "model")}
+DEMOS = {"arith": os.path.join(ROOT, "demo", "arith", "model"), "reasoning": modeling.DEMO_MODEL}
 
 
 def perturbed(model, seed: int):
