@@ -366,6 +366,7 @@ def watched(model):
     return model
 
 
+ARITH_MODEL = config.ARITH_MODEL
 # the KL anchor prepare_models loads (bookkeeping's own name for the function)
 bookkeeping.load_model = lambda *a, **k: (watched(load_model(*a, **k)[0]), None)
 model, tok = load_model(ARITH_MODEL)
