@@ -105,7 +105,7 @@ BAD_INPUTS = [  # (flags, message that must appear); files are created in tmp_pa
     (["--cpu_offload"], "--cpu_offload needs FSDP2, which runs under torchrun"),  # a plain run would ignore it
     (["--dtype", "float16"], "--dtype float16 trains without loss scaling"),
     (["--max_new_tokens", "600"], "--max_model_len 609 (the longest prompt + --max_new_tokens 600, unless set) "
-                                  "exceeds the 512 positions of --model demo"),
+                                  "exceeds the 512 positions of --model "),  # the sums demo's model folder
 ]
 
 
