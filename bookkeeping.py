@@ -441,19 +441,15 @@ def seed_everything(seed: int):
 # Checkpoints, written and read: atomically, by every rank, on any number of ranks;
 # --resume's choice of one.
 def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: PromptStream,
-                    extra: dict,
-                    keep: int = 2, pending: PendingStep | None = None) -> str:
+                    extra: dict, keep: int = 2, pending: PendingStep | None = None) -> str:
     """Write step_<step>/ atomically and keep the newest `keep`. `step` is the last finished step;
     with `pending` the folder takes the unfinished step's number. The model goes through an empty
     (meta-device) copy of its architecture, so no second full copy exists under FSDP; the optimizer
-    through dcp, each rank its shards, keyed by parameter name; `extra` is the algorithm's state
-    (the same on every rank)."""
+    through dcp, each rank its shards; `extra` is the algorithm's state (the same on every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
-    rank = dist.get_rank() if is_dist() else 0
-    world = dist.get_world_size() if is_dist() else 1
-    # an unfinished step's folder takes its number
+    rank, world = (dist.get_rank(), dist.get_world_size()) if is_dist() else (0, 1)
     path = os.path.join(out_dir, f"step_{pending.step if pending else step:06d}")
     tmp = path + ".tmp"
     if rank == 0:
@@ -462,12 +458,9 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
         dist.barrier()
     os.makedirs(tmp, exist_ok=True)
     lora = is_lora(model)
-    # LoRA: the adapter alone
     state_dict = adapter_state_dict(model) if lora else full_state_dict(model)
-    # An optimizer that has not stepped yet (a stop in step 1) has no state;
-    # torch's optimizer state dict gives it one with a zero-lr step of its own (Adam's step count
-    # 1): saved as "fresh" and undone below, so that the first real update, resumed or not,
-    # is Adam's step 1. (Every rank agrees: they step together.)
+    # An optimizer that has not stepped (a stop in step 1) has no state: torch's state dict gives it
+    # a zero-lr step (Adam's count 1), undone below, so the first real update is Adam's step 1.
     fresh = not opt.state
     if rank == 0 and lora:
         save_adapter(model, state_dict, tmp)  # peft's format: the base is --model's
@@ -482,20 +475,17 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
             json.dump(getattr(model, "logprob_paths", {}), f, indent=1)
         torch.save({"step": step, "world_size": world, "scheduler": sched.state_dict(),
                     "optimizer_fresh": fresh, "data_position": stream.position,
-                    # (a stopped step's batch, split anew)
-                    "pad_token_id": tok.pad_token_id, **extra},
-                   os.path.join(tmp, "trainer.pt"))
+                    "pad_token_id": tok.pad_token_id, **extra}, os.path.join(tmp, "trainer.pt"))
     dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
              checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not is_dist())
     if fresh:
-        opt.state.clear()  # the zero-lr step's state, gone: the optimizer is as it was
+        opt.state.clear()
     torch.save({"rng": rng_state(), "pending": pending and pending.plain()},
                os.path.join(tmp, f"rank{rank}.pt"))
     if is_dist():
         dist.barrier()
-    if rank == 0:
+    if rank == 0:  # the atomic step: a checkpoint folder without .tmp is always complete
         shutil.rmtree(path, ignore_errors=True)
-        # the atomic step: a checkpoint folder without .tmp is always complete
         os.replace(tmp, path)
         for old in sorted(glob.glob(os.path.join(out_dir, "step_??????")))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -351,33 +351,35 @@ def config_dict(cfg, world_size: int = 1) -> dict:
             "_git_commit": commit}
 
 
+# The flags check_config holds to a list of choices or to a lower bound.
+CHOICES = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+           "dtype": ("float32", "bfloat16", "float16"),
+           "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
+           "answer_format": ("boxed", "answer_line", "auto"),
+           "logprob_path": ("auto", "plain", "shortcuts"),
+           "rollout": ("hf", "vllm", "auto"),
+           "rollout_is": ("none", "token", "sequence"),
+           "report_to": ("none", "tensorboard", "wandb")}
+AT_LEAST = {**dict.fromkeys(("steps", "eval_every", "save_every", "sample_every", "eval_size",
+                             "overlong_buffer", "micro_batch_tokens", "logprob_chunk",
+                             "crosscheck_train"), 0),
+            **dict.fromkeys(("prompts_per_step", "updates_per_step", "micro_batch_size",
+                             "max_new_tokens", "max_prompt_length", "eval_samples",
+                             "max_gen_batches", "rollout_batch_size", "eval_batch_size",
+                             "keep_last", "max_bad_updates", "oversample"), 1),
+            "group_size": 2}  # (advantages are relative to the group)
+
+
 def check_config(cfg, world_size: int, check_algorithm=None):
     """Flag combinations that cannot work stop here, naming the flag (exit 2), before anything is
     loaded; the script's own last (check_algorithm(cfg)). --logprob_path auto is resolved here,
     once: a resumed run takes the path the fresh run took, and config.json records it."""
-    choices = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-               "dtype": ("float32", "bfloat16", "float16"),
-               "prompt_template": ("auto", "chat", "plain", "dapo", "none"),
-               "answer_format": ("boxed", "answer_line", "auto"),
-               "logprob_path": ("auto", "plain", "shortcuts"),
-               "rollout": ("hf", "vllm", "auto"),
-               "rollout_is": ("none", "token", "sequence"),
-               "report_to": ("none", "tensorboard", "wandb")}
-    for name, allowed in choices.items():
+    for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             die(f"--{name} {getattr(cfg, name)!r}: choose one of {', '.join(allowed)}")
-    for name in ("steps", "eval_every", "save_every", "sample_every", "eval_size",
-                 "overlong_buffer", "micro_batch_tokens", "logprob_chunk", "crosscheck_train"):
-        if getattr(cfg, name) < 0:
-            die(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("prompts_per_step", "updates_per_step", "micro_batch_size", "max_new_tokens",
-                 "max_prompt_length", "eval_samples", "max_gen_batches", "rollout_batch_size",
-                 "eval_batch_size", "keep_last", "max_bad_updates"):
-        if getattr(cfg, name) < 1:
-            die(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.group_size < 2:
-        die(f"--group_size must be >= 2 (advantages are relative to the group), got "
-            f"{cfg.group_size}")
+    for name, low in AT_LEAST.items():
+        if getattr(cfg, name) < low:
+            die(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
     if cfg.cpu_offload and not is_dist():
         die("--cpu_offload needs FSDP2, which runs under torchrun: launch with torchrun "
             "--standalone --nproc_per_node=1 (one GPU) or more")
@@ -398,8 +400,6 @@ def check_config(cfg, world_size: int, check_algorithm=None):
     if cfg.rollout_is_cap <= 1:
         die(f"--rollout_is_cap must be > 1 (weights are kept in [1/cap, cap]), got "
             f"{cfg.rollout_is_cap}")
-    if cfg.oversample < 1:
-        die(f"--oversample must be >= 1, got {cfg.oversample}")
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
         die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and "
             f"{cfg.top_p}")

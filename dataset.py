@@ -299,8 +299,14 @@ def parse_eval_data(eval_data: str, eval_samples: int) -> list[tuple[str, int]]:
 
 
 def eval_set_names(specs: list[str]) -> list[str]:
-    """A unique name per eval set, for its eval/<name>/... keys: the file's stem, or, when two sets
-    share a stem, the shortest tail of their paths that tells them apart.
+    """A unique name per eval set, for its eval/<name>/... keys: the file's stem, unless two sets
+    share it (distinct_names)."""
+    stems = [os.path.splitext(os.path.basename(os.path.normpath(s)))[0] for s in specs]
+    return stems if len(set(stems)) == len(stems) else distinct_names(specs)
+
+
+def distinct_names(specs: list[str]) -> list[str]:
+    """Names for sets that share a stem: the shortest tail of each path that tells it apart.
     Example: a/x.jsonl, b/x.jsonl -> a-x, b-x.
     """
     parts = [os.path.splitext(os.path.normpath(s))[0].split(os.sep) for s in specs]
