@@ -241,6 +241,12 @@ DEMO_MODELS = ("demo", ARITH_MODEL, os.path.join(DEMO_DIR, "reasoning", "model")
 DEMO_SIZED = ("train_data", "eval_data", "max_new_tokens", "overlong_buffer", "steps",
               "prompts_per_step", "lr")
 EVAL_ONLY_SIZED = ("eval_data", "max_new_tokens")
+# --help's last paragraph: the demos and what a model of the user's own needs.
+_ARITH_FLAGS = {**DEMOS["arith"], "model": os.path.relpath(ARITH_MODEL, os.path.dirname(DEMO_DIR))}
+EPILOG = ("The defaults above run the reasoning demo; --demo arith (the sums demo) sets "
+          + ", ".join(f"--{k} {v}" for k, v in _ARITH_FLAGS.items())
+          + ". A --model of your own runs on no demo's values: it needs "
+          + ", ".join("--" + k for k in DEMO_SIZED) + " (docs/gpu.md's recipes set them).")
 
 
 def is_demo_model(name: str) -> bool:
@@ -290,16 +296,9 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     user's own missing a DEMO_SIZED knob exits 2 naming them all (with --demo: a note naming the
     demo's values it gets)."""
     helps = field_help(cls)
-    repo = os.path.dirname(DEMO_DIR)
-    arith = [f"--{k} {os.path.relpath(v, repo) if k == 'model' else v}"
-             for k, v in DEMOS["arith"].items()]
-    sized = ", ".join("--" + k for k in DEMO_SIZED)
-    epilog = (f"The defaults above run the reasoning demo; --demo arith (the sums demo) sets "
-              f"{', '.join(arith)}. A --model of your own runs on no demo's values: it needs "
-              f"{sized} (docs/gpu.md's recipes set them).")
     parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]),
                                      description=(cls.__doc__ or "").strip(),
-                                     epilog=epilog,
+                                     epilog=EPILOG,
                                      allow_abbrev=False)
     for f in fields(cls):
         help_text = f"{helps.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")

@@ -162,16 +162,15 @@ def _parquet_rows(path: str) -> list[tuple[str, object]]:
     return [(f"{path}: row {i}", r) for i, r in enumerate(rows, 1)]
 
 
+READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".parquet": _parquet_rows}
+
+
 def _rows(path: str) -> list[tuple[str, object]]:
     """(where, row) pairs of a .jsonl, .json or .parquet file; a bad file dies naming its line."""
     ext = os.path.splitext(path)[1].lower()
-    if ext == ".jsonl":
-        return _jsonl_rows(path)
-    if ext == ".json":
-        return _json_rows(path)
-    if ext == ".parquet":
-        return _parquet_rows(path)
-    die(f"data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
+    if ext not in READERS:
+        die(f"data file {path!r}: unknown extension {ext!r} (use .jsonl, .json or .parquet)")
+    return READERS[ext](path)
 
 
 def load_problems(path: str, prompt_key: str = "", answer_key: str = "") -> list[dict]:
@@ -218,28 +217,27 @@ def hub_problems(spec: str, prompt_key: str = "", answer_key: str = "") -> list[
 # Prompts (formatted and tokenized once, at load), eval sets with unique names,
 # the seeded training stream.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-DAPO_TEMPLATE = (
-    "Solve the following math problem step by step. "
-    "The last line of your response should be of the form Answer: $Answer (without quotes) "
-    "where $Answer is the answer to the problem."
-    "\n\n{problem}\n\n"
-    "Remember to put your answer on its own line after \"Answer:\"."
-)
+# The text the model sees, by --prompt_template, in the tokenizer's chat template if any:
+#   chat   the problem + "put your final answer within \\boxed{}"
+#   plain  'Question: ... <boxed request> Answer:', never in a chat template (base models)
+#   dapo   DAPO-Math-17k's wording (final line 'Answer: ...')
+#   none   the problem text alone (the demo model; pre-templated rows)
+TEMPLATES = {
+    "chat": "{problem}\n" + BOXED_INSTRUCTION,
+    "plain": "Question: {problem}\n" + BOXED_INSTRUCTION + "\nAnswer:",
+    "dapo": ("Solve the following math problem step by step. The last line of your response "
+             "should be of the form Answer: $Answer (without quotes) where $Answer is the "
+             "answer to the problem."
+             "\n\n{problem}\n\n"
+             "Remember to put your answer on its own line after \"Answer:\"."),
+    "none": "{problem}",
+}
 
 
 def format_prompt(tok, problem: str, template: str = "chat") -> str:
-    """The text the model sees, by --prompt_template, in the tokenizer's chat template if any:
-      chat   the problem + "put your final answer within \\boxed{}"
-      plain  'Question: ... <boxed request> Answer:', never in a chat template (base models)
-      dapo   DAPO-Math-17k's wording (final line 'Answer: ...')
-      none   the problem text alone (the demo model; pre-templated rows)
-    """
-    text = {
-        "chat": f"{problem}\n{BOXED_INSTRUCTION}",
-        "plain": f"Question: {problem}\n{BOXED_INSTRUCTION}\nAnswer:",
-        "dapo": DAPO_TEMPLATE.format(problem=problem),
-        "none": problem,
-    }[template]
+    """The problem in --prompt_template's wording (TEMPLATES), in the tokenizer's chat template
+    unless the template is plain or the tokenizer has none."""
+    text = TEMPLATES[template].replace("{problem}", problem)
     if template == "plain" or not getattr(tok, "chat_template", None):
         return text
     messages = [{"role": "user", "content": text}]

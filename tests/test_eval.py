@@ -139,7 +139,7 @@ def test_the_dapo_wording_is_the_same_for_training_and_evaluation(tmp_path):
     problem/answer sets with --prompt_template dapo: a model sees the same text, token for token, in both."""
     problem = "What is 2+3?"
     train = tmp_path / "dapo17k.jsonl"
-    train.write_text(json.dumps({"prompt": [{"role": "user", "content": dataset.DAPO_TEMPLATE.format(problem=problem)}],
+    train.write_text(json.dumps({"prompt": [{"role": "user", "content": dataset.TEMPLATES["dapo"].replace("{problem}", problem)}],
                                  "reward_model": {"ground_truth": "5"}}) + "\n")
     plain = tmp_path / "aime.jsonl"
     plain.write_text(json.dumps({"problem": problem, "answer": "5"}) + "\n")
