@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from experiments import daro_study, learning
+from experiments import daro_study, learning, neighbours
 from tests.conftest import ROOT, run_script
 
 DATA = os.path.join(ROOT, "experiments", "data")
@@ -125,6 +125,31 @@ def test_the_daro_study_is_its_own_holm_family_at_the_papers_travel():
     assert [r["id"] for r in study_rows] == ["D1", "D2"] and {r["id"] for r in bench_rows} == {"P3", "P4", "P5"}
     # the same difference in each family: Holm multiplies by the family's own size (2 here), not by 4
     assert study_rows[0]["p_adj"] == pytest.approx(min(1, 2 * study_rows[0]["d"]["p"]))
+
+
+def test_the_neighbours_are_their_own_holm_family_with_a_fixed_pilot(monkeypatch):
+    """Seven primaries on the hard set's accuracy, Holm across them alone; an arm without a command is reported, not
+    run; the pilot's winner is the highest mean and a tie goes to KL-Cov, whatever the order of the arms."""
+    family = [e for e in learning.ENDPOINTS if e.get("family") == "neighbours"]
+    assert len(family) == 7 and {e["task"] for e in family} == {"hard"}
+    assert {e["metric"] for e in family} == {"eval/{hard}/acc"} and {e["vs"] for e in family} == {"dapo", "da3po_lam2"}
+    assert set(neighbours.design()) == {"da3po_lam2", "dapo", "daro", "asym", "maxrl", "dgpo", "da3po_entropy"}
+
+    def runs(values):
+        return [{"evals": [{"step": 0, "eval/hard_eval/acc": v}] * 3, "hard": "hard_eval", "K": 4} for v in values]
+    stats = {("hard", "dapo"): runs([0.5, 0.5, 0.52]), ("hard", "da3po_lam2"): runs([0.6, 0.62, 0.61]),
+             ("hard", "maxrl"): runs([0.5, 0.51, 0.52])}
+    rows = learning.primaries(stats, {"hard": {"steps": 60, "eval_every": 10}}, "neighbours")
+    assert [r["id"] for r in rows] == ["N1", "N4"]
+    assert rows[0]["p_adj"] == pytest.approx(min(1, 2 * rows[0]["d"]["p"]))  # Holm over the 2 run, not all 22
+    by_arm = {"da3po_entropy_bonus": [0.5, 0.75], "da3po_clip_cov": [0.625, 0.625], "da3po_kl_cov": [0.75, 0.5]}
+    def fake_run_all(arms, seeds, s, jobs):
+        return {("hard", a): runs(by_arm[a]) for a in arms}, {}, []
+    monkeypatch.setattr(neighbours, "run_all", fake_run_all)
+    winner, means = neighbours.pilot({}, 1)
+    assert winner == "da3po_kl_cov" and means["da3po_clip_cov"] == 0.625  # a three-way tie: KL-Cov
+    by_arm["da3po_clip_cov"] = [0.75, 0.625]
+    assert neighbours.pilot({}, 1)[0] == "da3po_clip_cov"
 
 
 @pytest.mark.parametrize("args, message", [
