@@ -60,8 +60,8 @@ def test_every_command_parses_and_passes_the_checks(recipes):
     eight = {(s, c.algo) for s, w, c, _ in recipes if w == 8}
     assert eight == {("da3po.py", a) for a in ("da3po", "dapo", "grpo", "dr_grpo", "gspo")} | {
         ("daro.py", a) for a in ("daro", "uniform", "var", "grpo", "dr_grpo", "dapo")}
-    # + the three one-GPU commands and the four one-GPU LoRA ones
-    assert len(recipes) == 11 + 3 + 4 and all(w in (1, 8) for _, w, _, _ in recipes)
+    # + the three one-GPU commands, the four one-GPU LoRA ones and the headline's replication (2 arms x 2 seeds)
+    assert len(recipes) == 11 + 3 + 4 + 4 and all(w in (1, 8) for _, w, _, _ in recipes)
     assert len({c.out_dir for _, _, c, _ in recipes}) == len(recipes)  # no two runs write into one folder
     assert all(c.demo == "" for _, _, c, _ in recipes)  # a model of the user's own: no demo's value applies
     # packed micro-batches on a GPU need an attention that takes them without a dense mask (shortcuts.pack_refusal)
@@ -87,7 +87,8 @@ def test_a_recipe_without_a_flag_the_demos_size_stops_naming_it(capsys, monkeypa
 
 
 def test_the_da3po_papers_runs(recipes):
-    runs = {c.algo: (c, notes) for s, w, c, notes in recipes if s == "da3po.py" and w == 8}
+    runs = {c.algo: (c, notes) for s, w, c, notes in recipes
+            if s == "da3po.py" and w == 8 and "headline" not in c.out_dir}
     for algo, (cfg, notes) in runs.items():
         assert notes == [], (algo, notes)  # nothing in the shared flags overrides a preset
         assert cfg.group_size == 16 and cfg.prompts_per_step == 512 and cfg.prompt_template == "dapo"
@@ -100,6 +101,18 @@ def test_the_da3po_papers_runs(recipes):
     da3po_cfg = runs["da3po"][0]
     assert (da3po_cfg.lam, da3po_cfg.tau) == (2.0, 0.5)
     assert changed(da3po_cfg, runs["dapo"][0]) == {"lam"}  # DA3PO vs DAPO: DAA and nothing else
+
+
+def test_the_headline_replication_is_the_papers_runs_on_aime_and_amc(recipes):
+    """docs/gpu.md's "What a run costs": DA3PO (lam 2) vs DAPO, two seeds each, the paper runs' commands but for the
+    evaluation (AIME and AMC at avg@32) and the seed."""
+    paper = {c.algo: c for s, w, c, _ in recipes if s == "da3po.py" and w == 8 and "headline" not in c.out_dir}
+    runs = [(c, notes) for _, _, c, notes in recipes if "headline" in c.out_dir]
+    assert sorted((c.algo, c.seed) for c, _ in runs) == [("da3po", 1), ("da3po", 2), ("dapo", 1), ("dapo", 2)]
+    for cfg, notes in runs:
+        assert notes == [] and cfg.lam == (2.0 if cfg.algo == "da3po" else 1.0) and changed(cfg, paper[cfg.algo]) == {"eval_data", "seed"}
+        assert dataset.parse_eval_data(cfg.eval_data, cfg.eval_samples) == [
+            ("aime24.jsonl", 32), ("aime25.jsonl", 32), ("aime26.jsonl", 32), ("amc23.jsonl", 32)]
 
 
 def test_the_daro_papers_runs_change_one_thing_each(recipes):
@@ -173,7 +186,7 @@ def test_the_one_gpu_lora_recipes_are_bench_memorys_plans(recipes):
     lora = [(s, c) for s, w, c, _ in recipes if c.lora_rank]
     assert sorted(c.model for _, c in lora) == sorted(gpu) and all(w == 1 for _, w, c, _ in recipes if c.lora_rank)
     doc = " ".join(open(DOC).read().replace("\n# ", "\n").split())
-    eight = {(s, c.algo): c for s, w, c, _ in recipes if w == 8}
+    eight = {(s, c.algo): c for s, w, c, _ in recipes if w == 8 and "headline" not in c.out_dir}
     for script, cfg in lora:
         row = rows[cfg.model.split("/")[1], gpu[cfg.model]]  # model, machine, adapters, peak, spare, u, ..., verdict
         assert (cfg.lora_rank, cfg.lora_alpha) == (memory.LORA_RANK, 32.0)
