@@ -251,7 +251,7 @@ def test_the_readme_file_map_and_reading_order_match_the_tree():
 # bottom), and every hook that loop calls on the algorithm is written down once, on common.Algorithm.
 SCRIPTS = ("da3po.py", "daro.py")
 # The only lines of main() that may differ between the two scripts: each names its own algorithm class.
-MAIN_MAY_DIFFER = {"da3po.py": ["algo = DAA(cfg, device, state)"],
+MAIN_MAY_DIFFER = {"da3po.py": ["algo = NEIGHBOURS.get(cfg.algo, DAA)(cfg, device, state)"],
                    "daro.py": ["algo = DARO(cfg, device, state)"]}
 
 
