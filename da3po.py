@@ -12,7 +12,8 @@ Why (--theory): dropping the all-wrong groups raises the expected advantage of a
 completion on a prompt of pass rate p by alpha- = 1/(1-(1-p)^(G-1)), and of a correct one by
 alpha+ = 1/(1-p^(G-1)); below p = 0.5 the correct ones are under-weighted
 (gamma = alpha+/alpha- < 1).
---algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo.
+--algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo; the neighbours maxrl, dgpo, asym
+(neighbours.py: other papers' difficulty weightings on the same step).
 
 Deviations [dev N]:
 1) The paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau.
@@ -41,6 +42,8 @@ from config import BASELINES, TrainConfig, check_config, parse_config, presets
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout
 from modeling import model_path
+from neighbours import NEIGHBOURS
+from neighbours import PRESETS as NEIGHBOUR_PRESETS
 from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_process,
                    handle_stop_signals, setup_dist, stop_requested, stop_run)
 
@@ -50,7 +53,8 @@ from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_proces
 class Config(TrainConfig):
     """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path."""
     algo: str = "da3po"
-    """preset: da3po | dapo | grpo | dr_grpo | gspo; explicit flags override the preset"""
+    """preset: da3po | dapo | grpo | dr_grpo | gspo | maxrl | dgpo | asym (docs/neighbours.md);
+    explicit flags override the preset"""
     out_dir: str = "out/da3po"
     """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
     wandb_project: str = "da3po"
@@ -67,12 +71,15 @@ class Config(TrainConfig):
     """pass rate for DAA: group (p_hat of the G samples) | running (over all epochs) [dev 4]"""
     daa_scope: str = "correct"
     """correct (the paper: correct completions, A > 0) | all (both signs: a control) [dev 4]"""
+    dgpo_temp: float = 2.0
+    """--algo dgpo: T of DQW's softmax over -p_hat (MathForge's 2.0); lower: hard ones weigh more"""
     theory: bool = False
     """print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit"""
 
 
 OWN_PRESETS = {
     "da3po": {**BASELINES["dapo"], "lam": 2.0, "adaptive_lam": False, "tau": 0.5},  # [dev 1]
+    **NEIGHBOUR_PRESETS,
 }
 PRESETS = presets(OWN_PRESETS, off={"lam": 1.0, "adaptive_lam": False})
 
@@ -89,6 +96,8 @@ def check_algorithm_config(cfg: Config):
         die(f"--p_estimate {cfg.p_estimate!r}: choose one of group, running")
     if cfg.lam_max < 1:
         die(f"--lam_max must be >= 1, got {cfg.lam_max}")
+    if cfg.dgpo_temp <= 0:
+        die(f"--dgpo_temp must be > 0, got {cfg.dgpo_temp}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,7 +272,7 @@ def main(cfg: Config):
     stream = PromptStream(train_set, cfg.seed)
     start_step, state = load_checkpoint(resume_from, model, opt, sched, stream, cfg.seed,
                                         dist_info)
-    algo = DAA(cfg, device, state)  # the paper's part of the step (above)
+    algo = NEIGHBOURS.get(cfg.algo, DAA)(cfg, device, state)  # the paper's part of the step (above)
 
     def save(step: int, eval_due: bool = False, pending: PendingStep | None = None):
         """A checkpoint after `step`, the last step done (`pending`: the rest of the next one)."""

@@ -59,6 +59,11 @@ ARMS = {
     "daro_travel_shared": ("daro.py", ["--algo", "daro", "--weight_lr", "{travel}", "--shared_weight"]),
     "daro_closed": ("daro.py", ["--algo", "daro", "--weighting", "closed"]),
     "daro_closed_shared": ("daro.py", ["--algo", "daro", "--weighting", "closed", "--shared_weight"]),
+    # The neighbours (neighbours.py, docs/neighbours.md), each with its paper's preset: no dynamic sampling, clip
+    # 0.2/0.2, token mean. Run only when --arms names them (no task lists them yet).
+    "maxrl": ("da3po.py", ["--algo", "maxrl"]),
+    "dgpo": ("da3po.py", ["--algo", "dgpo"]),
+    "asym": ("da3po.py", ["--algo", "asym"]),
 }
 TRAVEL = 600 * 1e-3  # the paper's weight updates (300 steps x 2) x its weight lr: how far ln w_mu can move
 DARO_STUDY_ARMS = ["daro_travel", "daro_travel_shared", "daro_closed", "daro_closed_shared"]

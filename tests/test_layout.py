@@ -9,7 +9,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lower first: a file may import only the files before it (verifier.py stands alone: anyone may import it).
 ORDER = ["ranks", "modeling", "dataset", "crosscheck", "config", "lora", "shortcuts", "common", "vllm_engine", "engine",
-         "bookkeeping", "da3po", "daro"]
+         "bookkeeping", "neighbours", "da3po", "daro"]
 STEP_FILES = ("common.py", "da3po.py", "daro.py")  # what a reader opens to see one step
 # What keeps a run going, defined only in its own file: stop signals, process groups, the output-layer table,
 # the start-up probes, sharding, checkpoints, trackers.
@@ -251,7 +251,7 @@ def test_the_readme_file_map_and_reading_order_match_the_tree():
 # bottom), and every hook that loop calls on the algorithm is written down once, on common.Algorithm.
 SCRIPTS = ("da3po.py", "daro.py")
 # The only lines of main() that may differ between the two scripts: each names its own algorithm class.
-MAIN_MAY_DIFFER = {"da3po.py": ["algo = DAA(cfg, device, state)"],
+MAIN_MAY_DIFFER = {"da3po.py": ["algo = NEIGHBOURS.get(cfg.algo, DAA)(cfg, device, state)"],
                    "daro.py": ["algo = DARO(cfg, device, state)"]}
 
 
