@@ -141,8 +141,7 @@ class TrainConfig:
     """none | clip_cov | kl_cov: Clip-Cov or KL-Cov (arXiv:2505.22617) on the tokens of largest
     Cov(log pi, A) over the whole update (every micro-batch and rank)"""
     clip_cov_ratio: float = 2e-4
-    """Clip-Cov's r: the share of the update's tokens whose gradient is cut (the paper's and verl's
-    2e-4)"""
+    """Clip-Cov's r: share of the update's tokens whose gradient is cut (2e-4: the paper, verl)"""
     clip_cov_lb: float = 1.0
     """Clip-Cov's lower bound on a candidate's Cov_t (the paper's and verl's 1)"""
     clip_cov_ub: float = 5.0

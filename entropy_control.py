@@ -5,11 +5,11 @@ arXiv:2505.22617), over the WHOLE update's tokens (every micro-batch, every rank
 tokens in each micro-batch. docs/entropy.md has the equations, each default with its source, and
 how verl differs; docs/departures.md has our choices.
 
-The step reaches it through two calls: main() calls start_update at the start of each update (the
-selection, agreed by all-reduces, stored as batch["control"]), and common.token_losses calls apply
-on each micro-batch (the tokens' losses under the control). For each token t of an update, with
-A_t its completion's advantage and log pi_t its log-prob under the policy the update
-differentiates (the weights at the update's start):
+The step reaches it through two calls: main() calls entropy_update.start_update at the start of
+each update (the selection, agreed by all-reduces, stored as batch["control"]), and
+common.token_losses calls apply on each micro-batch (the tokens' losses under the control).
+For each token t of an update (all its micro-batches and ranks), with A_t its completion's
+advantage and log pi_t its log-prob under the weights the update starts from:
   Cov_t = (log pi_t - mean log pi) * (A_t - mean A)      means over the update's N tokens
   Clip-Cov  draw max(1, floor(r N)) tokens uniformly among those with lb < Cov_t < ub that PPO's
             clip does not already cut off; their loss and gradient are zero (verl: the same)
@@ -19,13 +19,9 @@ differentiates (the weights at the update's start):
             beta (r_t - 1 - log r_t), an estimate of KL(pi_old || pi) with a zero gradient at r = 1)
   bonus     loss_t - entropy_coef * H_t, H_t the entropy of the token's next-token distribution
 """
-import math
-
 import torch
 import torch.distributed as dist
 
-import common
-from modeling import autocast, reshard
 from ranks import all_gather_list, all_reduce_sum, die, is_dist
 
 
@@ -95,6 +91,19 @@ def kl_cov_penalty(logp: torch.Tensor, old_logp: torch.Tensor, kind: str) -> tor
     return torch.exp(log_ratio) - 1 - log_ratio
 
 
+def surrogates(logp, old_logp, advantages, cfg, is_weight=None):
+    """common.policy_loss's clipped surrogate per token (B, T) (clip-higher, the dual clip, the
+    rollout correction's weight), and the unclipped -A r with the same weight: KL-Cov swaps the
+    first for the second (a test holds the first equal to policy_loss's)."""
+    ratio = torch.exp((logp - old_logp).clamp(max=20.0))
+    adv = advantages.unsqueeze(-1)  # (B, 1)
+    clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
+    if cfg.clip_ratio_c > 1:
+        clipped = torch.where(adv < 0, torch.minimum(clipped, -adv * cfg.clip_ratio_c), clipped)
+    weight = 1.0 if is_weight is None else is_weight
+    return clipped * weight, -adv * ratio * weight
+
+
 def apply(token_loss, logp, entropy, mb: dict, cfg) -> torch.Tensor:
     """common.token_losses' call on each micro-batch: its token losses (B, T) under the controls,
     from common.policy_loss's and the selection start_update made (mb["control"]). Clip-Cov zeroes
@@ -105,11 +114,8 @@ def apply(token_loss, logp, entropy, mb: dict, cfg) -> torch.Tensor:
     if cfg.entropy_control == "clip_cov":
         token_loss = token_loss * (1 - selected)
     elif cfg.entropy_control == "kl_cov":
-        args = (logp, mb["old_logp"], mb["advantage"], mb["mask"])
-        kw = dict(seq_ratio=cfg.seq_ratio, is_weight=mb.get("is_weight"))
-        clipped = common.policy_loss(*args, cfg.clip_low, cfg.clip_high,
-                                     clip_ratio_c=cfg.clip_ratio_c, **kw)[0]
-        unclipped = common.policy_loss(*args, math.inf, math.inf, **kw)[0]
+        clipped, unclipped = surrogates(logp, mb["old_logp"], mb["advantage"], cfg,
+                                        mb.get("is_weight"))
         penalty = kl_cov_penalty(logp, mb["old_logp"], cfg.kl_cov_penalty)
         token_loss = token_loss - clipped + unclipped + cfg.kl_cov_coef * penalty * selected
     if cfg.entropy_coef:
@@ -119,67 +125,17 @@ def apply(token_loss, logp, entropy, mb: dict, cfg) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------------
 # The start of each update: the log-probs, the selection over the whole update, the metrics.
-@torch.no_grad()
-def current_logprobs(model, batch: dict, rows: torch.Tensor, cfg) -> torch.Tensor:
-    """log pi (len(rows), T) of the update's rows under the weights the update starts from: one
-    no-grad pass over the micro-batches the update will run (the same collectives on every rank)."""
-    out = torch.zeros_like(batch["mask"][rows], dtype=torch.float)
-    where = torch.full((len(batch["mask"]),), -1, dtype=torch.long, device=rows.device)
-    where[rows] = torch.arange(len(rows), device=rows.device)  # batch row -> row of `out`
-    for chunk, mb in common.micro_batches(batch, rows, cfg.micro_batch_size,
-                                          cfg.micro_batch_tokens):
-        with autocast(cfg.dtype, batch["mask"].device):
-            logp = common.batch_logprobs(model, mb, cfg)[0]
-        out[where[chunk], :logp.shape[1]] = logp.float()
-    reshard(model)
-    return out
-
-
 def check_flags(cfg):
     """The controls' flags that cannot work stop here, naming the flag (exit 2). The choices and
     lower bounds are config.check_config's; these need the pair or an upper bound."""
+    if cfg.entropy_control == "kl_cov" and cfg.seq_ratio:
+        die("--entropy_control kl_cov is per token: it cannot run with --seq_ratio (GSPO)")
     if cfg.clip_cov_lb >= cfg.clip_cov_ub:
         die(f"--clip_cov_lb {cfg.clip_cov_lb} must be below --clip_cov_ub {cfg.clip_cov_ub}")
     for name in ("clip_cov_ratio", "kl_cov_ratio"):
         if not 0 < getattr(cfg, name) <= 1:
             die(f"--{name} must be in (0, 1] (a share of the update's tokens), got "
                 f"{getattr(cfg, name)}")
-
-
-def start_update(model, batch: dict, rows: torch.Tensor, cfg, step: int, u: int, record: dict):
-    """The start of update u of `step` (every rank, in lockstep): batch["control"][rows], 1 on the
-    tokens the covariance control selects over the whole update, and the cov/* metrics of the
-    step's updates so far into `record`. The covariance's log pi: pi_old before the step's first
-    update (the same weights), else a no-grad pass (docs/departures.md: why, and its cost)."""
-    check_flags(cfg)
-    if "control" not in batch:
-        batch["control"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
-    if cfg.entropy_control == "none":  # the bonus alone selects nothing
-        return
-    mask = batch["mask"][rows]
-    old_logp = batch["old_logp"][rows]
-    logp = old_logp if u == 0 else current_logprobs(model, batch, rows, cfg)
-    adv = batch["advantage"][rows].unsqueeze(-1).expand_as(old_logp)  # (b, T)
-    cov, n = token_covariance(logp, adv, mask)
-    if cfg.entropy_control == "kl_cov":
-        selected = top_covariance(cov, mask, cfg.kl_cov_ratio, n)
-    else:
-        candidates = clip_cov_candidates(cov, mask, logp, old_logp, adv, cfg.clip_cov_lb,
-                                         cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high)
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + u)
-        selected = random_share(candidates, cfg.clip_cov_ratio, n, generator)
-    batch["control"][rows] = selected.float()
-    amplified = changed_advantage(batch, cfg)[rows].unsqueeze(-1) & mask.bool()
-    add_metrics(record, cov, n, selected, amplified)
-
-
-def changed_advantage(batch: dict, cfg) -> torch.Tensor:
-    """The rows (B,) bool whose advantage the algorithm changed from GRPO's, recomputed from the
-    rewards by the same function: DA3PO's amplified completions (da3po.amplify); none for DARO and
-    the baselines."""
-    G = cfg.group_size
-    grpo = common.group_advantages(batch["reward"].view(-1, G), cfg.std_norm).flatten()
-    return batch["advantage"] != grpo
 
 
 def add_metrics(record: dict, cov: torch.Tensor, n: int, selected: torch.Tensor,

@@ -10,6 +10,7 @@ import torch
 
 import common
 import entropy_control as ec
+import entropy_update
 from da3po import Config
 from tests.conftest import ARITH_MODEL, run_script
 
@@ -189,7 +190,7 @@ def test_selection_equal_whatever_the_micro_batch_split(float64_model, control):
         cfg = Config(entropy_control=control, micro_batch_size=size, kl_cov_ratio=0.05, clip_cov_ratio=0.05,
                      clip_cov_lb=0.01, group_size=4)
         record = {}
-        ec.start_update(model, batch, torch.arange(12), cfg, 1, 1, record)
+        entropy_update.start_update(model, batch, torch.arange(12), cfg, 1, 1, record)
         outs.append((batch["control"], record))
     for control_mask, record in outs[1:]:
         assert torch.equal(control_mask, outs[0][0])
@@ -199,7 +200,7 @@ def test_selection_equal_whatever_the_micro_batch_split(float64_model, control):
     # update 0: pi_old's log-probs, the formula on them
     batch = model_batch(model, tok)
     cfg = Config(entropy_control="kl_cov", kl_cov_ratio=0.05, group_size=4)
-    ec.start_update(model, batch, torch.arange(12), cfg, 1, 0, {})
+    entropy_update.start_update(model, batch, torch.arange(12), cfg, 1, 0, {})
     adv = batch["advantage"][:, None].expand_as(batch["old_logp"])
     cov, n = cov_by_hand(batch["old_logp"], adv, batch["mask"])
     expected = ec.top_covariance(cov, batch["mask"], 0.05, n)
@@ -269,3 +270,17 @@ def test_bad_flags_stop_naming_the_flag(tmp_path):
         with pytest.raises(SystemExit) as stop:
             ec.check_flags(Config(entropy_control="kl_cov", **flags))
         assert stop.value.code == 2
+
+
+@pytest.mark.parametrize("clip_ratio_c", [0.0, 3.0])
+def test_surrogates_equal_policy_loss(clip_ratio_c):
+    """KL-Cov's own clipped surrogate (entropy_control.surrogates) is common.policy_loss's, dual clip and rollout
+    weights included: swapping it for the unclipped one leaves nothing else behind."""
+    logp, old_logp, adv, mask = update_tensors()
+    weight = torch.rand(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5
+    cfg = Config(clip_ratio_c=clip_ratio_c)
+    clipped, unclipped = ec.surrogates(logp, old_logp, adv[:, 0], cfg, weight)
+    expected, _ = common.policy_loss(logp, old_logp, adv[:, 0], mask, 0.2, 0.28, clip_ratio_c=clip_ratio_c,
+                                     is_weight=weight)
+    assert torch.equal(clipped, expected)
+    assert torch.allclose(unclipped, -adv * torch.exp(logp - old_logp) * weight, atol=1e-13)
