@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import crosscheck
+import entropy_control
 import shortcuts
 from dataset import PromptStream
 from lora import adapter_disabled
@@ -469,9 +470,9 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 #    unless the engine's are exact; the rollout correction.
 def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float = 1.0,
                    with_entropy: bool = False, top_p: float = 1.0):
-    """log pi (B, T) of each row's last T tokens, sampled at `temperature`, and a second (B, T)
-    output without gradient: the entropy (with_entropy), or the log-probs renormalised over the
-    top_p nucleus as a sampler returns them (top_p < 1), else None. One forward of the padded rows.
+    """log pi (B, T) of each row's last T tokens at `temperature`, from one forward of the padded
+    rows, and a second (B, T) output: the entropy (with_entropy, with its gradient), the log-probs
+    renormalised over the top_p nucleus as a sampler returns them (top_p < 1, no gradient), or None.
     Example: a row [pad, p1, p2, c1, c2] with T = 2: the outputs at p2 and c1 predict c1 and c2."""
     position_ids = positions(attention_mask)  # 0 at each row's first real token
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -482,9 +483,8 @@ def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float 
     targets = input_ids[:, -T:, None]  # (B, T, 1)
     lse = logits.logsumexp(-1)  # (B, T)
     logp = logits.gather(-1, targets)[..., 0] - lse  # the log-softmax at the targets
-    if with_entropy:  # H = lse - sum_v p_v logit_v
-        with torch.no_grad():
-            return logp, lse - (logits.softmax(-1) * logits).sum(-1)
+    if with_entropy:  # H = lse - sum_v p_v logit_v (differentiable: --entropy_coef's bonus)
+        return logp, lse - (logits.softmax(-1) * logits).sum(-1)
     if top_p < 1:  # (OUTSIDE_NUCLEUS, not -inf: a masked-out padding token multiplies to 0)
         with torch.no_grad():
             nucleus_logp = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1)  # (B, T, V)
@@ -677,6 +677,7 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
         logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
         clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
         kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
+    if "control" in mb: token_loss = entropy_control.apply(token_loss, logp, entropy, mb, cfg)
     T = mb["mask"].shape[1]
     if cfg.logprob_path == "shortcuts":  # the positions its forwards ran, and those they needed
         ran, real = shortcuts.forward_tokens(model, mb["attention_mask"], T, mb.get("group"),

@@ -134,6 +134,27 @@ class TrainConfig:
     """dual clip for negative advantages (verl uses 3.0); 0 = off"""
     kl_coef: float = 0.0
     """beta: k3 KL penalty to the initial model; 0 = none, as in DAPO"""
+    # entropy controls (entropy_control.py, docs/entropy.md: each default's source); off by default
+    entropy_coef: float = 0.0
+    """entropy bonus: each token's loss minus entropy_coef * its entropy; 0 = off (as verl)"""
+    entropy_control: str = "none"
+    """none | clip_cov | kl_cov: Clip-Cov or KL-Cov (arXiv:2505.22617) on the tokens of largest
+    Cov(log pi, A) over the whole update (every micro-batch and rank)"""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov's r: share of the update's tokens whose gradient is cut (2e-4: the paper, verl)"""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov's lower bound on a candidate's Cov_t (the paper's and verl's 1)"""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov's upper bound on a candidate's Cov_t (the paper's and verl's 5)"""
+    kl_cov_ratio: float = 2e-3
+    """KL-Cov's k: the share of the update's tokens penalised (the paper's 7B recipe 2e-3; verl's
+    default is 2e-4)"""
+    kl_cov_coef: float = 1.0
+    """KL-Cov's beta (the paper's recipes 1; verl's config 0.1). KL-Cov drops PPO's clip on every
+    token, as the paper and verl do"""
+    kl_cov_penalty: str = "abs"
+    """KL-Cov's penalty: abs, |log r| (the authors' code and verl) | k3, r - 1 - log r (an estimate
+    of the paper's KL(pi_old || pi), smooth at r = 1)"""
     # optimisation
     lr: float = 1e-4
     """AdamW learning rate (the papers: 1e-6)"""
@@ -358,10 +379,12 @@ CHOICES = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum
            "logprob_path": ("auto", "plain", "shortcuts"),
            "rollout": ("hf", "vllm", "auto"),
            "rollout_is": ("none", "token", "sequence"),
-           "report_to": ("none", "tensorboard", "wandb")}
+           "report_to": ("none", "tensorboard", "wandb"),
+           "entropy_control": ("none", "clip_cov", "kl_cov"),
+           "kl_cov_penalty": ("abs", "k3")}
 AT_LEAST = {**dict.fromkeys(("steps", "eval_every", "save_every", "sample_every", "eval_size",
                              "overlong_buffer", "micro_batch_tokens", "logprob_chunk",
-                             "crosscheck_train"), 0),
+                             "crosscheck_train", "entropy_coef", "kl_cov_coef"), 0),
             **dict.fromkeys(("prompts_per_step", "updates_per_step", "micro_batch_size",
                              "max_new_tokens", "max_prompt_length", "eval_samples",
                              "max_gen_batches", "rollout_batch_size", "eval_batch_size",

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+import entropy_update
 from bookkeeping import (Logger, PendingStep, evaluate_and_log, find_checkpoint, format_step,
                          load_checkpoint, load_policy, prepare_models, rng_state, save_checkpoint,
                          set_rng_state, step_bar)
@@ -338,6 +339,8 @@ def main(cfg: Config):
                     rows = update_rows[u]
                     # ALGO LOGIC: the token losses' weights and sum, the paper's way
                     batch["weight"][rows] = algo.start_update(batch, rows)
+                    if cfg.entropy_coef or cfg.entropy_control != "none":  # entropy_update.py
+                        entropy_update.start_update(model, batch, rows, cfg, step, u, record)
                     update_loss = 0.0
                     for _, mb in micro_batches(batch, rows, cfg.micro_batch_size,
                                                cfg.micro_batch_tokens):

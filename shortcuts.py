@@ -27,10 +27,10 @@ from ranks import all_reduce_max, all_reduce_sum, die, print0
 def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
                         top_p: float = 1.0):
     """Logits (B, t, V) -> log-probs (B, t) of the targets at this temperature, and a second
-    (B, t) output, without gradient:
-      with_entropy   the token entropy
-      top_p < 1      the targets' log-probs renormalised over the nucleus (what a sampler returns
-                     for what it drew from it: sample_token, vLLM)
+    (B, t) output:
+      with_entropy   the token entropy, with its gradient
+      top_p < 1      the targets' log-probs renormalised over the nucleus, without gradient (what a
+                     sampler returns for what it drew from it: sample_token, vLLM)
       else           None
     """
     # softmax in float32 at least (float64 stays float64)
@@ -40,11 +40,10 @@ def _logprobs_of_logits(logits, targets, temperature: float, with_entropy: bool,
         logits = logits / temperature
     lse = logits.logsumexp(-1)  # (B, t)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, t)
-    if with_entropy:
+    if with_entropy:  # (differentiable: --entropy_coef's bonus)
         # H = lse - sum_v p_v logit_v, a batched dot: one (B, t, V) tensor less than p * logits
-        with torch.no_grad():
-            expected_logit = logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1)
-            return logp, lse - expected_logit[..., 0, 0]
+        expected_logit = logits.softmax(-1).unsqueeze(-2) @ logits.unsqueeze(-1)
+        return logp, lse - expected_logit[..., 0, 0]
     if top_p < 1:
         with torch.no_grad():
             nucleus_logp = nucleus(logits.log_softmax(-1), top_p).log_softmax(-1)  # (B, t, V)
@@ -243,7 +242,7 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 0,
                    groups=None, top_p: float = 1.0, pack: bool = False):
     """log pi(token) (B, T) for the last T tokens of each row, and _logprobs_of_logits' second
-    (B, T) output (no grad: entropy, nucleus log-probs or None).
+    (B, T) output (the entropy, with its gradient; nucleus log-probs without; or None).
 
     groups (B,): rows sharing a prompt run it once (padded rows only).
     pack: on a model that packs (pack_refusal), one forward runs every row without padding
