@@ -677,7 +677,8 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
         logp, mb["old_logp"], mb["advantage"], mb["mask"], cfg.clip_low, cfg.clip_high,
         clip_ratio_c=cfg.clip_ratio_c, seq_ratio=cfg.seq_ratio, ref_logp=ref_logp,
         kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
-    if "control" in mb: token_loss = entropy_control.apply(token_loss, logp, entropy, mb, cfg)
+    if "control" in mb:  # --entropy_coef, --entropy_control
+        token_loss = entropy_control.apply(token_loss, logp, entropy, mb, cfg)
     T = mb["mask"].shape[1]
     if cfg.logprob_path == "shortcuts":  # the positions its forwards ran, and those they needed
         ran, real = shortcuts.forward_tokens(model, mb["attention_mask"], T, mb.get("group"),

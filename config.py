@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields, is_dataclass
 import torch
 
 import crosscheck
+import entropy_control
 from dataset import parse_eval_data
 from ranks import die, is_dist, print0
 
@@ -429,6 +430,8 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
     if cfg.verifier_crosscheck and crosscheck.missing():
         die(f"--verifier_crosscheck: {crosscheck.missing()}")
+    if cfg.entropy_control != "none":  # the controls' pairs and upper bounds
+        entropy_control.check_flags(cfg)
     # a bad set@k stops here, before anything is loaded
     parse_eval_data(cfg.eval_data, cfg.eval_samples)
     check_lora_config(cfg)

@@ -16,7 +16,6 @@ def start_update(model, batch: dict, rows: torch.Tensor, cfg, step: int, u: int,
     tokens the covariance control selects over the whole update, and the cov/* metrics of the
     step's updates so far into `record`. The covariance's log pi: pi_old before the step's first
     update (the same weights), else a no-grad pass (docs/departures.md: why, and its cost)."""
-    ec.check_flags(cfg)
     if "control" not in batch:
         batch["control"] = torch.zeros_like(batch["mask"], dtype=torch.float)  # (B, T)
     if cfg.entropy_control == "none":  # the bonus alone selects nothing

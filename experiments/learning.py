@@ -84,7 +84,7 @@ HARD_TASK = {"model": "demo/arith/model", "eval": [HARD_EVAL, DEMO_EVAL], "flags
              "hard_set": "hard_eval", "forget_set": "arith", "cpu_s": {"start": 7.0, "step": 0.25, "eval": 3.2}}
 TASKS = {
     "hard": {**HARD_TASK, "train": "experiments/data/hard_train.jsonl", "arms": DA3PO_ARMS, "hard_share": 1.0,
-             "study_arms": DARO_STUDY_ARMS + NEIGHBOUR_ARMS},  # run only when --arms names them (the default benchmark stays as it was)
+             "study_arms": DARO_STUDY_ARMS + NEIGHBOUR_ARMS},  # run only when --arms names them
     **{f"mix_easy{e}": {**HARD_TASK, "train": f"experiments/data/mix_easy{e}_train.jsonl",
                         "arms": ["dapo", "da3po_lam2"], "hard_share": 1 - e / 100,
                         "cpu_s": {"start": 7.0, "step": step, "eval": 3.2}}
@@ -161,7 +161,7 @@ DARO_STUDY = [
 ]
 ENDPOINTS += [{**e, "family": "daro_study", "metric": "eval/acc", "kind": "last3", "better": 1} for e in DARO_STUDY]
 # The neighbours, fixed before their runs: the difficulty-aware methods of 2026 beside DA3PO and DARO on one code path,
-# a family of its own (Holm across these 7; experiments/neighbours.py runs it). Task `hard` at the protocol's 60 steps,
+# a family of its own (Holm across these 7; experiments/neighbours_study.py runs it). Task `hard` at 60 steps,
 # seeds 0-7, paired by seed. Arms: dapo, da3po_lam2 and daro as above; maxrl (MaxRL, arXiv 2602.02710), dgpo (DGPO,
 # arXiv 2601.20614) and asym (asymmetric prompt weighting, arXiv 2602.11128), each at its paper's defaults as
 # docs/neighbours.md states them; da3po_entropy, DA3PO lam 2 with the one entropy control a pilot favours. The pilot,

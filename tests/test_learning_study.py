@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from experiments import daro_study, learning, neighbours
+from experiments import daro_study, learning, neighbours_study
 from tests.conftest import ROOT, run_script
 
 DATA = os.path.join(ROOT, "experiments", "data")
@@ -133,7 +133,7 @@ def test_the_neighbours_are_their_own_holm_family_with_a_fixed_pilot(monkeypatch
     family = [e for e in learning.ENDPOINTS if e.get("family") == "neighbours"]
     assert len(family) == 7 and {e["task"] for e in family} == {"hard"}
     assert {e["metric"] for e in family} == {"eval/{hard}/acc"} and {e["vs"] for e in family} == {"dapo", "da3po_lam2"}
-    assert set(neighbours.design()) == {"da3po_lam2", "dapo", "daro", "asym", "maxrl", "dgpo", "da3po_entropy"}
+    assert set(neighbours_study.design()) == {"da3po_lam2", "dapo", "daro", "asym", "maxrl", "dgpo", "da3po_entropy"}
 
     def runs(values):
         return [{"evals": [{"step": 0, "eval/hard_eval/acc": v}] * 3, "hard": "hard_eval", "K": 4} for v in values]
@@ -145,11 +145,11 @@ def test_the_neighbours_are_their_own_holm_family_with_a_fixed_pilot(monkeypatch
     by_arm = {"da3po_entropy_bonus": [0.5, 0.75], "da3po_clip_cov": [0.625, 0.625], "da3po_kl_cov": [0.75, 0.5]}
     def fake_run_all(arms, seeds, s, jobs):
         return {("hard", a): runs(by_arm[a]) for a in arms}, {}, []
-    monkeypatch.setattr(neighbours, "run_all", fake_run_all)
-    winner, means = neighbours.pilot({}, 1)
+    monkeypatch.setattr(neighbours_study, "run_all", fake_run_all)
+    winner, means = neighbours_study.pilot({}, 1)
     assert winner == "da3po_kl_cov" and means["da3po_clip_cov"] == 0.625  # a three-way tie: KL-Cov
     by_arm["da3po_clip_cov"] = [0.75, 0.625]
-    assert neighbours.pilot({}, 1)[0] == "da3po_clip_cov"
+    assert neighbours_study.pilot({}, 1)[0] == "da3po_clip_cov"
 
 
 @pytest.mark.parametrize("args, message", [

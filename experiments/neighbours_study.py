@@ -10,8 +10,8 @@ winner's flags (the report states which, and the pilot's figures).
 Every run is experiments/learning.py's run of that arm, task and seed, reused from experiments/results/runs/learning/
 when its command is the same.
 
-Usage: python -m experiments.neighbours --pilot          # the entropy control's pilot (6 runs)
-       python -m experiments.neighbours --jobs 2         # the comparison (7 arms x 8 seeds), then the report
+Usage: python -m experiments.neighbours_study --pilot          # the entropy control's pilot (6 runs)
+       python -m experiments.neighbours_study --jobs 2         # the comparison (7 arms x 8 seeds), then the report
 Writes experiments/results/neighbours.md, .json and, with matplotlib, neighbours.png (the primaries' differences with
 their Holm-family intervals, and each arm's hard-set accuracy over steps)."""
 import argparse
@@ -68,7 +68,7 @@ def pilot(s: dict, jobs: int) -> tuple[str, dict]:
 
 def report(stats: dict, costs: dict, missing: list[str], seeds: list[int], s: dict, argv: list[str]) -> tuple:
     rows = learning.primaries(stats, {TASK: s}, FAMILY)
-    cmd = " ".join(["python -m experiments.neighbours", *argv])
+    cmd = " ".join(["python -m experiments.neighbours_study", *argv])
     entropy_flags = " ".join(learning.ARMS["da3po_entropy"][1]) if "da3po_entropy" in learning.ARMS else "not run"
     lines = ["# The neighbours side by side: difficulty-aware methods on one code path", "",
              f"Command: `{cmd}` (every number below; the runs are experiments/learning.py's, cached in "
