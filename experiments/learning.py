@@ -60,10 +60,16 @@ ARMS = {
     "daro_closed": ("daro.py", ["--algo", "daro", "--weighting", "closed"]),
     "daro_closed_shared": ("daro.py", ["--algo", "daro", "--weighting", "closed", "--shared_weight"]),
     # The neighbours (neighbours.py, docs/neighbours.md), each with its paper's preset: no dynamic sampling, clip
-    # 0.2/0.2, token mean. Run only when --arms names them (no task lists them yet).
+    # 0.2/0.2, token mean. The hard task runs them in the neighbours study only (its study_arms).
     "maxrl": ("da3po.py", ["--algo", "maxrl"]),
     "dgpo": ("da3po.py", ["--algo", "dgpo"]),
     "asym": ("da3po.py", ["--algo", "asym"]),
+    # The neighbours' entropy pilot (experiments/neighbours_study.py): DA3PO lam 2 with each control at the defaults
+    # docs/entropy.md states (the bonus at 1e-3, the top of the range the paper found to barely move the entropy);
+    # da3po_entropy is set to the pilot's winner once it has run.
+    "da3po_entropy_bonus": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_coef", "0.001"]),
+    "da3po_clip_cov": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_control", "clip_cov"]),
+    "da3po_kl_cov": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_control", "kl_cov"]),
 }
 TRAVEL = 600 * 1e-3  # the paper's weight updates (300 steps x 2) x its weight lr: how far ln w_mu can move
 DARO_STUDY_ARMS = ["daro_travel", "daro_travel_shared", "daro_closed", "daro_closed_shared"]
