@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import partial
 from common import evaluate
 from config import config_dict
 from dataset import PromptStream, parse_eval_data
@@ -480,8 +481,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
              checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not is_dist())
     if fresh:
         opt.state.clear()
-    torch.save({"rng": rng_state(), "pending": pending and pending.plain()},
-               os.path.join(tmp, f"rank{rank}.pt"))
+    torch.save({"rng": rng_state(), "pending": pending and pending.plain(),
+                "carried": getattr(stream, "carried", None)}, os.path.join(tmp, f"rank{rank}.pt"))
     if is_dist():
         dist.barrier()
     if rank == 0:  # the atomic step: a checkpoint folder without .tmp is always complete
@@ -576,10 +577,14 @@ def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: 
         mine = _load_plain(os.path.join(ckpt, f"rank{dist_info.rank}.pt"))
         set_rng_state(mine["rng"])
         state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
+        carried = mine.get("carried")
     else:
         files = [os.path.join(ckpt, f"rank{r}.pt") for r in range(state["world_size"])]
+        ranks_saved = [_load_plain(f) for f in files]
+        carried = partial.deal_carried([r.get("carried") for r in ranks_saved], dist_info.rank,
+                                       dist_info.world_size)
         # every old rank's: the step's rows, split anew
-        saved = [_load_plain(f)["pending"] for f in files]
+        saved = [r["pending"] for r in ranks_saved]
         print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has "
                f"{dist_info.world_size}: the optimizer state is resharded, the sampling RNGs are "
                f"seeded afresh"
@@ -590,6 +595,8 @@ def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: 
             pendings = [PendingStep(**p) for p in saved]
             state["pending"] = reshard_pending(pendings, dist_info.rank, dist_info.world_size,
                                                state.get("pad_token_id", 0))
+    if carried is not None:  # --max_staleness: the rollouts it carries (partial.py)
+        stream.carried = carried
     if state["pending"]:  # its batch to the training device (see PendingStep)
         state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     print0(f"resumed from {ckpt} (step {state['step']})")

@@ -263,6 +263,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     --no-dynamic_sampling: one batch, all kept. Groups stay where made; every rank gets every
     _summary(), and a kept one of this rank's holds its group under "group". Returns (kept
     summaries, all summaries, rollout metrics), or None if a stop came between two batches."""
+    if cfg.max_staleness > 0:  # the engine carries unfinished groups over: partial.py
+        return engine.carried_sampling(tok, stream, cfg, dist_info)
     rank = dist_info.rank
     world = dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1

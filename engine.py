@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common import pad_prompt_completion
 from modeling import autocast, eos_ids, full_tensor, nucleus, positions
+from partial import CarriedRollouts
 from ranks import DistInfo, die, is_dist, print0
 from vllm_engine import make_vllm_rollout, vllm_rollout_kind
 
@@ -173,7 +174,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int,
 
 # --------------------------------------------------------------------------------------------------
 # 2. Our sampler as an engine.
-class HFRollout:
+class HFRollout(CarriedRollouts):
     """Our sampler as an engine, in the trainer's --dtype (autocast), on the trained model itself
     in a plain run. Create it before shard_model: under FSDP every rank keeps a full copy in the
     compute dtype and generates without collectives (on the sharded module, ranks that stop at
@@ -256,7 +257,7 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
             f"{cfg.model}: lower --max_new_tokens or --max_prompt_length")
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
         engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p)
-        if engine.exact_logprobs and cfg.rollout_is != "none":
+        if engine.exact_logprobs and cfg.rollout_is != "none" and not cfg.max_staleness:
             print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in "
                    f"float32 samples with the trainer's own weights and arithmetic, so its "
                    f"log-probs are pi_old (weights of 1)")
