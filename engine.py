@@ -186,13 +186,14 @@ class HFRollout(CarriedRollouts):
     """
 
     def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32",
-                 batch_size: int = 512, top_p: float = 1.0):
+                 batch_size: int = 512, top_p: float = 1.0, max_staleness: int = 0):
         self.tok = tok
         self.batch_size = batch_size
         self.dtype = dtype
         self.device = dist_info.device
-        # top_p: the training rollouts' (sample_token renormalises over the nucleus)
-        self.exact_logprobs = dtype == "float32" and top_p == 1
+        # top_p: the training rollouts' (sample_token renormalises over the nucleus); carried
+        # partial rollouts (partial.py) hold tokens of older weights than pi_old's
+        self.exact_logprobs = dtype == "float32" and top_p == 1 and not max_staleness
         if is_dist():
             copied = copy.deepcopy(model).to(dist_info.device, getattr(torch, dtype))
             self.model = copied.eval().requires_grad_(False)
@@ -256,8 +257,9 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
             f"{cfg.max_new_tokens}, unless set) exceeds the {limit} positions of --model "
             f"{cfg.model}: lower --max_new_tokens or --max_prompt_length")
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
-        engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p)
-        if engine.exact_logprobs and cfg.rollout_is != "none" and not cfg.max_staleness:
+        engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p,
+                           cfg.max_staleness)
+        if engine.exact_logprobs and cfg.rollout_is != "none":
             print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in "
                    f"float32 samples with the trainer's own weights and arithmetic, so its "
                    f"log-probs are pi_old (weights of 1)")

@@ -18,7 +18,7 @@ step k's rollout have version k - 1, the weights its updates start from.
 The loss is unchanged. Each token keeps the engine's log-prob from when it was sampled, the
 behaviour policy that common.rollout_correction compares with pi_old token by token; pi_old is
 recomputed by the trainer, since the engine's log-probs are no longer pi_old (exact_logprobs goes
-off), so S > 0 asks for --rollout_is token or sequence.
+off: engine.make_rollout), so S > 0 asks for --rollout_is token or sequence.
 
 The buffer lives on the prompt stream (stream.carried), as the prompts drawn but not yet trained, in
 plain types: every rank's own is saved in its checkpoint file (bookkeeping.save_checkpoint), and a
@@ -63,11 +63,12 @@ class CarriedRollouts:
 
 
 def check(engine, cfg):
-    """What partial rollouts need of the run; the engine's log-probs stop standing for pi_old."""
+    """What partial rollouts need of the run: the rollout correction, and an engine whose log-probs
+    are not taken for pi_old (engine.make_rollout tells our sampler)."""
     if cfg.rollout_is == "none":
         die(f"--max_staleness {cfg.max_staleness} trains tokens sampled by older weights: set "
             f"--rollout_is token or sequence, the correction they need (docs/gpu.md)")
-    engine.exact_logprobs = False  # a carried token was sampled by older weights than pi_old's
+    assert not engine.exact_logprobs, "a carried token was sampled by older weights than pi_old's"
 
 
 def deal_carried(buffers: list, rank: int, world: int) -> dict | None:
@@ -201,11 +202,9 @@ def dynamic_sampling(engine, tok, stream, cfg, dist_info):
     that finished this step, rollout metrics with partial/*), or None if a stop came between two
     generation batches (the buffer is then as the step found it)."""
     rank, world = dist_info.rank, dist_info.world_size
+    check(engine, cfg)
     if not hasattr(stream, "carried"):
-        check(engine, cfg)
         stream.carried = new_buffer()
-    elif engine.exact_logprobs:  # (a resumed run's first step)
-        check(engine, cfg)
     buffer = stream.carried
     started_from = copy.deepcopy(buffer)
     version = buffer["version"]
