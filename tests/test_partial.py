@@ -66,17 +66,17 @@ def test_a_greedy_sequence_continued_from_its_prefix_equals_the_uninterrupted_on
 
 
 def test_a_sequence_spanning_two_versions_is_corrected_token_by_token(float64_model):
-    """Staleness 1 on the sums demo's model in float64: 2 tokens of each sequence sampled by weights A, the rest by B = A
-    plus noise. pi_old (recomputed by B) over the engine's recorded log-probs gives importance weights that are 1
-    on B's tokens (same weights: the engine's float32 log-probs, bound 8 ulps) and exp(log pi_B - log pi_A) on A's,
-    checked against
-    both snapshots' own forwards; on A's tokens they are not all 1, and their log-mean estimates -KL(A || B), the
-    exact KL of each position averaged: within 4 standard errors of the per-token differences (the CLT)."""
+    """Staleness 1 on the sums demo's model in float64: 2 tokens of each sequence sampled by weights A, the rest by
+    B = A plus noise. pi_old (recomputed by B) over the engine's recorded log-probs gives importance weights that are
+    1 on B's tokens (same weights: the engine's float32 log-probs, bound 8 ulps) and exp(log pi_B - log pi_A) on A's,
+    checked against both snapshots' own forwards; on A's tokens they are not all 1, and their log-mean estimates
+    -KL(A || B), the exact KL of each position averaged, within 4 standard errors of the per-token differences."""
     model, tok = float64_model
     engine = eng.HFRollout(model, tok, ranks.DistInfo(), "float64")
     cfg = rollout_cfg(group_size=8, max_new_tokens=12, partial_chunk=2, temperature=1.0)
     torch.manual_seed(0)
-    flights = flights_of(tok, 8, [f"{a}+{b}" for a, b in [(12, 34), (907, 58), (4, 4), (66, 789), (1234, 9), (5, 61), (300, 300), (71, 2), (88, 19), (6, 6000)]])
+    sums = [(12, 34), (907, 58), (4, 4), (66, 789), (1234, 9), (5, 61), (300, 300), (71, 2), (88, 19), (6, 6000)]
+    flights = flights_of(tok, 8, [f"{a}+{b}" for a, b in sums])
     partial.advance(engine, cfg, flights, version=0)  # weights A
     snapshot_a = copy.deepcopy(model)
     with torch.no_grad():
