@@ -182,7 +182,8 @@ class HFRollout(CarriedRollouts):
 
     exact_logprobs: in float32 at top_p = 1 its log-probs are pi_old (the same weights and
     arithmetic, ~1e-6 off from the KV cache), so no old-log-prob pass is needed; in bf16 the
-    kernels' rounding makes them differ.
+    kernels' rounding makes them differ; with --max_staleness (partial.py) the carried tokens come
+    from older weights than pi_old's.
     """
 
     def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32",
@@ -191,8 +192,7 @@ class HFRollout(CarriedRollouts):
         self.batch_size = batch_size
         self.dtype = dtype
         self.device = dist_info.device
-        # top_p: the training rollouts' (sample_token renormalises over the nucleus); carried
-        # partial rollouts (partial.py) hold tokens of older weights than pi_old's
+        # top_p: the training rollouts' (sample_token renormalises over the nucleus)
         self.exact_logprobs = dtype == "float32" and top_p == 1 and not max_staleness
         if is_dist():
             copied = copy.deepcopy(model).to(dist_info.device, getattr(torch, dtype))
