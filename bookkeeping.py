@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import partial
 from common import evaluate
 from config import config_dict
 from dataset import PromptStream, parse_eval_data
@@ -125,9 +126,8 @@ class Logger:
         self.sample_every = cfg.sample_every
         if self.enabled:
             os.makedirs(cfg.out_dir, exist_ok=True)
-            if cfg.resume:
-                for name in ("metrics.jsonl", "samples.jsonl", "crosscheck.jsonl"):
-                    _truncate_jsonl(os.path.join(cfg.out_dir, name), resumed_step)
+            if cfg.resume:  # the records after the checkpoint are written again
+                _truncate_records(cfg.out_dir, resumed_step)
             config = config_dict(cfg, dist_info.world_size)
             print0("config: " + " ".join(f"{k}={v}" for k, v in config.items()))
             with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -207,14 +207,17 @@ class Tracker:
             self.run.finish()
 
 
-def _truncate_jsonl(path: str, last_step: int):
-    """Keep the records with step <= last_step (the run after a resume rewrites the rest)."""
-    if os.path.exists(path):
-        keep = [ln for ln in open(path, encoding="utf-8")
-                if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(path + ".tmp", path)
+def _truncate_records(out_dir: str, last_step: int):
+    """Keep the records with step <= last_step in out_dir's .jsonl files (the run after a resume
+    rewrites the rest)."""
+    for name in ("metrics.jsonl", "samples.jsonl", "crosscheck.jsonl"):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            keep = [ln for ln in open(path, encoding="utf-8")
+                    if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(keep)
+            os.replace(path + ".tmp", path)
 
 
 def format_step(step: int, steps: int, record: dict) -> str:
@@ -239,19 +242,16 @@ def evaluate_sets(engine, tok, eval_sets: dict[str, list[dict]], cfg, rank: int 
     ks = [k for _, k in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
     out = {}
     per_set = []  # each set's scores
-    samples = []  # the cross-check's disagreements, all sets
     for (name, problems), k in zip(eval_sets.items(), ks):
         scores = evaluate(engine, tok, problems, cfg, rank, world_size, k)
-        disagreements = scores.pop("crosscheck_samples", [])
-        samples += [{**row, "where": f"eval/{name}"} for row in disagreements]
+        for row in scores.pop("crosscheck_samples", []):  # written by Logger.log, never a metric
+            out.setdefault("crosscheck_samples", []).append({**row, "where": f"eval/{name}"})
         per_set.append(scores)
         out.update({key.replace("eval/", f"eval/{name}/", 1): v for key, v in scores.items()})
     every_key = dict.fromkeys(key for scores in per_set for key in scores)  # in first-seen order
     for key in every_key:
         values = [s[key] for s in per_set if key in s]
         out[key] = sum(values) / len(values)
-    if cfg.verifier_crosscheck:
-        out["crosscheck_samples"] = samples  # written by Logger.log, never a metric
     return out
 
 
@@ -480,8 +480,8 @@ def save_checkpoint(out_dir: str, step: int, model, tok, opt, sched, stream: Pro
              checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not is_dist())
     if fresh:
         opt.state.clear()
-    torch.save({"rng": rng_state(), "pending": pending and pending.plain()},
-               os.path.join(tmp, f"rank{rank}.pt"))
+    torch.save({"rng": rng_state(), "pending": pending and pending.plain(),
+                "carried": getattr(stream, "carried", None)}, os.path.join(tmp, f"rank{rank}.pt"))
     if is_dist():
         dist.barrier()
     if rank == 0:  # the atomic step: a checkpoint folder without .tmp is always complete
@@ -576,10 +576,14 @@ def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: 
         mine = _load_plain(os.path.join(ckpt, f"rank{dist_info.rank}.pt"))
         set_rng_state(mine["rng"])
         state["pending"] = mine["pending"] and PendingStep(**mine["pending"])
+        carried = mine.get("carried")
     else:
         files = [os.path.join(ckpt, f"rank{r}.pt") for r in range(state["world_size"])]
+        ranks_saved = [_load_plain(f) for f in files]
+        carried = partial.deal_carried([r.get("carried") for r in ranks_saved], dist_info.rank,
+                                       dist_info.world_size)
         # every old rank's: the step's rows, split anew
-        saved = [_load_plain(f)["pending"] for f in files]
+        saved = [r["pending"] for r in ranks_saved]
         print0(f"note: {ckpt} was saved on {state['world_size']} ranks, this run has "
                f"{dist_info.world_size}: the optimizer state is resharded, the sampling RNGs are "
                f"seeded afresh"
@@ -590,6 +594,8 @@ def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: 
             pendings = [PendingStep(**p) for p in saved]
             state["pending"] = reshard_pending(pendings, dist_info.rank, dist_info.world_size,
                                                state.get("pad_token_id", 0))
+    if carried is not None:  # --max_staleness: the rollouts it carries (partial.py)
+        stream.carried = carried
     if state["pending"]:  # its batch to the training device (see PendingStep)
         state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     print0(f"resumed from {ckpt} (step {state['step']})")

@@ -4,16 +4,16 @@ equation of DA3PO or DARO points at. Read it after a script's main().
 The files around it are to look up when needed: config.py (the flags), ranks.py (processes,
 collectives, stop signals), modeling.py (loading, sharding), dataset.py (problems, prompts, eval
 sets), engine.py (rollout engines), bookkeeping.py (start-up, records, checkpoints) and
-verifier.py. The rooms a real run adds are shortcuts.py, lora.py and vllm_engine.py.
+verifier.py. The rooms a run may add reach it through one line each: shortcuts.py, lora.py,
+vllm_engine.py, partial.py, entropy_control.py.
 
    1. the algorithm's hooks                   5. pi and pi_old: log-probs of the completions
    2. the step's record and its metrics       6. the token losses and the guarded update
    3. rollout, rewards, dynamic sampling      7. evaluation (avg@k, pass@k, maj@k)
    4. the update plan and the batch (its contract)
 
-Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G),
-P = prompt tokens (left padded), T = completion tokens (right padded), V = vocabulary size,
-H = hidden size.
+Shapes in comments: B = completions on this rank, G = group size, N = groups (B = N * G), P =
+prompt tokens (left padded), T = completion tokens (right padded), V = vocabulary, H = hidden size.
 """
 import contextlib
 import math
@@ -264,6 +264,8 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
     --no-dynamic_sampling: one batch, all kept. Groups stay where made; every rank gets every
     _summary(), and a kept one of this rank's holds its group under "group". Returns (kept
     summaries, all summaries, rollout metrics), or None if a stop came between two batches."""
+    if cfg.max_staleness > 0:  # the engine carries unfinished groups over: partial.py
+        return engine.carried_sampling(tok, stream, cfg, dist_info)
     rank = dist_info.rank
     world = dist_info.world_size
     oversample = cfg.oversample if cfg.dynamic_sampling else 1
@@ -304,9 +306,7 @@ def dynamic_sampling(engine, tok, stream: PromptStream, cfg, dist_info: DistInfo
 
 def _warn_at_cap(num_kept: int, usable: int, num_batches: int, wanted: int, world: int):
     """Dynamic sampling stopped at --max_gen_batches short of the groups it wanted: say so."""
-    trained = f"all {usable}"
-    if usable < num_kept:
-        trained = f"{usable} (a multiple of the {world} ranks)"
+    trained = f"all {usable}" if usable == num_kept else f"{usable} (a multiple of {world} ranks)"
     print0(f"warning: dynamic sampling kept {num_kept}/{wanted} groups after {num_batches} "
            f"generation batches (--max_gen_batches); training on {trained}")
 

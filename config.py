@@ -78,6 +78,12 @@ class TrainConfig:
     """prompts generated per dynamic-sampling batch, as a multiple of prompts_per_step"""
     max_gen_batches: int = 4
     """cap on generation batches per step; at the cap, warn and train on what was kept"""
+    max_staleness: int = 0
+    """S: partial rollouts (partial.py): unfinished groups carry over to later steps, dropped once
+    their oldest token is more than S steps older than the weights training them; 0 = off"""
+    partial_chunk: int = 0
+    """with --max_staleness: tokens a sequence grows by between two checks for a full step;
+    0 = a quarter of --max_new_tokens"""
     max_new_tokens: int = 72
     """L_max: hard limit on completion length"""
     max_prompt_length: int = 1024
@@ -385,7 +391,8 @@ CHOICES = {"loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum
            "kl_cov_penalty": ("abs", "k3")}
 AT_LEAST = {**dict.fromkeys(("steps", "eval_every", "save_every", "sample_every", "eval_size",
                              "overlong_buffer", "micro_batch_tokens", "logprob_chunk",
-                             "crosscheck_train", "entropy_coef", "kl_cov_coef"), 0),
+                             "crosscheck_train", "entropy_coef", "kl_cov_coef", "max_staleness",
+                             "partial_chunk"), 0),
             **dict.fromkeys(("prompts_per_step", "updates_per_step", "micro_batch_size",
                              "max_new_tokens", "max_prompt_length", "eval_samples",
                              "max_gen_batches", "rollout_batch_size", "eval_batch_size",
@@ -430,6 +437,8 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
     if cfg.verifier_crosscheck and crosscheck.missing():
         die(f"--verifier_crosscheck: {crosscheck.missing()}")
+    if cfg.max_staleness and cfg.rollout_is == "none":  # tokens of older weights: partial.py
+        die(f"--max_staleness {cfg.max_staleness} needs --rollout_is token or sequence")
     if cfg.entropy_control != "none":  # the controls' pairs and upper bounds
         entropy_control.check_flags(cfg)
     # a bad set@k stops here, before anything is loaded

@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common import pad_prompt_completion
 from modeling import autocast, eos_ids, full_tensor, nucleus, positions
+from partial import CarriedRollouts
 from ranks import DistInfo, die, is_dist, print0
 from vllm_engine import make_vllm_rollout, vllm_rollout_kind
 
@@ -173,7 +174,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int,
 
 # --------------------------------------------------------------------------------------------------
 # 2. Our sampler as an engine.
-class HFRollout:
+class HFRollout(CarriedRollouts):
     """Our sampler as an engine, in the trainer's --dtype (autocast), on the trained model itself
     in a plain run. Create it before shard_model: under FSDP every rank keeps a full copy in the
     compute dtype and generates without collectives (on the sharded module, ranks that stop at
@@ -181,17 +182,18 @@ class HFRollout:
 
     exact_logprobs: in float32 at top_p = 1 its log-probs are pi_old (the same weights and
     arithmetic, ~1e-6 off from the KV cache), so no old-log-prob pass is needed; in bf16 the
-    kernels' rounding makes them differ.
+    kernels' rounding makes them differ; with --max_staleness (partial.py) the carried tokens come
+    from older weights than pi_old's.
     """
 
     def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32",
-                 batch_size: int = 512, top_p: float = 1.0):
+                 batch_size: int = 512, top_p: float = 1.0, max_staleness: int = 0):
         self.tok = tok
         self.batch_size = batch_size
         self.dtype = dtype
         self.device = dist_info.device
         # top_p: the training rollouts' (sample_token renormalises over the nucleus)
-        self.exact_logprobs = dtype == "float32" and top_p == 1
+        self.exact_logprobs = dtype == "float32" and top_p == 1 and not max_staleness
         if is_dist():
             copied = copy.deepcopy(model).to(dist_info.device, getattr(torch, dtype))
             self.model = copied.eval().requires_grad_(False)
@@ -255,10 +257,10 @@ def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
             f"{cfg.max_new_tokens}, unless set) exceeds the {limit} positions of --model "
             f"{cfg.model}: lower --max_new_tokens or --max_prompt_length")
     if resolve_rollout(cfg.rollout, dist_info.device) == "hf":
-        engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p)
+        engine = HFRollout(model, tok, dist_info, cfg.dtype, cfg.rollout_batch_size, cfg.top_p,
+                           cfg.max_staleness)
         if engine.exact_logprobs and cfg.rollout_is != "none":
-            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: --rollout hf in "
-                   f"float32 samples with the trainer's own weights and arithmetic, so its "
-                   f"log-probs are pi_old (weights of 1)")
+            print0(f"note: --rollout_is {cfg.rollout_is} changes nothing here: our float32 "
+                   f"sampler's log-probs are pi_old (weights of 1)")
         return engine
     return make_vllm_rollout(cfg, model, tok, dist_info, path)

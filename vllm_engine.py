@@ -15,6 +15,7 @@ import torch
 from common import token_logprobs
 from lora import adapter_state_dict, is_lora, merged_parameters, save_adapter
 from modeling import autocast, eos_ids, reshard
+from partial import CarriedRollouts
 from ranks import DistInfo, all_reduce_max, die, print0
 
 # --------------------------------------------------------------------------------------------------
@@ -24,7 +25,7 @@ VLLM_PROBE_TEXT = ("Question: What is 12 + 345?\n"
                    "Answer: 12 + 345 = 357, so the answer is \\boxed{357}.")
 
 
-class VLLMRollout:
+class VLLMRollout(CarriedRollouts):
     """One rank's vLLM engine, in the training process.
 
     Create it before the trainer's model is on the GPU (vLLM sizes its share from the free memory)
