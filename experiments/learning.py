@@ -70,6 +70,8 @@ ARMS = {
     "da3po_entropy_bonus": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_coef", "0.001"]),
     "da3po_clip_cov": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_control", "clip_cov"]),
     "da3po_kl_cov": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_control", "kl_cov"]),
+    # the pilot's winner (experiments/results/neighbours_pilot.txt): Clip-Cov
+    "da3po_entropy": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_control", "clip_cov"]),
 }
 TRAVEL = 600 * 1e-3  # the paper's weight updates (300 steps x 2) x its weight lr: how far ln w_mu can move
 DARO_STUDY_ARMS = ["daro_travel", "daro_travel_shared", "daro_closed", "daro_closed_shared"]
