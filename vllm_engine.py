@@ -126,6 +126,8 @@ class VLLMRollout(CarriedRollouts):
             "VLLMRollout.generate while asleep: call sync_weights (or wake_up) after the update")
         assert self.lora_request or not self.lora_rank, (
             "no adapter to serve yet: calibrate (or sync) first")
+        if temperature <= 0 and n > 1:  # vLLM refuses n > 1 when greedy: n copies of each prompt
+            prompts, n = [p for p in prompts for _ in range(n)], 1
         params = self._sampling_params(n, temperature, top_p, max_new_tokens, seed, len(prompts))
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False,

@@ -11,10 +11,12 @@ import torch
 import common
 import shortcuts
 import modeling
+import partial
 import ranks
 import engine as eng
 import vllm_engine
 from tests.conftest import run_script
+from tests.test_partial import grown, rollout_cfg
 
 
 def test_auto_falls_back_to_hf_without_vllm(monkeypatch, capsys):
@@ -207,3 +209,33 @@ def test_da3po_runs_with_vllm(setup, demo_dir, tmp_path):
     # the correction is applied (float32 vLLM on CPU: the weights are 1 within float noise, none truncated)
     assert all(abs(x["rollout_is/weight_mean"] - 1) < 1e-3 and x["rollout_is/truncated_frac"] == 0 for x in train)
     assert all(x["rollout/sync_diff"] < 1e-4 for x in train if "rollout/sync_diff" in x), train  # steps that updated
+
+
+def test_a_greedy_sequence_continued_from_its_prefix_equals_the_uninterrupted_one(setup):
+    """Partial rollouts on vLLM (partial.advance, --max_staleness): greedy, the weights unchanged, a group cut every
+    3 tokens (each piece a prefill of prompt + completion so far) or generated in one chunk of the whole budget: the
+    same tokens, the same ends."""
+    _, _, engine, prompts = setup
+    def flights():
+        return [partial.new_flight({"prompt": str(i), "answer": "0", "prompt_ids": p}, 2)
+                for i, p in enumerate(prompts[:6])]
+    whole = grown(engine, rollout_cfg(max_new_tokens=12, partial_chunk=12), flights())
+    pieces = grown(engine, rollout_cfg(max_new_tokens=12, partial_chunk=3), flights())
+    lengths = [len(c) for f in whole for c in f["completions"]]
+    assert max(lengths) > 3, lengths  # some completion is cut at least once
+    for a, b in zip(whole, pieces):
+        assert a["completions"] == b["completions"] and a["ended"] == b["ended"]
+        assert a["truncated"] == b["truncated"]
+        for c, v in zip(b["completions"], b["versions"]):  # token i was sampled in chunk i // 3
+            assert v == [i // 3 for i in range(len(c))]
+
+
+def test_greedy_with_several_samples_per_prompt(setup):
+    """Greedy with n > 1 (an --eval_temperature 0 evaluation, a fresh partial-rollout group): vLLM refuses n > 1 when
+    greedy, so the engine asks n copies of each prompt; the n completions of a prompt are its greedy one, grouped by
+    prompt as hf_generate groups them."""
+    model, tok, engine, prompts = setup
+    completions, truncated, _ = engine.generate(prompts[:3], 8, temperature=0.0, n=3)
+    hf_completions, hf_truncated, _ = eng.hf_generate(model, tok, prompts[:3], 8, temperature=0.0, n=3)
+    assert completions == hf_completions and truncated == hf_truncated
+    assert all(completions[3 * i] == completions[3 * i + j] for i in range(3) for j in (1, 2))
