@@ -596,6 +596,10 @@ def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: 
                                                state.get("pad_token_id", 0))
     if carried is not None:  # --max_staleness: the rollouts it carries (partial.py)
         stream.carried = carried
+        waiting = len(carried["flights"]) + len(carried["finished"])
+        if waiting:  # (rank 0's count; a run without --max_staleness never reads them)
+            print0(f"note: {ckpt} carries {waiting} groups of partial rollouts: --max_staleness > 0 "
+                   f"continues them, --max_staleness 0 leaves them")
     if state["pending"]:  # its batch to the training device (see PendingStep)
         state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     print0(f"resumed from {ckpt} (step {state['step']})")

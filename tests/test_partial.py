@@ -205,6 +205,7 @@ def test_a_stop_in_the_middle_of_carried_work_resumes_exactly(tmp_path, monkeypa
     monkeypatch.undo()
     run(da3po, out, *flags, "--resume")
     assert records(out / "metrics.jsonl") == straight
+    assert f"carries {carried_in(saved)} groups of partial rollouts" in capsys.readouterr().out  # said on resume
 
 
 def test_ranks_stay_in_lockstep_when_carry_over_makes_them_uneven(tmp_path):
