@@ -598,8 +598,8 @@ def resume_checkpoint(ckpt: str, model, opt, sched, stream: PromptStream, seed: 
         stream.carried = carried
         waiting = len(carried["flights"]) + len(carried["finished"])
         if waiting:  # (rank 0's count; a run without --max_staleness never reads them)
-            print0(f"note: {ckpt} carries {waiting} groups of partial rollouts: --max_staleness > 0 "
-                   f"continues them, --max_staleness 0 leaves them")
+            print0(f"note: {ckpt} carries {waiting} groups of partial rollouts: "
+                   f"--max_staleness > 0 continues them, --max_staleness 0 leaves them")
     if state["pending"]:  # its batch to the training device (see PendingStep)
         state["pending"].batch = _to(state["pending"].batch, dist_info.device)
     print0(f"resumed from {ckpt} (step {state['step']})")
