@@ -13,7 +13,6 @@ Usage: python -m experiments.daro_study          # runs what is not cached (~60-
 Writes experiments/results/daro_study.md, .json and, with matplotlib, daro_study.png (each bin's weight over the weight
 updates per arm, and the primaries' differences with their intervals)."""
 import argparse
-import json
 import math
 import os
 import statistics
@@ -254,15 +253,7 @@ def main(argv=None):
     t0 = time.time()
     stats, costs = run_all(arms, sets, seeds, args.jobs)
     text, data = report(stats, costs, sets, arms, seeds, argv)
-    print(text)
-    print(f"({(time.time() - t0) / 60:.0f} min)")
-    open(args.out + ".md", "w").write(text + "\n")
-    json.dump(data, open(args.out + ".json", "w"), indent=1)
-    try:
-        plot(data, args.out + ".png")
-        print(f"wrote {args.out}.md, .json, .png")
-    except ImportError:
-        print(f"wrote {args.out}.md, .json (matplotlib not installed: no figure)")
+    learning.save_report(args.out, text, data, plot, t0)
 
 
 if __name__ == "__main__":

@@ -767,6 +767,20 @@ def plots(stats: dict, sets: dict, name: str):
 # Command line.
 
 
+def save_report(out: str, text: str, data: dict, plot, t0: float):
+    """A study's ending: the report printed and written to <out>.md, its data to <out>.json, and plot(data,
+    <out>.png) where matplotlib is installed; the minutes since t0 printed."""
+    print(text)
+    print(f"({(time.time() - t0) / 60:.0f} min)")
+    open(out + ".md", "w").write(text + "\n")
+    json.dump(data, open(out + ".json", "w"), indent=1)
+    try:
+        plot(data, out + ".png")
+        print(f"wrote {out}.md, .json, .png")
+    except ImportError:
+        print(f"wrote {out}.md, .json (matplotlib not installed: no figure)")
+
+
 def parse_seeds(text: str) -> list[int]:
     """'0,1,2' or '0-9' (or a mix: '0-3,7')."""
     seeds = []

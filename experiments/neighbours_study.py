@@ -15,7 +15,6 @@ Usage: python -m experiments.neighbours_study --pilot          # the entropy con
 Writes experiments/results/neighbours.md, .json and, with matplotlib, neighbours.png (the primaries' differences with
 their Holm-family intervals, and each arm's hard-set accuracy over steps)."""
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -158,15 +157,7 @@ def main(argv=None):
         return
     stats, costs, missing = run_all(design(), seeds, s, args.jobs)
     text, data = report(stats, costs, missing, seeds, s, argv)
-    print(text)
-    print(f"({(time.time() - t0) / 60:.0f} min)")
-    open(args.out + ".md", "w").write(text + "\n")
-    json.dump(data, open(args.out + ".json", "w"), indent=1)
-    try:
-        plot(data, args.out + ".png")
-        print(f"wrote {args.out}.md, .json, .png")
-    except ImportError:
-        print(f"wrote {args.out}.md, .json (matplotlib not installed: no figure)")
+    learning.save_report(args.out, text, data, plot, t0)
 
 
 if __name__ == "__main__":

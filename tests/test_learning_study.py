@@ -152,6 +152,22 @@ def test_the_neighbours_are_their_own_holm_family_with_a_fixed_pilot(monkeypatch
     assert neighbours_study.pilot({}, 1)[0] == "da3po_clip_cov"
 
 
+def test_a_study_saves_its_report_data_and_figure_or_says_why_not(tmp_path, capsys):
+    """learning.save_report, the ending the studies share: <out>.md and .json always; the figure when plot() can run,
+    else a line saying matplotlib is missing."""
+    def drawn(data, path):
+        open(path, "w").write(str(data["x"]))
+    def missing(data, path):
+        raise ImportError("matplotlib")
+    out = str(tmp_path / "study")
+    learning.save_report(out, "# report", {"x": 1}, drawn, 0.0)
+    assert open(out + ".md").read() == "# report\n" and json.load(open(out + ".json")) == {"x": 1}
+    assert open(out + ".png").read() == "1" and "wrote" in capsys.readouterr().out
+    other = str(tmp_path / "other")
+    learning.save_report(other, "# r", {"x": 2}, missing, 0.0)
+    assert not os.path.exists(other + ".png") and "matplotlib not installed" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "hard,nope"], "--tasks: unknown nope"),
     (["--arms", "dapo,nope"], "--arms: unknown nope"),
