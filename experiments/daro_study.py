@@ -215,16 +215,7 @@ def plot(data: dict, path: str):
                     label=f"mu={(b + 1) / (len(runs[0][0]) + 1):.3f}")
         ax.set(yscale="log", xlabel="weight update", title=key, ylabel="w_mu (mean of seeds)")
     axes[0].legend(fontsize=6)
-    ax = axes[-1]
-    prim = data["primaries"]
-    ys = list(range(len(prim)))[::-1]
-    ax.errorbar([100 * r["d"]["mean"] for r in prim], ys, capsize=3, fmt="o",
-                xerr=[[100 * (r["d"]["mean"] - r["d"]["lo"]) for r in prim],
-                      [100 * (r["d"]["hi"] - r["d"]["mean"]) for r in prim]])
-    ax.axvline(0, color="gray", lw=0.8)
-    ax.set(yticks=ys, yticklabels=[f"{r['id']} {r['arm']}-{r['vs']}" for r in prim], xlabel="points of eval/acc",
-           title="primaries (95% intervals)")
-    ax.tick_params(axis="y", labelsize=6)
+    learning.plot_primaries(axes[-1], data["primaries"], "points of eval/acc", 6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -767,6 +767,18 @@ def plots(stats: dict, sets: dict, name: str):
 # Command line.
 
 
+def plot_primaries(ax, primaries: list[dict], xlabel: str, labelsize: int):
+    """A study's primaries on one axis: each difference (points) with its 95% interval, the first at the top."""
+    ys = list(range(len(primaries)))[::-1]
+    ax.errorbar([100 * r["d"]["mean"] for r in primaries], ys, capsize=3, fmt="o",
+                xerr=[[100 * (r["d"]["mean"] - r["d"]["lo"]) for r in primaries],
+                      [100 * (r["d"]["hi"] - r["d"]["mean"]) for r in primaries]])
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set(yticks=ys, yticklabels=[f"{r['id']} {r['arm']}-{r['vs']}" for r in primaries], xlabel=xlabel,
+           title="primaries (95% intervals)")
+    ax.tick_params(axis="y", labelsize=labelsize)
+
+
 def save_report(out: str, text: str, data: dict, plot, t0: float):
     """A study's ending: the report printed and written to <out>.md, its data to <out>.json, and plot(data,
     <out>.png) where matplotlib is installed; the minutes since t0 printed."""

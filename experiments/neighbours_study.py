@@ -115,15 +115,7 @@ def plot(data: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    prim = data["primaries"]
-    ys = list(range(len(prim)))[::-1]
-    left.errorbar([100 * r["d"]["mean"] for r in prim], ys, capsize=3, fmt="o",
-                  xerr=[[100 * (r["d"]["mean"] - r["d"]["lo"]) for r in prim],
-                        [100 * (r["d"]["hi"] - r["d"]["mean"]) for r in prim]])
-    left.axvline(0, color="gray", lw=0.8)
-    left.set(yticks=ys, yticklabels=[f"{r['id']} {r['arm']}-{r['vs']}" for r in prim],
-             xlabel="points of hard-set accuracy", title="primaries (95% intervals)")
-    left.tick_params(axis="y", labelsize=7)
+    learning.plot_primaries(left, data["primaries"], "points of hard-set accuracy", 7)
     for i, (arm, runs) in enumerate(data["curves"].items()):
         steps = [st for st, _ in runs[0]]
         right.plot(steps, [statistics.mean(run[j][1] for run in runs) for j in range(len(steps))], color=f"C{i}",
