@@ -22,7 +22,7 @@ import ranks
 from tests.conftest import ROOT
 from tests.test_lockstep import SMALL as LOCKSTEP_SMALL
 from tests.test_lockstep import launch
-from tests.test_stop import records, run, stop_when
+from tests.test_stop import STOPPED_AT, records, run, stop_when
 
 REASONING_MODEL = os.path.join(ROOT, "demo", "reasoning", "model")  # completions of 30-60 tokens
 PROMPTS = ["7890+141", "75+72", "902+48"]
@@ -198,8 +198,7 @@ def test_a_stop_in_the_middle_of_carried_work_resumes_exactly(tmp_path, monkeypa
     out = tmp_path / "stopped"
     run(da3po, out, *flags)
     said = capsys.readouterr().out
-    assert {"rollout": "stopped in step 2's rollout", "updates": "stopped in step 2 before update 1",
-            "eval_due": "stopped at step 2"}[where] in said
+    assert STOPPED_AT[where] in said
     saved = bookkeeping.latest_checkpoint(str(out))
     assert carried_in(saved) > 0
     monkeypatch.undo()

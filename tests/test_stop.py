@@ -38,6 +38,11 @@ def run(script, out, *flags):
     script.main(config.parse_config(script.Config, ["--out_dir", str(out), *SMALL, *flags], script.PRESETS))
 
 
+# What a run stopped in step 2 says, by where the stop came (the tests that stop and resume).
+STOPPED_AT = {"rollout": "stopped in step 2's rollout", "updates": "stopped in step 2 before update 1",
+              "eval_due": "stopped at step 2"}
+
+
 def stop_when(monkeypatch, obj, name, when):
     """Wrap obj.name so that a stop request arrives (as SIGTERM's handler would set it) when when(calls) is true."""
     real, calls = getattr(obj, name), [0]
@@ -70,8 +75,7 @@ def test_a_stop_checkpoints_at_once_and_resumes_exactly(tmp_path, monkeypatch, c
     out = tmp_path / "stopped"
     run(script, out, *flags)
     said = capsys.readouterr().out
-    assert {"rollout": "stopped in step 2's rollout", "updates": "stopped in step 2 before update 1",
-            "eval_due": "stopped at step 2"}[where] in said
+    assert STOPPED_AT[where] in said
     saved = bookkeeping.latest_checkpoint(str(out))
     assert saved.endswith("step_000002" if where != "rollout" else "step_000001")
     assert not os.path.exists(out / "step_000003")
