@@ -40,7 +40,8 @@ from common import (TRAIN_SUMS, Algorithm, StepTimer, Sums, UpdateGuard, dynamic
                     group_advantages, make_batch, micro_batches, old_logprobs, plan_updates,
                     rollout_correction, token_losses, train_metrics)
 from config import BASELINES, TrainConfig, check_config, parse_config, presets
-from dataset import PromptStream, load_datasets, tokenize_datasets
+from dataset import (PromptStream, load_datasets, resolve_max_model_len, resolve_template,
+                     tokenize_datasets)
 from engine import make_rollout
 from modeling import model_path
 from neighbours import NEIGHBOURS
@@ -262,7 +263,9 @@ def main(cfg: Config):
     base_path = model_path(cfg.model)
     # on the CPU (the engine takes its GPU memory first); --lora_rank: adapters on the base
     model, tok, weights_path = load_policy(resume_from, base_path, cfg)
+    cfg.prompt_template = resolve_template(cfg.prompt_template, tok)  # auto: by the tokenizer
     train_set, eval_sets = tokenize_datasets(train_set, eval_sets, tok, cfg)
+    cfg.max_model_len = resolve_max_model_len(cfg, train_set, eval_sets)  # 0: from the prompts
     engine = make_rollout(cfg, model, tok, dist_info, weights_path)  # our sampler or vLLM
     # checked, sharded; ref_model: the KL anchor
     model, ref_model = prepare_models(model, engine, base_path, cfg, dist_info)

@@ -341,19 +341,20 @@ def load_datasets(cfg) -> tuple[list[dict], dict[str, list[dict]]]:
 
 
 def tokenize_datasets(train: list[dict], evals: dict[str, list[dict]], tok, cfg):
-    """load_datasets' sets, tokenized with --prompt_template (auto resolved for `tok`).
-    Also resolves --max_model_len 0 to the longest prompt + --max_new_tokens."""
-    cfg.prompt_template = resolve_template(cfg.prompt_template, tok)
+    """load_datasets' sets, tokenized with --prompt_template (resolved by resolve_template)."""
     template = cfg.prompt_template
     train = tokenize_problems(train, tok, template, cfg.max_prompt_length, cfg.train_data)
     specs = [spec for spec, _ in parse_eval_data(cfg.eval_data, cfg.eval_samples)]
     tokenized = {}
     for (name, problems), spec in zip(evals.items(), specs):
         tokenized[name] = tokenize_problems(problems, tok, template, cfg.max_prompt_length, spec)
-    every_set = (train, *tokenized.values())
-    longest = max(len(p["prompt_ids"]) for problems in every_set for p in problems)
-    cfg.max_model_len = cfg.max_model_len or longest + cfg.max_new_tokens
     return train, tokenized
+
+
+def resolve_max_model_len(cfg, train: list[dict], evals: dict[str, list[dict]]) -> int:
+    """--max_model_len, 0 resolved: the longest tokenized prompt of all sets + --max_new_tokens."""
+    longest = max(len(p["prompt_ids"]) for problems in (train, *evals.values()) for p in problems)
+    return cfg.max_model_len or longest + cfg.max_new_tokens
 
 
 class PromptStream:

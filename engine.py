@@ -249,8 +249,8 @@ def resolve_rollout(kind: str, device: torch.device) -> str:
 def make_rollout(cfg, model, tok, dist_info: DistInfo, path: str):
     """The engine --rollout asks for: vLLM from the model folder `path`, or our sampler on `model`.
     Call it while the trainer's model is on the CPU, before the sampling seed (vLLM reseeds).
-    Sequences are at most --max_model_len tokens (prompt + completion; tokenize_datasets resolves
-    0), which must fit the model."""
+    Sequences are at most --max_model_len tokens (prompt + completion; 0 is resolved from the
+    prompts by dataset.resolve_max_model_len), which must fit the model."""
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit and cfg.max_model_len > limit:
         die(f"--max_model_len {cfg.max_model_len} (the longest prompt + --max_new_tokens "

@@ -1,4 +1,5 @@
 """Datasets in their published schemas, pass@k, and --eval_only. Run: python -m pytest -q tests/test_data.py"""
+import dataclasses
 import json
 import math
 from fractions import Fraction
@@ -8,6 +9,7 @@ import pytest
 import common
 import modeling
 import dataset
+from da3po import Config
 from tests.conftest import run_script
 
 # A few rows per published schema; every one must load into the same {prompt, answer} records.
@@ -87,6 +89,21 @@ def test_templates():
     assert dataset.format_prompt(tok, "1+2", "chat").endswith(f"1+2\n{dataset.BOXED_INSTRUCTION}<|assistant|>")
     tok.chat_template = None
     assert dataset.resolve_template("auto", tok) == "plain"
+
+
+def test_the_data_loader_only_reads_the_config():
+    """tokenize_datasets leaves the config as it was; main() resolves --max_model_len 0 from the tokenized
+    prompts (the longest prompt of any set + --max_new_tokens), and keeps a length that was given."""
+    cfg = Config(prompt_template="none", max_new_tokens=7, eval_data="reasoning,arith")
+    tok = modeling.build_demo_tokenizer()
+    before = dataclasses.asdict(cfg)
+    train, evals = dataset.tokenize_datasets(*dataset.load_datasets(cfg), tok, cfg)
+    assert dataclasses.asdict(cfg) == before
+    text = [dataset.format_prompt(tok, p["prompt"], "none") for ps in (train, *evals.values()) for p in ps]
+    longest = max(len(tok(t, add_special_tokens=False)["input_ids"]) for t in text)
+    assert dataset.resolve_max_model_len(cfg, train, evals) == longest + 7
+    cfg.max_model_len = 300
+    assert dataset.resolve_max_model_len(cfg, train, evals) == 300
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
