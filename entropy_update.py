@@ -9,6 +9,7 @@ import torch
 import common
 import entropy_control as ec
 from modeling import autocast, reshard
+from neighbours import NEIGHBOURS
 
 
 def start_update(model, batch: dict, rows: torch.Tensor, cfg, step: int, u: int, record: dict):
@@ -40,10 +41,10 @@ def start_update(model, batch: dict, rows: torch.Tensor, cfg, step: int, u: int,
 def changed_advantage(batch: dict, cfg) -> torch.Tensor:
     """The rows (B,) bool whose advantage the algorithm changed from GRPO's, recomputed from the
     rewards by the same function: DA3PO's amplified completions (da3po.amplify); none for DARO and
-    the baselines."""
+    the baselines, nor for the neighbours, whose advantages are not GRPO's at all."""
     G = cfg.group_size
     grpo = common.group_advantages(batch["reward"].view(-1, G), cfg.std_norm).flatten()
-    return batch["advantage"] != grpo
+    return (batch["advantage"] != grpo) & (cfg.algo not in NEIGHBOURS)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 import common
 import entropy_control as ec
 import entropy_update
+import neighbours
 from da3po import Config
 from tests.conftest import ARITH_MODEL, run_script
 
@@ -176,6 +177,24 @@ def model_batch(model, tok, G=4, groups=3, seed=0):
     batch["advantage"] = adv.double()
     batch["reward"] = batch["reward"].float()
     return batch
+
+
+def test_amplified_tokens_are_daas_only(float64_model):
+    """cov/amplified counts the tokens of DAA's amplified completions: under a neighbour (MaxRL here), whose
+    advantages differ from GRPO's on every row, it counts none; under DA3PO, the amplified group's correct tokens."""
+    model, tok = float64_model
+    counts = {}
+    for algo in ("da3po", "maxrl"):
+        batch = model_batch(model, tok)
+        if algo == "maxrl":
+            batch["advantage"] = neighbours.maxrl_advantages((batch["reward"] > 0).double().view(-1, 4)).flatten()
+        cfg = Config(algo=algo, entropy_control="kl_cov", kl_cov_ratio=0.05, group_size=4)
+        record = {}
+        entropy_update.start_update(model, batch, torch.arange(12), cfg, 1, 0, record)
+        counts[algo] = record["cov/amplified"]
+    expected = (batch["mask"][:4] * (batch["reward"][:4] > 0).unsqueeze(-1)).sum().item()  # group 0's correct
+    assert counts["maxrl"] == 0
+    assert counts["da3po"] == expected > 0
 
 
 @pytest.mark.parametrize("control", ["kl_cov", "clip_cov"])

@@ -9,7 +9,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lower first: a file may import only the files before it (verifier.py stands alone: anyone may import it).
 ORDER = ["ranks", "modeling", "dataset", "crosscheck", "entropy_control", "config", "lora", "shortcuts", "common",
-         "entropy_update", "partial", "vllm_engine", "engine", "bookkeeping", "neighbours", "da3po", "daro"]
+         "neighbours", "entropy_update", "partial", "vllm_engine", "engine", "bookkeeping", "da3po", "daro"]
 STEP_FILES = ("common.py", "da3po.py", "daro.py")  # what a reader opens to see one step
 # What keeps a run going, defined only in its own file: stop signals, process groups, the output-layer table,
 # the start-up probes, sharding, checkpoints, trackers.
