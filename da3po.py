@@ -12,8 +12,8 @@ Why (--theory): dropping the all-wrong groups raises the expected advantage of a
 completion on a prompt of pass rate p by alpha- = 1/(1-(1-p)^(G-1)), and of a correct one by
 alpha+ = 1/(1-p^(G-1)); below p = 0.5 the correct ones are under-weighted
 (gamma = alpha+/alpha- < 1).
---algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo; the neighbours maxrl, dgpo, asym
-(neighbours.py: other papers' difficulty weightings on the same step).
+--algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo; the neighbours maxrl, dgpo, asym,
+hadw (neighbours.py: other papers' difficulty weightings on the same step).
 
 Deviations [dev N]:
 1) The paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau.
@@ -54,8 +54,8 @@ from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_proces
 class Config(TrainConfig):
     """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path."""
     algo: str = "da3po"
-    """preset: da3po | dapo | grpo | dr_grpo | gspo | maxrl | dgpo | asym (docs/neighbours.md);
-    explicit flags override the preset"""
+    """preset: da3po | dapo | grpo | dr_grpo | gspo | maxrl | dgpo | asym | hadw
+    (docs/neighbours.md); explicit flags override the preset"""
     out_dir: str = "out/da3po"
     """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
     wandb_project: str = "da3po"
@@ -74,6 +74,15 @@ class Config(TrainConfig):
     """correct (the paper: correct completions, A > 0) | all (both signs: a control) [dev 4]"""
     dgpo_temp: float = 2.0
     """--algo dgpo: T of DQW's softmax over -p_hat (MathForge's 2.0); lower: hard ones weigh more"""
+    hadw_scale: float = 1.3
+    """--algo hadw: lambda_scale of Phi, Eq. (16) (the best of the paper's Table 7)"""
+    hadw_anchor: str = "window"
+    """--algo hadw: window (App. F, Eq. (134), as the authors' code) | kalman (Eqs. (8)-(11))"""
+    hadw_window: int = 10
+    """--algo hadw: recent steps the anchor looks at, h of Eq. (134), m of Eqs. (9)-(10) (10 as
+    the authors' script)"""
+    hadw_eta: float = 1.0
+    """--algo hadw --hadw_anchor kalman: eta of Eq. (11) (ours: the paper gives no value)"""
     theory: bool = False
     """print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit"""
 
@@ -99,6 +108,11 @@ def check_algorithm_config(cfg: Config):
         die(f"--lam_max must be >= 1, got {cfg.lam_max}")
     if cfg.dgpo_temp <= 0:
         die(f"--dgpo_temp must be > 0, got {cfg.dgpo_temp}")
+    if cfg.hadw_scale <= 0 or cfg.hadw_window < 1 or cfg.hadw_eta < 0:
+        die("--hadw_scale must be > 0, --hadw_window >= 1 and --hadw_eta >= 0, got "
+            f"{cfg.hadw_scale}, {cfg.hadw_window}, {cfg.hadw_eta}")
+    if cfg.hadw_anchor not in ("window", "kalman"):
+        die(f"--hadw_anchor {cfg.hadw_anchor!r}: choose one of window, kalman")
 
 
 # --------------------------------------------------------------------------------------------------
