@@ -43,7 +43,7 @@ from config import BASELINES, TrainConfig, check_config, parse_config, presets
 from dataset import PromptStream, load_datasets, tokenize_datasets
 from engine import make_rollout
 from modeling import model_path
-from neighbours import NEIGHBOURS
+from neighbours import NEIGHBOURS, check_neighbour_flags
 from neighbours import PRESETS as NEIGHBOUR_PRESETS
 from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_process,
                    handle_stop_signals, setup_dist, stop_requested, stop_run)
@@ -106,13 +106,8 @@ def check_algorithm_config(cfg: Config):
         die(f"--p_estimate {cfg.p_estimate!r}: choose one of group, running")
     if cfg.lam_max < 1:
         die(f"--lam_max must be >= 1, got {cfg.lam_max}")
-    if cfg.dgpo_temp <= 0:
-        die(f"--dgpo_temp must be > 0, got {cfg.dgpo_temp}")
-    if cfg.hadw_scale <= 0 or cfg.hadw_window < 1 or cfg.hadw_eta < 0:
-        die("--hadw_scale must be > 0, --hadw_window >= 1 and --hadw_eta >= 0, got "
-            f"{cfg.hadw_scale}, {cfg.hadw_window}, {cfg.hadw_eta}")
-    if cfg.hadw_anchor not in ("window", "kalman"):
-        die(f"--hadw_anchor {cfg.hadw_anchor!r}: choose one of window, kalman")
+    if cfg.algo in NEIGHBOURS:
+        check_neighbour_flags(cfg)  # neighbours.py
 
 
 # --------------------------------------------------------------------------------------------------

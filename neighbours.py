@@ -25,7 +25,18 @@ import torch
 
 from common import Algorithm, group_advantages, loss_weights
 from config import BASELINES
-from ranks import all_reduce_max, all_reduce_sum
+from ranks import all_reduce_max, all_reduce_sum, die
+
+
+def check_neighbour_flags(cfg):
+    """The neighbours' flags that cannot work stop here, naming the flag (exit 2)."""
+    if cfg.dgpo_temp <= 0:
+        die(f"--dgpo_temp must be > 0, got {cfg.dgpo_temp}")
+    if cfg.hadw_scale <= 0 or cfg.hadw_window < 1 or cfg.hadw_eta < 0:
+        die("--hadw_scale must be > 0, --hadw_window >= 1 and --hadw_eta >= 0, got "
+            f"{cfg.hadw_scale}, {cfg.hadw_window}, {cfg.hadw_eta}")
+    if cfg.hadw_anchor not in ("window", "kalman"):
+        die(f"--hadw_anchor {cfg.hadw_anchor!r}: choose one of window, kalman")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -85,7 +96,8 @@ def hadw_weights(advantage: torch.Tensor, correct: torch.Tensor, anchor: float,
                  scale: float) -> torch.Tensor:
     """HA-DW's Phi (N, G), Eqs. (13)-(16): diff = p_hat - C (the prior anchor), D = -sgn(A)
     sgn(diff), M = |diff|, Phi = scale exp(D M). advantage, correct: (N, G). Example: C = 1/2,
-    group [1, 0, 0, 0] (A = [1.5, -.5, -.5, -.5]), scale 1: Phi = [e^.25, e^-.25, e^-.25, e^-.25]."""
+    group [1, 0, 0, 0] (A = [1.5, -.5, -.5, -.5]), scale 1: Phi = e^.25 for the correct answer and
+    e^-.25 for each wrong one."""
     diff = correct.mean(-1, keepdim=True) - anchor  # (N, 1) Eq. (13)
     direction = -torch.sign(advantage) * torch.sign(diff)  # (N, G) Eq. (14)
     return scale * torch.exp(direction * diff.abs())  # Eqs. (15), (16)
@@ -207,8 +219,9 @@ class HADW(Neighbour):
 
     def group_advantages(self, rewards, correct, batch):
         # Eq. (7): y_t = K_t / B_t over the step's completions, all ranks
-        sums = all_reduce_sum(torch.stack([correct.sum(), correct.new_tensor(correct.numel())]).double())
-        y = (sums[0] / sums[1]).item()
+        counts = torch.stack([correct.sum(), correct.new_tensor(correct.numel())]).double()
+        total = all_reduce_sum(counts)  # [K_t, B_t]
+        y = (total[0] / total[1]).item()
         window = self.cfg.hadw_window
         self.observations = (self.observations + [y])[-window:]
         prior = self.beliefs[-1] if self.beliefs else y  # Eq. (12): C_t- = C_(t-1)+
