@@ -12,8 +12,8 @@ Why (--theory): dropping the all-wrong groups raises the expected advantage of a
 completion on a prompt of pass rate p by alpha- = 1/(1-(1-p)^(G-1)), and of a correct one by
 alpha+ = 1/(1-p^(G-1)); below p = 0.5 the correct ones are under-weighted
 (gamma = alpha+/alpha- < 1).
---algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo; the neighbours maxrl, dgpo, asym
-(neighbours.py: other papers' difficulty weightings on the same step).
+--algo: da3po, or the baselines dapo (lam 1), grpo, dr_grpo, gspo; the neighbours maxrl, dgpo, asym,
+hadw (neighbours.py: other papers' difficulty weightings on the same step).
 
 Deviations [dev N]:
 1) The paper gives no tau; we use 0.5, where gamma crosses 1, and a strict p_hat < tau.
@@ -44,7 +44,7 @@ from dataset import (PromptStream, load_datasets, resolve_max_model_len, resolve
                      tokenize_datasets)
 from engine import make_rollout
 from modeling import model_path
-from neighbours import NEIGHBOURS
+from neighbours import NEIGHBOURS, check_neighbour_flags
 from neighbours import PRESETS as NEIGHBOUR_PRESETS
 from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_process,
                    handle_stop_signals, setup_dist, stop_requested, stop_run)
@@ -55,8 +55,8 @@ from ranks import (all_reduce_max, all_reduce_sum, cleanup_dist, die, end_proces
 class Config(TrainConfig):
     """DA3PO (DAPO + Direct Advantage Amplification) and its baselines on one code path."""
     algo: str = "da3po"
-    """preset: da3po | dapo | grpo | dr_grpo | gspo | maxrl | dgpo | asym (docs/neighbours.md);
-    explicit flags override the preset"""
+    """preset: da3po | dapo | grpo | dr_grpo | gspo | maxrl | dgpo | asym | hadw
+    (docs/neighbours.md); explicit flags override the preset"""
     out_dir: str = "out/da3po"
     """config.json, metrics.jsonl, samples.jsonl, checkpoints"""
     wandb_project: str = "da3po"
@@ -75,6 +75,15 @@ class Config(TrainConfig):
     """correct (the paper: correct completions, A > 0) | all (both signs: a control) [dev 4]"""
     dgpo_temp: float = 2.0
     """--algo dgpo: T of DQW's softmax over -p_hat (MathForge's 2.0); lower: hard ones weigh more"""
+    hadw_scale: float = 1.3
+    """--algo hadw: lambda_scale of Phi, Eq. (16) (the best of the paper's Table 7)"""
+    hadw_anchor: str = "window"
+    """--algo hadw: window (App. F, Eq. (134), as the authors' code) | kalman (Eqs. (8)-(11))"""
+    hadw_window: int = 10
+    """--algo hadw: recent steps the anchor looks at, h of Eq. (134), m of Eqs. (9)-(10) (10 as
+    the authors' script)"""
+    hadw_eta: float = 1.0
+    """--algo hadw --hadw_anchor kalman: eta of Eq. (11) (ours: the paper gives no value)"""
     theory: bool = False
     """print the dynamic-sampling amplification factors (exact and Monte Carlo) and exit"""
 
@@ -98,8 +107,8 @@ def check_algorithm_config(cfg: Config):
         die(f"--p_estimate {cfg.p_estimate!r}: choose one of group, running")
     if cfg.lam_max < 1:
         die(f"--lam_max must be >= 1, got {cfg.lam_max}")
-    if cfg.dgpo_temp <= 0:
-        die(f"--dgpo_temp must be > 0, got {cfg.dgpo_temp}")
+    if cfg.algo in NEIGHBOURS:
+        check_neighbour_flags(cfg)  # neighbours.py
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """
-DA3PO's neighbours: three other answers to how much a prompt's difficulty should weigh in the
+DA3PO's neighbours: four other answers to how much a prompt's difficulty should weigh in the
 update, each from its paper, on the same step as da3po.py (`python da3po.py --algo maxrl`).
 A room of its own: a default run never calls it. docs/neighbours.md has the equations and where
 each was read; docs/departures.md the choices the papers leave open.
@@ -12,15 +12,31 @@ each was read; docs/departures.md the choices the papers leave open.
          the token mean spans the valid groups' tokens.
   asym   Asymmetric prompt weighting, arXiv:2602.11128, its Linear-R weighting w = 1 / rho_hat:
          A_i = (r_i - rho_hat) / rho_hat, and -1 for every completion of an all-wrong group.
+  hadw   HA-DW, arXiv:2601.08521, Eqs. (7)-(16): GRPO's A_i times lam_scale exp(-sgn(A_i) d), where
+         d = p_hat - C is the group's pass rate less an anchor C that follows the batches' accuracy
+         (all ranks) from step to step; hard groups' correct answers weigh more, easy ones' less.
 
 The papers' functions take (N, G) tensors, one row a group, and keep their dtype; where a weight
 spans every rank they return this rank's sums and the hooks reduce them.
 """
+import math
+
 import torch
 
-from common import Algorithm, loss_weights
+from common import Algorithm, group_advantages, loss_weights
 from config import BASELINES
-from ranks import all_reduce_max, all_reduce_sum
+from ranks import all_reduce_max, all_reduce_sum, die
+
+
+def check_neighbour_flags(cfg):
+    """The neighbours' flags that cannot work stop here, naming the flag (exit 2)."""
+    if cfg.dgpo_temp <= 0:
+        die(f"--dgpo_temp must be > 0, got {cfg.dgpo_temp}")
+    if cfg.hadw_scale <= 0 or cfg.hadw_window < 1 or cfg.hadw_eta < 0:
+        die("--hadw_scale must be > 0, --hadw_window >= 1 and --hadw_eta >= 0, got "
+            f"{cfg.hadw_scale}, {cfg.hadw_window}, {cfg.hadw_eta}")
+    if cfg.hadw_anchor not in ("window", "kalman"):
+        die(f"--hadw_anchor {cfg.hadw_anchor!r}: choose one of window, kalman")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,6 +90,34 @@ def dqw_weights(correct: torch.Tensor, temperature: float, totals: torch.Tensor)
     count, total = totals[0], totals[1].clamp(min=torch.finfo(totals.dtype).tiny)
     weight = count * torch.exp(-p / temperature) / total
     return torch.where(mixed(correct)[:, None], weight, torch.ones_like(weight))
+
+
+def hadw_weights(advantage: torch.Tensor, correct: torch.Tensor, anchor: float,
+                 scale: float) -> torch.Tensor:
+    """HA-DW's Phi (N, G), Eqs. (13)-(16): diff = p_hat - C (the prior anchor), D = -sgn(A)
+    sgn(diff), M = |diff|, Phi = scale exp(D M). advantage, correct: (N, G). Example: C = 1/2,
+    group [1, 0, 0, 0] (A = [1.5, -.5, -.5, -.5]), scale 1: Phi = e^.25 for the correct answer and
+    e^-.25 for each wrong one."""
+    diff = correct.mean(-1, keepdim=True) - anchor  # (N, 1) Eq. (13)
+    direction = -torch.sign(advantage) * torch.sign(diff)  # (N, G) Eq. (14)
+    return scale * torch.exp(direction * diff.abs())  # Eqs. (15), (16)
+
+
+def next_anchor(beliefs: list[float], observations: list[float], kind: str, eta: float) -> float:
+    """HA-DW's posterior belief C_t+ from the prior C_t- = beliefs[-1] (Eq. (12)) and this batch's
+    accuracy y_t = observations[-1] (Eq. (7)). kind "window" (App. F, Eq. (134)): the mean of the
+    observations kept (the last h). kind "kalman" (Eqs. (8)-(11)): (1 - eta_t) C_t- + eta_t y_t,
+    eta_t = eta sigma_t, sigma_t the population std of the beliefs kept (the last m). With no prior
+    yet, C = y_t; with one belief, sigma_t = 1 (docs/departures.md)."""
+    y = observations[-1]
+    if not beliefs:
+        return y
+    if kind == "window":
+        return sum(observations) / len(observations)  # Eq. (134)
+    mean = sum(beliefs) / len(beliefs)  # Eq. (9)
+    sigma = math.sqrt(sum((c - mean) ** 2 for c in beliefs) / len(beliefs))  # Eq. (10)
+    eta_t = min(1.0, eta * (sigma if len(beliefs) > 1 else 1.0))  # Eq. (11), eta_t in [0, 1]
+    return (1 - eta_t) * beliefs[-1] + eta_t * y  # Eq. (8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,8 +203,43 @@ class DGPO(Neighbour):
         return f" | w {record['dgpo/weight_min']:.2f}-{record['dgpo/weight_max']:.2f}"
 
 
-NEIGHBOURS = {"maxrl": MaxRL, "dgpo": DGPO, "asym": Asym}
+class HADW(Neighbour):
+    """--algo hadw: GRPO's advantages times HA-DW's Phi. State: the anchor's history (the last
+    --hadw_window batch accuracies and beliefs), the same on every rank, kept by checkpoints.
+    Metrics: the prior anchor C_t- the step's weights used, and the step's accuracy y_t."""
+    KEYS = ("hadw/anchor", "hadw/batch_acc")
+
+    def __init__(self, cfg, device: torch.device, state: dict):
+        super().__init__(cfg, device, state)
+        self.observations = list(state.get("hadw_observations", []))  # y of recent steps
+        self.beliefs = list(state.get("hadw_beliefs", []))  # C+ of recent steps
+
+    def state_dict(self) -> dict:
+        return {"hadw_observations": self.observations, "hadw_beliefs": self.beliefs}
+
+    def group_advantages(self, rewards, correct, batch):
+        # Eq. (7): y_t = K_t / B_t over the step's completions, all ranks
+        counts = torch.stack([correct.sum(), correct.new_tensor(correct.numel())]).double()
+        total = all_reduce_sum(counts)  # [K_t, B_t]
+        y = (total[0] / total[1]).item()
+        window = self.cfg.hadw_window
+        self.observations = (self.observations + [y])[-window:]
+        prior = self.beliefs[-1] if self.beliefs else y  # Eq. (12): C_t- = C_(t-1)+
+        belief = next_anchor(self.beliefs, self.observations, self.cfg.hadw_anchor,
+                             self.cfg.hadw_eta)
+        self.beliefs = (self.beliefs + [belief])[-window:]
+        advantage = group_advantages(rewards, self.cfg.std_norm)  # (N, G) GRPO's A_hat
+        weight = hadw_weights(advantage, correct, prior, self.cfg.hadw_scale)
+        return advantage * weight, {"hadw/anchor": prior, "hadw/batch_acc": y}
+
+    def line(self, record: dict) -> str:
+        return f" | C {record['hadw/anchor']:.2f}"
+
+
+NEIGHBOURS = {"maxrl": MaxRL, "dgpo": DGPO, "asym": Asym, "hadw": HADW}
 # Each paper's recipe: GRPO's clip (0.2 both ways), no dynamic sampling, no overlong shaping, no KL,
 # DAPO's token mean; DAA off. --updates_per_step stays the run's scale (the papers ran one).
 PRESETS = {name: {**BASELINES["grpo"], "loss_agg": "token-mean", "lam": 1.0, "adaptive_lam": False}
            for name in NEIGHBOURS}
+# HA-DW on GRPO keeps GRPO's per-sequence mean (its Eq. (25), the authors' script)
+PRESETS["hadw"]["loss_agg"] = "seq-mean-token-mean"

@@ -1,8 +1,8 @@
 """Each neighbour's advantages, token weights, loss and metrics on one fixed global batch, in one process or as one of
 two gloo ranks (each rank its stride of the groups, as dynamic_sampling deals them). Used by test_neighbours.py:
   python -m tests.dist_neighbours OUT.json  |  torchrun --nproc_per_node=2 -m tests.dist_neighbours OUT.json
-Rank 0 writes, per --algo, the loss summed over ranks, the metrics, and every row's advantage and weight in the
-global batch's order. The token losses are a fixed function of the advantages (-A times a per-token number), so the
+Rank 0 writes, per --algo, the loss summed over ranks, the metrics, its state, and every row's advantage and weight in
+the global batch's order. Each algorithm sees the batch twice, as two steps (HA-DW's anchor then has a history). The token losses are a fixed function of the advantages (-A times a per-token number), so the
 loss is the aggregation the hooks decide, without a model."""
 import json
 import sys
@@ -36,6 +36,8 @@ for name in NEIGHBOURS:
     algo = NEIGHBOURS[name](cfg, d.device, {})
     batch = common.make_batch(mine, 0)
     batch["reward"] = batch["reward"].double()
+    algo.advantages(batch, mine)  # the first step
+    algo.end_step()
     batch["advantage"] = algo.advantages(batch, mine).double()
     rows = torch.arange(len(batch["mask"]))
     weight = algo.start_update(batch, rows).double()  # (B, T)
@@ -45,7 +47,7 @@ for name in NEIGHBOURS:
     rows_out = ranks.all_gather_list([(i, a, w) for i, a, w in zip(ids, batch["advantage"].tolist(),
                                                                       weight.sum(-1).tolist())])
     out[name] = {"loss": ranks.all_reduce_sum(loss).item(), "metrics": algo.end_step(),
-                 "rows": sorted(rows_out)}
+                 "state": algo.state_dict(), "rows": sorted(rows_out)}
 if d.is_main:
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)

@@ -1,11 +1,13 @@
-"""DA3PO's neighbours (neighbours.py, --algo maxrl | dgpo | asym): each paper's formula against the one written here
-independently, in float64 on hand-worked groups and on the golden vectors; the loss and metrics the same whatever the
-micro-batch split and on 2 gloo ranks; the same collectives on both ranks of a real torchrun run with skewed data;
-a 3-step run of each in both demos. Run: python -m pytest -q tests/test_neighbours.py"""
+"""DA3PO's neighbours (neighbours.py, --algo maxrl | dgpo | asym | hadw): each paper's formula against the one written
+here independently, in float64 on hand-worked groups and on the golden vectors; the loss and metrics the same whatever
+the micro-batch split and on 2 gloo ranks; the same collectives on both ranks of a real torchrun run with skewed data;
+HA-DW's anchor carried exactly across a checkpoint; a 3-step run of each in both demos.
+Run: python -m pytest -q tests/test_neighbours.py"""
 import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 
@@ -50,6 +52,41 @@ def dqw_ref(correct: list, T: float) -> list:
     e = [math.exp(-sum(c) / len(c) / T) for c in correct]
     total = sum(x for x, v in zip(e, valid) if v)
     return [sum(valid) * x / total if v else 1.0 for x, v in zip(e, valid)]
+
+
+def grpo_ref(R: list) -> list:
+    """GRPO's advantages as common.group_advantages computes them: (R_i - mean) / (unbiased std + 1e-6)."""
+    m = sum(R) / len(R)
+    return [(x - m) / (statistics.stdev(R) + 1e-6) for x in R]
+
+
+def sgn(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def hadw_phi_ref(A: list, c: list, C: float, scale: float) -> list:
+    """HA-DW (arXiv:2601.08521): diff = p_hat - C (Eq. 13), D_i = -sgn(A_i) sgn(diff) (Eq. 14), M = |diff| (Eq. 15),
+    Phi_i = lambda_scale exp(D_i M) (Eq. 16)."""
+    diff = sum(c) / len(c) - C
+    return [scale * math.exp(-sgn(a) * sgn(diff) * abs(diff)) for a in A]
+
+
+def window_priors_ref(ys: list, h: int) -> list:
+    """The window anchor (App. F, Eq. 134) each step's weights use: the mean of the h accuracies before it (Eq. 12:
+    the prior is the last posterior); at the first step, its own accuracy."""
+    return [ys[0]] + [sum(ys[max(0, t - h):t]) / len(ys[max(0, t - h):t]) for t in range(1, len(ys))]
+
+
+def kalman_priors_ref(ys: list, m: int, eta: float) -> list:
+    """The Kalman-style anchor (Eqs. 8-12): C+ = (1 - eta_t) C- + eta_t y, eta_t = eta * pstdev(the last m beliefs),
+    at most 1; the first belief is the first accuracy, and eta_t = eta while one belief is all there is."""
+    beliefs, priors = [], []
+    for y in ys:
+        priors.append(beliefs[-1] if beliefs else y)
+        recent = beliefs[-m:]
+        e = min(1.0, eta * (statistics.pstdev(recent) if len(recent) > 1 else 1.0))
+        beliefs.append((1 - e) * beliefs[-1] + e * y if beliefs else y)
+    return priors
 
 
 def close(a, b, tol=1e-12):
@@ -114,6 +151,26 @@ def test_dqw_hand_worked():
     assert neighbours.dqw_weights(c, 0.01, neighbours.dqw_sums(c, 0.01))[0, 0].item() == pytest.approx(2, rel=1e-9)
 
 
+def test_hadw_hand_worked():
+    # anchor C = 1/2. A hard group [1, 0, 0, 0]: p = 1/4, diff = -1/4; its correct answer (A > 0) gets D = +1, the
+    # wrong ones D = -1: Phi = 1.3 e^(1/4) and 1.3 e^(-1/4). An easy group [1, 1, 1, 0]: diff = +1/4, the other way
+    # round. A group at the anchor [1, 1, 0, 0]: Phi = 1.3 for all. An all-wrong group: A = 0, so D = 0 and Phi = 1.3
+    c = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], **F64)
+    A = torch.tensor([[1.5, -0.5, -0.5, -0.5], [0.5, 0.5, 0.5, -1.5], [1, 1, -1, -1], [0, 0, 0, 0]], **F64)
+    up, down = 1.3 * math.exp(0.25), 1.3 * math.exp(-0.25)
+    assert neighbours.hadw_weights(A, c, 0.5, 1.3).flatten().tolist() == pytest.approx(
+        [up, down, down, down, down, down, down, up] + [1.3] * 8, rel=1e-15)
+    # the anchor: accuracies 1/2, 1/4, 3/4. Window h = 2: priors 1/2 (the first step's own), 1/2, (1/2 + 1/4) / 2.
+    # Kalman, eta = 1: C1 = 1/2; one belief, eta_2 = 1: C2 = 1/4; sigma over [1/2, 1/4] = 1/8: C3 = 7/8 C2 + 1/8 * 3/4
+    ys = [0.5, 0.25, 0.75]
+    for kind, want, last in (("window", [0.5, 0.5, 0.375], 0.5), ("kalman", [0.5, 0.5, 0.25], 0.3125)):
+        beliefs, priors = [], []
+        for t in range(3):
+            priors.append(beliefs[-1] if beliefs else ys[t])
+            beliefs.append(neighbours.next_anchor(beliefs, ys[max(0, t - 1):t + 1], kind, 1.0))
+        assert priors == want and beliefs[-1] == last, kind
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_groups_against_the_formulas(seed):
     rng = random.Random(seed)
@@ -129,12 +186,28 @@ def test_random_groups_against_the_formulas(seed):
         assert all(close(a, b) for a, b in zip(sum(got.tolist(), []), sum(ref, [])))
     w = neighbours.dqw_weights(c, T, neighbours.dqw_sums(c, T))[:, 0].tolist()
     assert all(close(a, b) for a, b in zip(w, dqw_ref(correct, T)))
+    C, scale = rng.random(), rng.choice([0.5, 1.3, 2.0])
+    A = common.group_advantages(R)
+    assert all(close(a, b) for a, b in zip(A.flatten().tolist(), sum([grpo_ref(x) for x in rewards], [])))
+    phi = neighbours.hadw_weights(A, c, C, scale).tolist()
+    want = [hadw_phi_ref(a, x, C, scale) for a, x in zip(A.tolist(), correct)]
+    assert all(close(a, b) for a, b in zip(sum(phi, []), sum(want, [])))
+    ys, h, eta = [rng.random() for _ in range(30)], rng.choice([1, 3, 10]), rng.choice([0.5, 1.0, 4.0])
+    for kind, ref in (("window", window_priors_ref(ys, h)), ("kalman", kalman_priors_ref(ys, h, eta))):
+        observations, beliefs, priors = [], [], []
+        for y in ys:  # as HADW keeps its history
+            observations = (observations + [y])[-h:]
+            priors.append(beliefs[-1] if beliefs else y)
+            beliefs = (beliefs + [neighbours.next_anchor(beliefs, observations, kind, eta)])[-h:]
+        assert all(close(a, b) for a, b in zip(priors, ref)), kind
 
 
 def test_functions_keep_the_dtype():
     c = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
     for f in (neighbours.maxrl_advantages, neighbours.linear_r_advantages, neighbours.dgae_advantages):
         assert f(c).dtype == torch.float32 and f(c.double()).dtype == torch.float64
+    assert neighbours.hadw_weights(c, c, 0.5, 1.3).dtype == torch.float32
+    assert neighbours.hadw_weights(c.double(), c.double(), 0.5, 1.3).dtype == torch.float64
     assert neighbours.dqw_weights(c.double(), 2.0, neighbours.dqw_sums(c.double(), 2.0)).dtype == torch.float64
 
 
@@ -156,7 +229,10 @@ def test_golden_vectors_against_the_formulas():
         w = dqw_ref(inp["correct"], inp["temperature"])
         want = {"maxrl": [maxrl_ref(x) for x in inp["correct"]], "linear_r": [linear_r_ref(x) for x in inp["correct"]],
                 "dgae": [dgae_ref(x) for x in inp["rewards"]], "dqw": w,
-                "dgpo": [[a * wi for a in dgae_ref(x)] for x, wi in zip(inp["rewards"], w)]}
+                "dgpo": [[a * wi for a in dgae_ref(x)] for x, wi in zip(inp["rewards"], w)],
+                "hadw": [[a * f for a, f in zip(grpo_ref(R), hadw_phi_ref(grpo_ref(R), x, inp["anchor"],
+                                                                          inp["hadw_scale"]))]
+                         for x, R in zip(inp["correct"], inp["rewards"])]}
         for key, ref in want.items():
             flat_got, flat_ref = torch.tensor(exp[key]).flatten().tolist(), torch.tensor(ref).flatten().tolist()
             assert len(flat_got) == len(flat_ref) and all(close(a, b) for a, b in zip(flat_got, flat_ref)), key
@@ -165,6 +241,12 @@ def test_golden_vectors_against_the_formulas():
     assert compared > 500
     # every case has an all-wrong group, where Linear-R's -1 is the only signal
     assert all(any(sum(x) == 0 for x in c["inputs"]["correct"]) for c in data["cases"])
+    run = data["hadw_anchor"]
+    ys, h, eta = run["inputs"]["observations"], run["inputs"]["window"], run["inputs"]["eta"]
+    for kind, ref in (("window", window_priors_ref(ys, h)), ("kalman", kalman_priors_ref(ys, h, eta))):
+        got = run["expected"][kind]
+        assert len(got) == len(ys) > h and all(close(a, b) for a, b in zip(got, ref)), kind
+    assert run["expected"]["window"] != run["expected"]["kalman"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -214,6 +296,31 @@ def test_dgpo_token_mean_spans_the_valid_groups_only():
     assert w.sum().item() == pytest.approx(1.0, rel=1e-15)
 
 
+@pytest.mark.parametrize("anchor", ["window", "kalman"])
+def test_hadw_anchor_continues_exactly_across_a_checkpoint(tmp_path, anchor):
+    """Six steps in one run against three, a checkpoint of state_dict() (torch.save, loaded as bookkeeping loads it),
+    and three more: the same advantages bit for bit, and the same metrics."""
+    cfg = Config(**{**PRESETS["hadw"], "group_size": 4, "hadw_anchor": anchor, "hadw_window": 3})
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(6):
+        correct = torch.rand(5, 4, generator=g) < torch.rand(5, 1, generator=g)
+        batches.append({"correct": correct.flatten(), "reward": correct.flatten().double() * 2 - 1})
+    whole = neighbours.HADW(cfg, torch.device("cpu"), {})
+    straight = [(whole.advantages(dict(b), []), whole.end_step()) for b in batches]
+    first = neighbours.HADW(cfg, torch.device("cpu"), {})
+    resumed = [(first.advantages(dict(b), []), first.end_step()) for b in batches[:3]]
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    second = neighbours.HADW(cfg, torch.device("cpu"), torch.load(tmp_path / "state.pt", weights_only=True))
+    resumed += [(second.advantages(dict(b), []), second.end_step()) for b in batches[3:]]
+    assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(straight, resumed))
+    anchors = [m["hadw/anchor"] for _, m in straight]
+    assert len(set(anchors)) > 2 and len(second.state_dict()["hadw_beliefs"]) == 3
+    # a fresh start instead of the checkpoint would weigh step 4 otherwise
+    fresh = neighbours.HADW(cfg, torch.device("cpu"), {})
+    assert not torch.equal(fresh.advantages(dict(batches[3]), []), straight[3][0])
+
+
 def _torchrun(args, timeout=240):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -222,7 +329,8 @@ def _torchrun(args, timeout=240):
 
 def test_two_gloo_ranks_give_the_one_process_numbers(tmp_path):
     """The whole batch in one process vs split over 2 ranks (each its stride of the groups): the same advantages and
-    token weights row by row, the same loss, the same metrics (DGPO's softmax and the token mean span the ranks)."""
+    token weights row by row, the same loss, the same metrics (DGPO's softmax, its token mean and HA-DW's
+    batch accuracy span the ranks)."""
     r = run_script(["-m", "tests.dist_neighbours", str(tmp_path / "one.json")])
     assert r.returncode == 0, r.stderr[-3000:]
     r = _torchrun(["-m", "tests.dist_neighbours", str(tmp_path / "two.json")])
@@ -231,7 +339,7 @@ def test_two_gloo_ranks_give_the_one_process_numbers(tmp_path):
     assert set(one) == set(neighbours.NEIGHBOURS)
     for name in one:
         assert close(one[name]["loss"], two[name]["loss"]) and one[name]["loss"] != 0, name
-        assert one[name]["metrics"].keys() == two[name]["metrics"].keys()
+        assert one[name]["metrics"].keys() == two[name]["metrics"].keys() and one[name]["state"] == two[name]["state"]
         assert all(close(one[name]["metrics"][k], two[name]["metrics"][k]) for k in one[name]["metrics"]), name
         assert [row[0] for row in one[name]["rows"]] == [row[0] for row in two[name]["rows"]] == list(range(40))
         assert all(close(a[1], b[1]) and close(a[2], b[2]) for a, b in zip(one[name]["rows"], two[name]["rows"]))
@@ -272,5 +380,15 @@ def test_three_steps_in_each_demo(tmp_path, name, demo):
 def test_bad_dgpo_temp_stops_naming_the_flag(tmp_path):
     r = run_script(["da3po.py", "--algo", "dgpo", "--dgpo_temp", "0", "--out_dir", str(tmp_path / "x")])
     assert r.returncode == 2 and "--dgpo_temp must be > 0, got 0.0" in r.stderr + r.stdout
-    r = run_script(["daro.py", "--algo", "maxrl", "--out_dir", str(tmp_path / "y")])
-    assert r.returncode == 2 and "invalid choice 'maxrl'" in r.stderr
+    for name in ("maxrl", "hadw"):
+        r = run_script(["daro.py", "--algo", name, "--out_dir", str(tmp_path / "y")])
+        assert r.returncode == 2 and f"invalid choice '{name}'" in r.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hadw_window", "0"], "--hadw_scale must be > 0, --hadw_window >= 1 and --hadw_eta >= 0, got 1.3, 0, 1.0"),
+    (["--hadw_scale", "-1"], "--hadw_scale must be > 0, --hadw_window >= 1 and --hadw_eta >= 0, got -1.0, 10, 1.0"),
+    (["--hadw_anchor", "ema"], "--hadw_anchor 'ema': choose one of window, kalman")])
+def test_bad_hadw_flags_stop_naming_the_flag(tmp_path, flags, message):
+    r = run_script(["da3po.py", "--algo", "hadw", *flags, "--out_dir", str(tmp_path / "x")])
+    assert r.returncode == 2 and message in r.stderr + r.stdout
