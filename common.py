@@ -506,12 +506,12 @@ def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleu
                           with_entropy, top_p)
 
 
-@torch.no_grad()
-def old_logprobs(model, batch: dict, cfg, device: torch.device, exact: bool) -> dict:
-    """pi_old, new batch entries: the engine's log-probs if exactly the trainer's (`exact`: our
-    sampler in float32 at top_p = 1, the trainer's own weights and arithmetic), else recomputed."""
-    if exact:  # the engine's log-probs are pi_old itself
+def old_logprobs(model, batch: dict, cfg, device: torch.device, engine, groups: list) -> dict:
+    """pi_old, new batch entries: the engine's log-probs if they are it, else recomputed."""
+    if engine.exact_logprobs:  # our float32 sampler at top_p = 1: the trainer's own arithmetic
         return {"old_logp": batch.pop("rollout_logp")}
+    if cfg.max_staleness > 0:  # carried-over rollouts: partial.py recomputes where `groups` need it
+        return engine.carried_old_logprobs(model, batch, groups, cfg, device)
     return recompute_old_logprobs(model, batch, cfg, device)
 
 

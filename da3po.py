@@ -331,7 +331,7 @@ def main(cfg: Config):
                     batch["advantage"] = algo.advantages(batch, my_groups)  # (B,)
                     # 4) pi_old (the engine's log-probs if they are the trainer's, else recomputed);
                     #    --rollout_is: the weights pi_old / pi_rollout of the engine's samples
-                    batch.update(old_logprobs(model, batch, cfg, device, engine.exact_logprobs))
+                    batch.update(old_logprobs(model, batch, cfg, device, engine, my_groups))
                     if cfg.rollout_is != "none":
                         record.update(rollout_correction(batch, cfg))
         else:  # resumed mid-step: the updates left (split anew if the number of ranks changed)

@@ -208,6 +208,11 @@ class HFRollout(CarriedRollouts):
             return hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p,
                                self.batch_size, n)
 
+    def current_logprobs_exact(self, cfg) -> bool:
+        """With --max_staleness (partial.old_logprobs): the log-probs of the tokens that pi_old's
+        own weights sampled are pi_old, as exact_logprobs says without it."""
+        return self.dtype == "float32" and cfg.top_p == 1
+
     def calibrate(self, model) -> float:
         """Nothing to calibrate: the weights are the trainer's own or copied from them."""
         return 0.0

@@ -1,8 +1,8 @@
 """
 A room of its own, to look up when a run sets --max_staleness S > 0: partial rollouts carried over
-from step to step with bounded staleness. common.dynamic_sampling hands its work to the engine here
-(its one line that reaches this file: both engines inherit CarriedRollouts); the step still reads
-one batch of groups, as it does without the flag.
+from step to step with bounded staleness. common.dynamic_sampling hands its work to the engine here,
+and common.old_logprobs its pi_old (a line each that reaches this file: both engines inherit
+CarriedRollouts); the step still reads one batch of groups, as it does without the flag.
 
 Generation stops when the step is full. Each step continues the unfinished groups it carries, and
 every sequence grows by chunks of --partial_chunk tokens: a carried sequence is its prompt and its
@@ -17,8 +17,10 @@ step k's rollout have version k - 1, the weights its updates start from.
 
 The loss is unchanged. Each token keeps the engine's log-prob from when it was sampled, the
 behaviour policy that common.rollout_correction compares with pi_old token by token; pi_old is
-recomputed by the trainer, since the engine's log-probs are no longer pi_old (exact_logprobs goes
-off: engine.make_rollout), so S > 0 asks for --rollout_is token or sequence.
+recomputed by the trainer wherever the engine's log-probs are no longer pi_old (exact_logprobs goes
+off: engine.make_rollout), so S > 0 asks for --rollout_is token or sequence. Where they still are,
+on a sequence that pi_old's own weights sampled whole with our float32 sampler, it keeps them
+(old_logprobs): the trainer's forward runs on the other rows only.
 
 The buffer lives on the prompt stream (stream.carried), as the prompts drawn but not yet trained, in
 plain types: every rank's own is saved in its checkpoint file (bookkeeping.save_checkpoint), and a
@@ -60,6 +62,14 @@ class CarriedRollouts:
 
     def carried_sampling(self, tok, stream, cfg, dist_info):
         return dynamic_sampling(self, tok, stream, cfg, dist_info)
+
+    def carried_old_logprobs(self, model, batch, groups, cfg, device):
+        return old_logprobs(self, model, batch, groups, cfg, device)
+
+    def current_logprobs_exact(self, cfg) -> bool:
+        """Whether the log-probs of the tokens that pi_old's own weights sampled are pi_old; not
+        vLLM's (our sampler in float32 at top_p = 1 says yes: engine.HFRollout)."""
+        return False
 
 
 def check(engine, cfg):
@@ -268,6 +278,7 @@ def _close(kept, generated, my_groups, num_batches, verify, buffer, sums, versio
             s["group"] = my_groups[s["origin"][1]]
     buffer["finished"] = [my_groups[s["origin"][1]] for s in left if s["origin"][0] == rank]
     for g in [s["group"] for s in trained if "group" in s]:
+        g["current"] = [all(x == version for x in v) for v in g["versions"]]  # by pi_old's weights
         for v in g["versions"]:
             sums.add(stale_tokens=len(v), staleness=sum(version - x for x in v), seqs=1,
                      versions=len(set(v)))
@@ -294,3 +305,26 @@ def _close(kept, generated, my_groups, num_batches, verify, buffer, sums, versio
     if cfg.verifier_crosscheck and cfg.crosscheck_train:  # a sample of the step's completions
         stats.update(crosscheck.check_train_groups(my_groups, cfg, rank, world))
     return trained, generated, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. pi_old for the step's batch: recomputed only on the rows that older weights sampled.
+def old_logprobs(engine, model, batch: dict, groups: list[dict], cfg, device) -> dict:
+    """common.old_logprobs with carried-over rollouts: a row whose tokens pi_old's own weights
+    sampled (its group's "current", set by _close) keeps the engine's log-probs when they are pi_old
+    there (engine.current_logprobs_exact, as exact_logprobs would say without --max_staleness);
+    every other row is recomputed. With vLLM or in bf16 all rows are, as before. Under torchrun
+    each rank recomputes as many rows, the most any rank needs (an all-reduce), its own stale rows
+    first and then rows the engine had right: FSDP's forwards stay in lockstep."""
+    if not engine.current_logprobs_exact(cfg):
+        return common.recompute_old_logprobs(model, batch, cfg, device)
+    current = torch.tensor([c for g in groups
+                            for c in g.get("current", [False] * len(g["completions"]))])  # (B,)
+    # every rank: the stale rows of the rank that has most
+    need = int(all_reduce_max(torch.tensor(float((~current).sum()))).item())
+    rows = torch.cat([(~current).nonzero()[:, 0], current.nonzero()[:, 0]])[:need].sort().values
+    stale = common.recompute_old_logprobs(model, {k: v[rows] for k, v in batch.items()}, cfg,
+                                          device)["old_logp"]  # (need, T)
+    old_logp = batch["rollout_logp"].clone()  # (B, T): pi_old on the current rows (float32)
+    old_logp[rows] = stale
+    return {"old_logp": old_logp}

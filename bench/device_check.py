@@ -550,7 +550,7 @@ def main(argv=None):
                 base = torch.cuda.memory_allocated(d.device)
             sync()
             t0 = time.time()
-            batch.update(common.old_logprobs(st.model, batch, c, d.device, exact=False))
+            batch.update(common.recompute_old_logprobs(st.model, batch, c, d.device))
             sync()
             seconds = time.time() - t0
             peak = f", peak +{(torch.cuda.max_memory_allocated(d.device) - base) / GiB:.2f} GiB" if on_gpu else ""

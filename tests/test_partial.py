@@ -121,6 +121,52 @@ def test_a_sequence_spanning_two_versions_is_corrected_token_by_token(float64_mo
     assert abs((log_ratio + kl).mean()) <= 4 * (log_ratio + kl).std() / n ** 0.5, (log_ratio.mean(), kl.mean())
 
 
+def test_pi_old_is_recomputed_only_where_older_weights_sampled(monkeypatch):
+    """Our float32 sampler on the reasoning demo's model: 3 groups begun by weights A and finished by B = A plus
+    noise, 3 sampled by B alone. With pi_old = B, partial.old_logprobs runs the trainer's forward on the first 3
+    groups' rows only and keeps the engine's log-probs on the others; both equal common.recompute_old_logprobs on
+    every row within the float32 gap between a KV cache and a full forward. Derived bound: the two differ only in
+    the order of float32 sums, the longest in a block being the MLP's over intermediate_size terms, so Higham's
+    n u per sum, over the layers, on the log-prob's scale: layers x intermediate_size x 2^-24 x (1 + |log p|).
+    The stale rows' engine log-probs are A's, visibly off. A bf16 engine (or vLLM) recomputes every row."""
+    model, tok = modeling.load_model(REASONING_MODEL)
+    engine = eng.HFRollout(model, tok, ranks.DistInfo(), "float32", 512, 1.0, max_staleness=1)
+    cfg = rollout_cfg(group_size=4, max_new_tokens=24, partial_chunk=6, temperature=1.0)
+    torch.manual_seed(0)
+    flights = flights_of(tok, 4, ["12+7", "305+96", "4+4", "77+15", "1+2", "40+41"])
+    partial.advance(engine, cfg, flights[:3], version=0)  # weights A
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    while not all(all(f["ended"]) for f in flights):
+        partial.advance(engine, cfg, flights, version=1)  # weights B, pi_old's
+    groups = [{**f["problem"], "completions": f["completions"], "reward": [0.0] * 4, "correct": [False] * 4,
+               "rollout_logp": f["logps"], "current": [all(x == 1 for x in v) for v in f["versions"]]}
+              for f in flights]
+    assert [all(g["current"]) for g in groups] == [False] * 3 + [True] * 3  # as _close marks them
+    batch = common.make_batch(groups, tok.pad_token_id)
+    run_cfg = config.parse_config(da3po.Config, ["--demo", "reasoning", *PARTIAL], da3po.PRESETS)
+    cpu = torch.device("cpu")
+    full = common.recompute_old_logprobs(model, batch, run_cfg, cpu)["old_logp"]
+    recomputed = []  # the rows of each batch that the trainer's forward saw
+    real = common.recompute_old_logprobs
+    monkeypatch.setattr(common, "recompute_old_logprobs", lambda m, b, *a: recomputed.append(
+        [row.tolist() for row in b["input_ids"]]) or real(m, b, *a))
+    mine = partial.old_logprobs(engine, model, batch, groups, run_cfg, cpu)["old_logp"]
+    assert recomputed == [batch["input_ids"][:12].tolist()]  # the forward ran on the stale groups' rows only
+    assert torch.equal(mine[12:], batch["rollout_logp"][12:])  # the engine's own, kept
+    mask = batch["mask"].bool()
+    text = model.config
+    bound = text.num_hidden_layers * text.intermediate_size * 2.0 ** -24 * (1 + full.abs())
+    assert ((mine - full).abs() <= bound)[mask].all(), ((mine - full).abs() / bound)[mask].max()
+    assert ((batch["rollout_logp"] - full).abs()[:12][mask[:12]]).max() > 100 * bound.max()  # A's are off
+    bf16 = eng.HFRollout(model, tok, ranks.DistInfo(), "bfloat16", 512, 1.0, max_staleness=1)
+    recomputed.clear()
+    assert torch.equal(partial.old_logprobs(bf16, model, batch, groups, run_cfg, cpu)["old_logp"], full)
+    assert recomputed == [batch["input_ids"].tolist()]
+
+
 def test_groups_older_than_s_are_dropped_and_counted():
     """At version 3 with S = 1: a group whose oldest token is from version 2 stays, from 1 goes (tokens counted); a
     fresh group (no token yet) stays; the same for finished groups waiting for a step."""

@@ -186,7 +186,7 @@ def test_importance_weights_of_our_sampler_are_1_under_top_p(demo_dir):
     torch.manual_seed(0)
     groups = common.roll_groups(engine, tok, problems, cfg, 4, 1.0, cfg.top_p)[0]
     batch = common.make_batch(groups, tok.pad_token_id)
-    batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
+    batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine, groups))
     m = common.rollout_correction(batch, cfg)
     assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
     token_full = torch.exp((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"])

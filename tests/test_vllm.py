@@ -157,7 +157,7 @@ def test_importance_weights_of_a_perfect_engine_are_1_under_top_p(setup):
     groups = common.roll_groups(engine, tok, [{"prompt": "", "answer": "1", "prompt_ids": p} for p in prompts], cfg,
                                 4, cfg.temperature, cfg.top_p)[0]
     batch = common.make_batch(groups, tok.pad_token_id)
-    batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine.exact_logprobs))
+    batch.update(common.old_logprobs(model, batch, cfg, torch.device("cpu"), engine, groups))
     m = common.rollout_correction(batch, cfg)
     assert abs(m["rollout_is/weight_mean"] - 1) < 1e-4 and m["rollout_is/truncated_frac"] == 0, m
     full = torch.exp(((batch["old_logp"] - batch["rollout_logp"]) * batch["mask"]).sum(-1))
