@@ -56,15 +56,18 @@ def stop_when(monkeypatch, obj, name, when):
 
 
 @pytest.mark.parametrize("where", ["rollout", "updates", "eval_due"])
-@pytest.mark.parametrize("script", [da3po, daro], ids=["da3po", "daro"])
-def test_a_stop_checkpoints_at_once_and_resumes_exactly(tmp_path, monkeypatch, capsys, script, where):
+@pytest.mark.parametrize("script,algo", [(da3po, []), (daro, []), (da3po, ["--algo", "hadw", "--dynamic_sampling"])],
+                         ids=["da3po", "daro", "hadw"])
+def test_a_stop_checkpoints_at_once_and_resumes_exactly(tmp_path, monkeypatch, capsys, script, algo, where):
     """Step 2 of 3 is interrupted: during its rollout (its first generation batch: the step is redone from its
     start), during its first update (the checkpoint holds the step's remaining work), or after it when an evaluation
-    is due (the evaluation runs on resume). The resumed run's metrics.jsonl equals the uninterrupted one's."""
-    flags = ["--steps", "3", "--eval_every", "2", "--max_gen_batches", "4"]
+    is due (the evaluation runs on resume). The resumed run's metrics.jsonl equals the uninterrupted one's; with
+    --algo hadw, whose anchor carries each step's accuracy into the next, its hadw/* records too."""
+    flags = ["--steps", "3", "--eval_every", "2", "--max_gen_batches", "4", *algo]
     run(script, tmp_path / "straight", *flags)
     straight = records(tmp_path / "straight" / "metrics.jsonl")
     assert straight[2]["train/num_gen_batches"] > 1  # step 2 has a second generation batch to stop before
+    assert ("hadw/anchor" in straight[2]) == bool(algo)
     if where == "rollout":  # the 1st generate of a run is the step-0 eval, the 2nd step 1's first batch, ...
         step1_batches = straight[1]["train/num_gen_batches"]
         stop_when(monkeypatch, eng.HFRollout, "generate", lambda n: n == 2 + step1_batches)
