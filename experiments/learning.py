@@ -72,10 +72,13 @@ ARMS = {
     "da3po_kl_cov": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_control", "kl_cov"]),
     # the pilot's winner (experiments/results/neighbours_pilot.txt): Clip-Cov
     "da3po_entropy": ("da3po.py", ["--algo", "da3po", "--lam", "2", "--entropy_control", "clip_cov"]),
+    # HA-DW (arXiv 2601.08521, neighbours.py), added after the neighbours' family ran: its preset is GRPO's with the
+    # history-aware weights (docs/neighbours.md), so its own base is the grpo arm above
+    "hadw": ("da3po.py", ["--algo", "hadw"]),
 }
 TRAVEL = 600 * 1e-3  # the paper's weight updates (300 steps x 2) x its weight lr: how far ln w_mu can move
 DARO_STUDY_ARMS = ["daro_travel", "daro_travel_shared", "daro_closed", "daro_closed_shared"]
-NEIGHBOUR_ARMS = ["asym", "maxrl", "dgpo", "da3po_entropy"]  # the neighbours' study (NEIGHBOURS below)
+NEIGHBOUR_ARMS = ["asym", "maxrl", "dgpo", "da3po_entropy", "hadw"]  # the neighbours' studies (NEIGHBOURS below)
 DA3PO_ARMS = ["dapo", "da3po_lam1.5", "da3po_lam2", "da3po_lam4", "da3po_adaptive", "da3po_all", "grpo", "daro",
               "uniform", "var"]
 HARD_EVAL = "experiments/data/hard_eval.jsonl"
@@ -193,6 +196,18 @@ NEIGHBOURS = [
 ]
 ENDPOINTS += [{**e, "family": "neighbours", "task": "hard", "metric": "eval/{hard}/acc", "kind": "last3", "better": 1}
               for e in NEIGHBOURS]
+# HA-DW, fixed before its runs, in a family of its own (the seven above ran before it was built; adding it to their
+# family would change their Holm adjustment after the fact). Task `hard` at 60 steps, seeds 0-7, paired by seed; the
+# hard set's accuracy, mean of the last 3 evaluations, two-sided; Holm across these 2. H1 is the paper's own claim:
+# its history-aware weights on top of GRPO, the base its preset keeps (the grpo arm, daro.py --algo grpo, which writes
+# da3po.py --algo grpo's records). H2 sets it beside the neighbours' common baseline. `python -m
+# experiments.neighbours_study --family neighbours_hadw` runs it.
+NEIGHBOURS_HADW = [
+    {"id": "H1", "claim": "HA-DW adds to GRPO on hard prompts", "arm": "hadw", "vs": "grpo"},
+    {"id": "H2", "claim": "HA-DW beats DAPO on hard prompts", "arm": "hadw", "vs": "dapo"},
+]
+ENDPOINTS += [{**e, "family": "neighbours_hadw", "task": "hard", "metric": "eval/{hard}/acc", "kind": "last3",
+               "better": 1} for e in NEIGHBOURS_HADW]
 # The papers' headline numbers, for scale only (other models, benchmarks and units), as the papers' summaries state
 # them (their full tables were not available to us): DA3PO, arXiv:2608.27982; DARO, arXiv:2510.09001 (summary at
 # papers.lunadong.com/paper/14080). Percentage points of benchmark accuracy.

@@ -10,9 +10,13 @@ winner's flags (the report states which, and the pilot's figures).
 Every run is experiments/learning.py's run of that arm, task and seed, reused from experiments/results/runs/learning/
 when its command is the same.
 
+HA-DW (arXiv 2601.08521) was built after that family ran: its primaries are a family of their own,
+neighbours_hadw, fixed in experiments/learning.py before its runs (`--family neighbours_hadw`).
+
 Usage: python -m experiments.neighbours_study --pilot          # the entropy control's pilot (6 runs)
        python -m experiments.neighbours_study --jobs 2         # the comparison (7 arms x 8 seeds), then the report
-Writes experiments/results/neighbours.md, .json and, with matplotlib, neighbours.png (the primaries' differences with
+       python -m experiments.neighbours_study --family neighbours_hadw --jobs 2   # HA-DW's family
+Writes experiments/results/<family>.md, .json and, with matplotlib, <family>.png (the primaries' differences with
 their Holm-family intervals, and each arm's hard-set accuracy over steps)."""
 import argparse
 import os
@@ -23,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from experiments import learning  # the benchmark's protocol, runs and statistics
 
-FAMILY = "neighbours"
+FAMILIES = ("neighbours", "neighbours_hadw")
 TASK = "hard"
 PILOT_SEEDS = [100, 101]
 PILOT_ARMS = {"da3po_entropy_bonus": "entropy bonus", "da3po_clip_cov": "Clip-Cov", "da3po_kl_cov": "KL-Cov"}
@@ -32,11 +36,11 @@ HARD = "eval/{hard}/acc"
 FORGET = f"eval/{learning.TASKS[TASK]['forget_set']}/acc"  # the demo's own eval set: forgetting
 
 
-def design() -> list[str]:
+def design(family: str) -> list[str]:
     """The arms the family's primaries name, in ENDPOINTS' order."""
     arms = []
     for e in learning.ENDPOINTS:
-        if e.get("family") == FAMILY:
+        if e.get("family") == family:
             arms += [a for a in (e["arm"], e["vs"]) if a not in arms]
     return arms
 
@@ -65,14 +69,15 @@ def pilot(s: dict, jobs: int) -> tuple[str, dict]:
     return (TIE_WINNER if TIE_WINNER in winners else winners[0]), means
 
 
-def report(stats: dict, costs: dict, missing: list[str], seeds: list[int], s: dict, argv: list[str]) -> tuple:
-    rows = learning.primaries(stats, {TASK: s}, FAMILY)
+def report(stats: dict, costs: dict, missing: list[str], seeds: list[int], s: dict, argv: list[str],
+           family: str) -> tuple:
+    rows = learning.primaries(stats, {TASK: s}, family)
     cmd = " ".join(["python -m experiments.neighbours_study", *argv])
     entropy_flags = " ".join(learning.ARMS["da3po_entropy"][1]) if "da3po_entropy" in learning.ARMS else "not run"
     lines = ["# The neighbours side by side: difficulty-aware methods on one code path", "",
              f"Command: `{cmd}` (every number below; the runs are experiments/learning.py's, cached in "
              "experiments/results/runs/learning/). Endpoints fixed in experiments/learning.py (ENDPOINTS, family "
-             f"neighbours) before any run (see git log). Task `{TASK}` ({learning.TASKS[TASK]['train']}), "
+             f"{family}) before any run (see git log). Task `{TASK}` ({learning.TASKS[TASK]['train']}), "
              f"{s['steps']} steps, eval every {s['eval_every']} with {s['eval_samples']} samples; seeds "
              f"{','.join(map(str, seeds))} ({len(seeds)}), paired by seed; 95% Student-t intervals; two-sided paired "
              f"t-tests, Holm across the {len(rows)} primaries run. Differences in points of the hard set's accuracy "
@@ -86,7 +91,7 @@ def report(stats: dict, costs: dict, missing: list[str], seeds: list[int], s: di
                      f"{d['p']:.3f} ({r['p_adj']:.3f}) | {learning.bound_text(d, 1, 100, 'points')} | "
                      f"{learning.verdict(d, 1, r['p_adj'])} |")
     for e in learning.ENDPOINTS:
-        if e.get("family") == FAMILY and not any(r["id"] == e["id"] for r in rows):
+        if e.get("family") == family and not any(r["id"] == e["id"] for r in rows):
             lines.append(f"| {e['id']} | {e['claim']} | {e['arm']} - {e['vs']} | not run | | | |")
     if missing:
         lines += ["", "Not run (no command in experiments/learning.py's ARMS: the method was not implemented): "
@@ -94,7 +99,7 @@ def report(stats: dict, costs: dict, missing: list[str], seeds: list[int], s: di
     lines += ["", "## Each arm", "", "Means over seeds +- 95% half-width; secondary endpoints, not tested.", "",
               "| arm | hard acc, last 3 | hard pass@K, last 3 | forgetting set acc, last 3 | train/entropy, last "
               "step | CPU-s per run |", "|---|---|---|---|---|---|"]
-    for a in [a for a in design() if (TASK, a) in stats]:
+    for a in [a for a in design(family) if (TASK, a) in stats]:
         rs = stats[TASK, a]
         entropy = [r["train"][-1]["train/entropy"] for r in rs]
         lines.append(f"| {a} | {learning.cell([learning.value(r, HARD) for r in rs])} | "
@@ -133,7 +138,9 @@ def main(argv=None):
     p.add_argument("--pilot", action="store_true", help="run the entropy control's pilot and print the winner")
     p.add_argument("--seeds", default="0-7", help="'0-7' or '0,1,2'; at least 2 (the study was registered at 8)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (threads per run: 2 // jobs, at least 1)")
-    p.add_argument("--out", default=os.path.join(learning.RESULTS, "neighbours"), help="<out>.md, .json, .png")
+    p.add_argument("--family", default="neighbours", choices=FAMILIES, help="whose primaries: the seven "
+                   "neighbours (default) or HA-DW's")
+    p.add_argument("--out", default="", help="<out>.md, .json, .png (default: experiments/results/<family>)")
     args = p.parse_args(argv)
     seeds = learning.parse_seeds(args.seeds)
     if len(set(seeds)) < 2 or args.jobs < 1:
@@ -147,9 +154,9 @@ def main(argv=None):
                   f"{','.join(map(str, PILOT_SEEDS))}: {m:.4f}")
         print(f"pilot winner: {winner} ({PILOT_ARMS[winner]}): {' '.join(learning.ARMS[winner][1])}")
         return
-    stats, costs, missing = run_all(design(), seeds, s, args.jobs)
-    text, data = report(stats, costs, missing, seeds, s, argv)
-    learning.save_report(args.out, text, data, plot, t0)
+    stats, costs, missing = run_all(design(args.family), seeds, s, args.jobs)
+    text, data = report(stats, costs, missing, seeds, s, argv, args.family)
+    learning.save_report(args.out or os.path.join(learning.RESULTS, args.family), text, data, plot, t0)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,13 @@ def test_the_neighbours_are_their_own_holm_family_with_a_fixed_pilot(monkeypatch
     family = [e for e in learning.ENDPOINTS if e.get("family") == "neighbours"]
     assert len(family) == 7 and {e["task"] for e in family} == {"hard"}
     assert {e["metric"] for e in family} == {"eval/{hard}/acc"} and {e["vs"] for e in family} == {"dapo", "da3po_lam2"}
-    assert set(neighbours_study.design()) == {"da3po_lam2", "dapo", "daro", "asym", "maxrl", "dgpo", "da3po_entropy"}
+    assert set(neighbours_study.design("neighbours")) == {"da3po_lam2", "dapo", "daro", "asym", "maxrl", "dgpo",
+                                                          "da3po_entropy"}
+    # HA-DW, built after these ran: a family of its own (H1 against its own base, GRPO; H2 against DAPO)
+    hadw = [e for e in learning.ENDPOINTS if e.get("family") == "neighbours_hadw"]
+    assert [(e["id"], e["arm"], e["vs"]) for e in hadw] == [("H1", "hadw", "grpo"), ("H2", "hadw", "dapo")]
+    assert neighbours_study.design("neighbours_hadw") == ["hadw", "grpo", "dapo"]
+    assert learning.ARMS["hadw"] == ("da3po.py", ["--algo", "hadw"])
 
     def runs(values):
         return [{"evals": [{"step": 0, "eval/hard_eval/acc": v}] * 3, "hard": "hard_eval", "K": 4} for v in values]
