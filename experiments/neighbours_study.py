@@ -81,7 +81,8 @@ def report(stats: dict, costs: dict, missing: list[str], seeds: list[int], s: di
              f"{s['steps']} steps, eval every {s['eval_every']} with {s['eval_samples']} samples; seeds "
              f"{','.join(map(str, seeds))} ({len(seeds)}), paired by seed; 95% Student-t intervals; two-sided paired "
              f"t-tests, Holm across the {len(rows)} primaries run. Differences in points of the hard set's accuracy "
-             f"(mean of the last {learning.LAST} evaluations). da3po_entropy: `{entropy_flags}` (the pilot's winner).",
+             f"(mean of the last {learning.LAST} evaluations)."
+             + (f" da3po_entropy: `{entropy_flags}` (the pilot's winner)." if family == "neighbours" else ""),
              "", "## Primaries", "",
              "| id | claim | arm - vs | difference [95% interval] | p (Holm) | what the data exclude | holds here? |",
              "|---|---|---|---|---|---|---|"]
