@@ -59,7 +59,9 @@ def resp_mean(max_new: int) -> tuple[int, str]:
     could read publishes it for these recipes)."""
     if max_new <= 4096:
         return 1000, "assumed: a third of the 3,000-token budget (Qwen2.5-Math-7B under RL answers in ~0.6-1.5k)"
-    return 3000, "assumed: base models under DAPO-style RL average 1-5k tokens, growing; 3,000 over the run"
+    return 3000, ("assumed: base models under DAPO-style RL average 1-5k tokens, growing; 3,000 over the run. No "
+                  "source we could read states it for Qwen2.5-Math-7B at a long budget: SimpleRL-Zoo and Dr. GRPO "
+                  "plot it (figures only; 8K and 3K budgets), verl's docs and DAPO recipe give none")
 
 
 EVAL_SETS = {  # problems per set (the sets' sizes, docs/data.md's sources) and samples per problem (@k)
@@ -110,8 +112,19 @@ VERL = dict(model="Qwen2.5-Math-7B", gpus=32, P=512, G=16, steps=400, ds=False, 
 VERL_SRC = ("verl docs/advance/fully_async.md (verl.readthedocs.io/en/latest/advance/fully_async.html): H20, "
             "Qwen2.5-Math-7B, DAPO, 512 prompts x 16, 400 steps, max_response_length 28K, colocate sync on 32 "
             "cards: 3d 17h 5m (step 790.10 s = gen 357.41 + old_log_prob 107.71 + update_actor 313.81); its "
-            "script: verl.trainer.main_ppo (no dynamic sampling), vLLM TP 4 at gpu_memory_utilization 0.80, "
+            "script: verl.trainer.main_ppo (no dynamic sampling), max_response_length 1024 x 28 = 28,672 with a 4,096-" \
+            "token overlong buffer, vLLM TP 4 at gpu_memory_utilization 0.80, "
             "pi_old recomputed, no KL, gradient checkpointing, param and optimizer offload")
+# The synchronous tail (pinned before the tail model existed; see the module docstring)
+SMALL_BATCH = dict(tok_s=75.0, model="Llama-3.1-8B", bw=1.555e12,
+                   src="johnmusgrave.com/p/vllm-throughput-latency-sweep-on: vLLM, Llama-3.1-8B-Instruct bf16 on one "
+                       "A100 40GB, one request at a time: about 75 tokens/s, which the post puts at ~77% of the "
+                       "memory-bandwidth ceiling; A100 40GB SXM 1,555 GB/s (NVIDIA A100 datasheet). Batch 1, TP 1: "
+                       "no TP all-reduces in it, so on a TP-4 engine the real per-token latency is higher")
+TAIL_SRC = ("assumed: at least one response per engine reaches the run's max_response_length in every generation "
+            "batch (no source gives the share at the cap; DAPO's overlong buffer, which the verl run's script "
+            "enables with 4,096 tokens, exists because some responses run into it), and it is admitted when the "
+            "step starts (the kindest case: it shares the full batch's decode steps as long as the bulk lasts)")
 PRICE = 2.79  # $ per H100 GPU-hour
 PRICE_SRC = ("RunPod Secure Cloud 8 x H100 SXM, $22.32/h = $2.79 per GPU-hour (April 2026, "
              "techplained.aptechsolutions.io/runpod-vs-vast-ai; on-demand H100 SXM lists at $2.49-3.99)")
