@@ -23,7 +23,8 @@ One step of a synchronous, colocated run (vLLM and the trainer take turns on the
                the trainer's; the KL model when kl_coef > 0), at MFU of the GPUs' dense BF16 peak.
 Every input is printed with its source. What it leaves out (say so, it all makes a real run slower): the tail's
 company (other long responses, batch > 1) and TP's all-reduces at batch 1, the evaluation's own tail, weight sync,
-checkpoints, the verifier, CPU offload's transfers, start-up. So the figures are floors in spirit, and the published check says how far."""
+checkpoints, the verifier, CPU offload's transfers, start-up. So the figures are floors in spirit, and the
+published check says how far."""
 import math
 
 from bench.memory import MODELS as SHAPES, kv_bytes_per_token, param_count
@@ -120,8 +121,8 @@ VERL = dict(model="Qwen2.5-Math-7B", gpus=32, P=512, G=16, steps=400, ds=False, 
 VERL_SRC = ("verl docs/advance/fully_async.md (verl.readthedocs.io/en/latest/advance/fully_async.html): H20, "
             "Qwen2.5-Math-7B, DAPO, 512 prompts x 16, 400 steps, max_response_length 28K, colocate sync on 32 "
             "cards: 3d 17h 5m (step 790.10 s = gen 357.41 + old_log_prob 107.71 + update_actor 313.81); its "
-            "script: verl.trainer.main_ppo (no dynamic sampling), max_response_length 1024 x 28 = 28,672 with a 4,096-" \
-            "token overlong buffer, vLLM TP 4 at gpu_memory_utilization 0.80, "
+            "script: verl.trainer.main_ppo (no dynamic sampling), max_response_length 1024 x 28 = 28,672 with a "
+            "4,096-token overlong buffer, vLLM TP 4 at gpu_memory_utilization 0.80, "
             "pi_old recomputed, no KL, gradient checkpointing, param and optimizer offload")
 # The synchronous tail (pinned before the tail model existed; see the module docstring)
 SMALL_BATCH = dict(tok_s=75.0, model="Llama-3.1-8B", bw=1.555e12,

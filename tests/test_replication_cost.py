@@ -1,6 +1,6 @@
 """bench/replication_cost.py's arithmetic checked by hand: one recipe's GPU-hours written out independently here,
-dynamic sampling's expected batches, the synchronous tail, and the published-run check (its ratio, and that the published figure lies
-inside the band the script's stated response range spans). No torch: a second."""
+dynamic sampling's expected batches, the synchronous tail, and the published-run check (its ratio, and that the
+published figure lies inside the band the script's stated response range spans). No torch: a second."""
 import math
 
 from bench import replication_cost as rc
