@@ -10,12 +10,21 @@ One step of a synchronous, colocated run (vLLM and the trainer take turns on the
                head_dim x context FLOPs per sequence; sequences in flight = min(KV cache / (KV bytes per token x
                mean context), max_num_seqs, sequences per engine); the step takes max(bytes / bandwidth, FLOPs /
                peak) / DECODE_EFF. Prefill: 2N per prompt token (a group's prompt once: prefix caching), at MFU.
+               That is the bulk. A synchronous step also waits for each engine's longest response: the tail,
+               once per generation batch (tail_seconds):
+                 bulk steps  = sequences per engine x mean response / batch in flight   (decode steps of the bulk)
+                 alone       = max(0, max_new_tokens - bulk steps)   (the longest response's tokens after the
+                               batch thins out, with that response admitted when the step starts)
+                 tail        = alone x (2N + KV bytes of its context) / (TP x bandwidth) / SMALL_EFF
+               SMALL_EFF: the share of the bandwidth roofline a batch-1 vLLM decode step reaches (published).
+               It is zero when every response has the mean length (bulk steps >= mean) and grows with the budget.
   trainer      6N + 12 x layers x heads x head_dim x (S / 2) per trained token (LoRA: 4N, no weight gradients),
                2N + 4 x ... per token of each extra forward (pi_old, recomputed when the engine's log-probs are not
                the trainer's; the KL model when kl_coef > 0), at MFU of the GPUs' dense BF16 peak.
-Every input is printed with its source. What it leaves out (say so, it all makes a real run slower): the long tail
-of a synchronous step (the last sequences decode at a small batch), weight sync, checkpoints, the verifier,
-CPU offload's transfers, start-up. So the figures are floors in spirit, and the published check says how far."""
+Every input is printed with its source. What it leaves out (say so, it all makes a real run slower): the tail's
+company (other long responses, batch > 1) and TP's all-reduces at batch 1, the evaluation's own tail, weight sync,
+checkpoints, the verifier, CPU offload's transfers, start-up. So the figures are floors in spirit, and the
+published check says how far."""
 import math
 
 from bench.memory import MODELS as SHAPES, kv_bytes_per_token, param_count
@@ -59,7 +68,9 @@ def resp_mean(max_new: int) -> tuple[int, str]:
     could read publishes it for these recipes)."""
     if max_new <= 4096:
         return 1000, "assumed: a third of the 3,000-token budget (Qwen2.5-Math-7B under RL answers in ~0.6-1.5k)"
-    return 3000, "assumed: base models under DAPO-style RL average 1-5k tokens, growing; 3,000 over the run"
+    return 3000, ("assumed: base models under DAPO-style RL average 1-5k tokens, growing; 3,000 over the run. No "
+                  "source we could read states it for Qwen2.5-Math-7B at a long budget: SimpleRL-Zoo and Dr. GRPO "
+                  "plot it (figures only; 8K and 3K budgets), verl's docs and DAPO recipe give none")
 
 
 EVAL_SETS = {  # problems per set (the sets' sizes, docs/data.md's sources) and samples per problem (@k)
@@ -110,8 +121,20 @@ VERL = dict(model="Qwen2.5-Math-7B", gpus=32, P=512, G=16, steps=400, ds=False, 
 VERL_SRC = ("verl docs/advance/fully_async.md (verl.readthedocs.io/en/latest/advance/fully_async.html): H20, "
             "Qwen2.5-Math-7B, DAPO, 512 prompts x 16, 400 steps, max_response_length 28K, colocate sync on 32 "
             "cards: 3d 17h 5m (step 790.10 s = gen 357.41 + old_log_prob 107.71 + update_actor 313.81); its "
-            "script: verl.trainer.main_ppo (no dynamic sampling), vLLM TP 4 at gpu_memory_utilization 0.80, "
+            "script: verl.trainer.main_ppo (no dynamic sampling), max_response_length 1024 x 28 = 28,672 with a "
+            "4,096-token overlong buffer, vLLM TP 4 at gpu_memory_utilization 0.80, "
             "pi_old recomputed, no KL, gradient checkpointing, param and optimizer offload")
+# The synchronous tail (pinned before the tail model existed; see the module docstring)
+SMALL_BATCH = dict(tok_s=75.0, model="Llama-3.1-8B", bw=1.555e12,
+                   src="johnmusgrave.com/p/vllm-throughput-latency-sweep-on: vLLM, Llama-3.1-8B-Instruct bf16 on one "
+                       "A100 40GB, one request at a time: about 75 tokens/s, which the post puts at ~77% of the "
+                       "memory-bandwidth ceiling; A100 40GB SXM 1,555 GB/s (NVIDIA A100 datasheet). Batch 1, TP 1: "
+                       "no TP all-reduces in it, so on a TP-4 engine the real per-token latency is higher")
+TAIL_SRC = ("assumed: at least one response per engine reaches the run's max_response_length in every generation "
+            "batch (no source gives the share at the cap; DAPO's overlong buffer, which the verl run's script "
+            "enables with 4,096 tokens, exists because some responses run into it), and it is admitted when the "
+            "step starts (the kindest case: it shares the full batch's decode steps as long as the bulk lasts)")
+SMALL_EFF = SMALL_BATCH["tok_s"] * 2 * param_count(SHAPES[SMALL_BATCH["model"]]) / SMALL_BATCH["bw"]
 PRICE = 2.79  # $ per H100 GPU-hour
 PRICE_SRC = ("RunPod Secure Cloud 8 x H100 SXM, $22.32/h = $2.79 per GPU-hour (April 2026, "
              "techplained.aptechsolutions.io/runpod-vs-vast-ai; on-demand H100 SXM lists at $2.49-3.99)")
@@ -144,7 +167,20 @@ def decode_rate(m: dict, gpu: dict, kv_bytes: float, ctx: float, seqs: float, tp
                 "compute")
 
 
-def step_cost(r: dict, gpu: dict, keep: float = KEEP, resp: float = 0, mfu: float = MFU) -> dict:
+def tail_seconds(m: dict, gpu: dict, tp: int, cap: float, L: float, p: float, seqs: float, batch: float,
+                 small_eff: float = None) -> dict:
+    """The synchronous tail of one generation batch on one engine (module docstring): the longest response, cap
+    tokens, shares the bulk's seqs x L / batch full-batch decode steps, then decodes the rest alone."""
+    N, kvb = param_count(m), kv_bytes_per_token(m)
+    alone = max(0.0, cap - seqs * L / min(batch, seqs))
+    ctx = p + cap - alone / 2  # its mean context over the tokens it decodes alone
+    floor = 2 * N / (tp * gpu["bw"])  # the roofline of a batch-1 step: the weights, read once
+    t_tok = (2 * N + ctx * kvb) / (tp * gpu["bw"]) / (small_eff or SMALL_EFF)
+    return dict(tokens=alone, t_tok=t_tok, floor=floor, s=alone * t_tok)
+
+
+def step_cost(r: dict, gpu: dict, keep: float = KEEP, resp: float = 0, mfu: float = MFU, tail: bool = True,
+              small_eff: float = None) -> dict:
     """Seconds of one step of recipe r on GPUs of kind gpu, by phase, and the inputs behind them."""
     m = MODELS[r["model"]]
     N, tp = param_count(m), r.get("tp", 1)
@@ -158,7 +194,10 @@ def step_cost(r: dict, gpu: dict, keep: float = KEEP, resp: float = 0, mfu: floa
     engines = r["gpus"] / tp
     kv_bytes = tp * (r["u"] * gpu["mem"] - VLLM_FIXED) - 2 * N - (2 * 16 * N / 1e3 if r["lora"] else 0)
     dec = decode_rate(m, gpu, kv_bytes, p + L / 2, seqs / engines, tp, r.get("max_num_seqs", MAX_NUM_SEQS))
-    gen = seqs * L / (engines * dec["rate"]) + 2 * N * groups * p / (r["gpus"] * gpu["flops"] * mfu)
+    bulk = seqs * L / (engines * dec["rate"]) + 2 * N * groups * p / (r["gpus"] * gpu["flops"] * mfu)
+    n_gen = batches if r["ds"] else 1  # synchronous generation batches a step, each with its own tail
+    t = tail_seconds(m, gpu, tp, r["new"], L, p, seqs / engines / n_gen, dec["batch"], small_eff)
+    gen = bulk + (n_gen * t["s"] if tail else 0.0)
     S = p + L  # a trained sequence
     attn = 4 * m["L"] * m["heads"] * m["hd"] * S / 2  # forward attention FLOPs per token, mean context S / 2
     tokens = r["P"] * r["G"] * S
@@ -166,7 +205,7 @@ def step_cost(r: dict, gpu: dict, keep: float = KEEP, resp: float = 0, mfu: floa
     forwards = 1 + (r["kl"] > 0)  # pi_old (vLLM's bf16 log-probs are never the trainer's) and the KL model
     flops = tokens * (train_per_token + forwards * (2 * N + attn))
     train = flops / (r["gpus"] * gpu["flops"] * mfu)
-    return dict(N=N, L=L, batches=batches, seqs=seqs, kv=kv_bytes, dec=dec, gen=gen, train=train,
+    return dict(N=N, L=L, batches=batches, seqs=seqs, kv=kv_bytes, dec=dec, bulk=bulk, tail=t, gen=gen, train=train,
                 step=gen + train, flops=flops)
 
 
@@ -192,7 +231,11 @@ def inputs() -> list[str]:
                               ("response mean, budget <= 4,096", resp_mean(3000)[0], resp_mean(3000)[1]),
                               ("response mean, budget 20,480", resp_mean(20480)[0], resp_mean(20480)[1]),
                               ("vLLM non-KV memory", f"{VLLM_FIXED / 1e9:.0f} GB", VLLM_FIXED_SRC),
-                              ("max_num_seqs", MAX_NUM_SEQS, "vllm_engine.py's default")]:
+                              ("max_num_seqs", MAX_NUM_SEQS, "vllm_engine.py's default"),
+                              ("batch-1 decode efficiency (tail)", f"{SMALL_EFF:.2f} = {SMALL_BATCH['tok_s']:.0f} "
+                               f"tokens/s x 2 x {param_count(SHAPES[SMALL_BATCH['model']]) / 1e9:.2f}B / "
+                               f"{SMALL_BATCH['bw'] / 1e12:.3f} TB/s", SMALL_BATCH["src"]),
+                              ("tail", "max_new_tokens of each recipe", TAIL_SRC)]:
         lines.append(f"  {label}: {value}  ({src})")
     lines.append(f"  dynamic sampling: --oversample {OVERSAMPLE} --max_gen_batches {MAX_BATCHES} (the recipes); "
                  f"E[batches] at keep {KEEP} = {expected_batches(512, KEEP):.2f}, at 0.25 = "
@@ -204,9 +247,9 @@ def inputs() -> list[str]:
 
 def table() -> list[str]:
     lines = ["", "One run of each recipe (GPU-hours = steps x step seconds x GPUs; decode tokens/s per GPU, "
-             "bound; step seconds generation + trainer)", "",
+             "bound; step seconds generation + trainer, the generation's synchronous tail beside it)", "",
              "| docs/gpu.md command | model | GPUs | P x G | H100 GPU-h | H200 GPU-h | H100 step s (gen + train) "
-             "| H100 decode tok/s/GPU |", "|---|---|---|---|---|---|---|---|"]
+             "| H100 tail s | H100 decode tok/s/GPU |", "|---|---|---|---|---|---|---|---|---|"]
     for r in RECIPES:
         h = {g: run_hours(r, GPUS[g]) for g in ("H100", "H200")}
         c = step_cost(r, GPUS["H100"])
@@ -214,8 +257,9 @@ def table() -> list[str]:
         h100 = f"{h['H100']:,.0f}" if fits else "does not fit"
         step = f"{c['step']:,.0f} ({c['gen']:,.0f} + {c['train']:,.0f})" if fits else "-"
         rate = f"{c['dec']['rate'] / r.get('tp', 1):,.0f}, {c['dec']['bound']}" if fits else "-"
+        tail = f"{c['gen'] - c['bulk']:,.0f}" if fits else "-"
         lines.append(f"| `{r['cmd']}` | {r['model']} | {r['gpus']} | {r['P']} x {r['G']}"
-                     f"{' (DS)' if r['ds'] else ''} | {h100} | {h['H200']:,.0f} | {step} | {rate} |")
+                     f"{' (DS)' if r['ds'] else ''} | {h100} | {h['H200']:,.0f} | {step} | {tail} | {rate} |")
     lines.append("(DS: dynamic sampling, 3 x P prompts a generation batch. LoRA rows: the commands as written on an "
                  "H100/H200, their --vllm_gpu_memory of that GPU.)")
     return lines
@@ -235,6 +279,10 @@ def check() -> list[str]:
              f"(published old_log_prob + update_actor {r['old_s'] + r['upd_s']:.0f}); decode "
              f"{c['dec']['rate'] / r['tp']:,.0f} tokens/s/GPU ({c['dec']['bound']}-bound, batch "
              f"{c['dec']['batch']:.0f} per TP-{r['tp']} engine)",
+             f"    generation = bulk {c['bulk']:.0f} s + tail {c['tail']['s']:.0f} s: the longest response "
+             f"({r['new']:,} tokens) decodes {c['tail']['tokens']:,.0f} of them alone at\n    "
+             f"{c['tail']['t_tok'] * 1e3:.2f} ms a token (roofline floor 2N / (TP x bandwidth) = "
+             f"{c['tail']['floor'] * 1e3:.2f} ms, / batch-1 efficiency {SMALL_EFF:.2f}, plus its KV read)",
              f"    {model:,.0f} H20 GPU-hours: ratio model / published = {ratio:.2f} "
              f"({'within' if abs(ratio - 1) <= 0.3 else 'OUTSIDE'} +-30%)",
              "  sensitivity (ratio to the published 2,851 when one input changes):"]
@@ -243,18 +291,22 @@ def check() -> list[str]:
         for _ in range(60):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if step_cost(r, g, resp=mid)["train"] < r["old_s"] + r["upd_s"] else (lo, mid)
-        lines[-2:-1] = [lines[-2], f"    the model misses the published run by more than 30%. The phases miss in "
-                        f"opposite directions: the trainer's\n    published time fits a response mean of "
-                        f"{lo:,.0f} tokens at MFU {MFU} (an inference, not an input), and at that mean the\n    "
-                        f"roofline generation is far below the published {r['gen_s']:.0f} s: a synchronous step "
-                        f"waits for its longest\n    responses (up to 28K tokens), which this model does not "
-                        f"count. verl publishes no mean response length\n    for the run; it is the input "
-                        f"that decides the check."]
+        at = step_cost(r, g, resp=lo)
+        lines[-2:-1] = [lines[-2], f"    the model misses the published run by more than 30%: its trainer takes "
+                        f"{c['train'] / (r['old_s'] + r['upd_s']):.2f}x the published time, its\n    generation "
+                        f"(bulk + tail) {c['gen'] / r['gen_s']:.2f}x. The trainer's published time fits a response "
+                        f"mean of {lo:,.0f} tokens at MFU {MFU}\n    (an inference, not an input); at that mean "
+                        f"this model's generation is {at['gen']:.0f} s (tail {at['gen'] - at['bulk']:.0f} s) against "
+                        f"the published\n    {r['gen_s']:.0f} s. verl publishes no mean response length for the run; "
+                        f"it is the input that decides the check."]
     for label, kw in [("response mean 1,500", dict(resp=1500)), ("response mean 6,000", dict(resp=6000)),
                       ("MFU 0.25", dict(mfu=0.25)), ("MFU 0.45", dict(mfu=0.45))]:
         lines.append(f"    {label:22s} {run_hours(r, g, **kw) / published:.2f}")
     for eff in (0.3, 0.7):
         lines.append(f"    decode efficiency {eff:<4} {_with_decode_eff(eff, r, g) / published:.2f}")
+    lines.append(f"    {'no tail (all the mean)':22s} {run_hours(r, g, tail=False) / published:.2f}")
+    half = f"batch-1 eff. {SMALL_EFF / 2:.2f} (/2)"
+    lines.append(f"    {half:22s} {run_hours(r, g, small_eff=SMALL_EFF / 2) / published:.2f}")
     return lines
 
 

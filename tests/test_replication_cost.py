@@ -1,6 +1,6 @@
 """bench/replication_cost.py's arithmetic checked by hand: one recipe's GPU-hours written out independently here,
-dynamic sampling's expected batches, and the published-run check (its ratio, and that the published figure lies
-inside the band the script's stated response range spans). No torch: a second."""
+dynamic sampling's expected batches, the synchronous tail, and the published-run check (its ratio, and that the
+published figure lies inside the band the script's stated response range spans). No torch: a second."""
 import math
 
 from bench import replication_cost as rc
@@ -19,13 +19,19 @@ def test_daro_recipe_on_h100_by_hand():
     batch = min(kv / (kvb * ctx), 256, seqs / 8)
     t_dec = max((2 * N + batch * ctx * kvb) / bw, batch * (2 * N + 4 * 28 * 28 * 128 * ctx) / peak) / 0.5
     gen = seqs * L / (8 * batch / t_dec) + 2 * N * 128 * p / (8 * peak * 0.35)
+    # the tail: the longest response (3,000 tokens) shares the bulk's seqs/8 x L / batch decode steps, then
+    # decodes the rest alone at batch 1, at 75 tok/s x 2 x 8.03B / 1.555 TB/s = 0.77 of that step's roofline
+    alone = 3000 - (seqs / 8) * L / batch
+    assert alone > 0
+    eff1 = 75 * 2 * 8_030_261_248 / 1.555e12
+    gen += alone * (2 * N + (p + 3000 - alone / 2) * kvb) / bw / eff1
     S = p + L
     attn = 4 * 28 * 28 * 128 * S / 2
     train = 128 * 8 * S * (6 * N + 3 * attn + 2 * N + attn) / (8 * peak * 0.35)  # update + pi_old's forward
     hours = 300 * (gen + train) * 8 / 3600
     daro = next(r for r in rc.RECIPES if r["cmd"].endswith("runs/daro"))
     assert math.isclose(rc.run_hours(daro, rc.GPUS["H100"]), hours, rel_tol=1e-12)
-    assert 20 < hours < 40  # and the figure itself: 29 GPU-hours
+    assert 25 < hours < 50  # and the figure itself: 37 GPU-hours
 
 
 def test_expected_generation_batches():
@@ -34,6 +40,26 @@ def test_expected_generation_batches():
     assert math.isclose(rc.expected_batches(512, 0.5), 1.0, abs_tol=1e-9)   # 3 x 512 x 0.5 = 768 >= 512 kept
     assert math.isclose(rc.expected_batches(512, 0.25), 2.0, abs_tol=1e-6)  # 384 kept a batch: two batches
     assert math.isclose(rc.expected_batches(512, 0.01), 10, abs_tol=1e-9)  # the cap
+
+
+def test_synchronous_tail():
+    r, g = rc.VERL, rc.GPUS["H20"]
+    m, tp = rc.MODELS[r["model"]], r["tp"]
+    c = rc.step_cost(r, g)
+    assert c["tail"]["s"] > 0 and c["gen"] > c["bulk"]  # verl's run: one wave of 1,024 per engine, 28K budget
+    # the engine's longest response decodes cap - (its share of the bulk's steps) alone: 28,672 - 3,000 here
+    assert math.isclose(c["tail"]["tokens"], 28672 - 1024 * 3000 / 1024)
+    # a batch-1 step is slower than the weights' roofline floor and faster than the floor / 0.5
+    assert c["tail"]["floor"] < c["tail"]["t_tok"] < c["tail"]["floor"] / 0.5
+    # zero when every response has the mean length, and it grows with the budget
+    assert rc.tail_seconds(m, g, tp, 3000, 3000, 200, 1024, 1024)["s"] == 0
+    assert rc.tail_seconds(m, g, tp, 3000, 3000, 200, 5000, 256)["s"] == 0
+    budgets = [rc.step_cost(dict(r, new=n), g)["tail"]["s"] for n in (4096, 8192, 16384, 28672)]
+    assert all(a < b for a, b in zip(budgets, budgets[1:]))
+    # every recipe row gets its own budget's tail, and the table shows it
+    grpo = next(x for x in rc.RECIPES if x["cmd"].endswith("runs/grpo"))
+    assert rc.step_cost(grpo, rc.GPUS["H100"])["tail"]["tokens"] > 0
+    assert rc.run_hours(grpo, rc.GPUS["H100"]) > rc.run_hours(grpo, rc.GPUS["H100"], tail=False)
 
 
 def test_published_run_check_and_its_band():
@@ -46,6 +72,8 @@ def test_published_run_check_and_its_band():
     out = run_script(["-m", "bench.replication_cost"], timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"ratio model / published = {ratio:.2f}" in out.stdout
+    c = rc.step_cost(r, g)  # the printed split of generation into bulk and tail is the same arithmetic
+    assert f"generation = bulk {c['bulk']:.0f} s + tail {c['tail']['s']:.0f} s" in out.stdout
     verdict = "within +-30%" if abs(ratio - 1) <= 0.3 else "OUTSIDE +-30%"
     assert verdict in out.stdout  # the script says which, and says so in words when it misses
     assert abs(ratio - 1) <= 0.3 or "misses the published run by more than 30%" in out.stdout
