@@ -507,7 +507,7 @@ def batch_logprobs(model, mb: dict, cfg, with_entropy: bool = False, with_nucleu
 
 
 def old_logprobs(model, batch: dict, cfg, device: torch.device, engine, groups: list) -> dict:
-    """pi_old, new batch entries: the engine's log-probs if they are it, else recomputed."""
+    """pi_old, new batch entries: the engine's log-probs where they are pi_old, else recomputed."""
     if engine.exact_logprobs:  # our float32 sampler at top_p = 1: the trainer's own arithmetic
         return {"old_logp": batch.pop("rollout_logp")}
     if cfg.max_staleness > 0:  # carried-over rollouts: partial.py recomputes where `groups` need it
