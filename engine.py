@@ -180,10 +180,11 @@ class HFRollout(CarriedRollouts):
     compute dtype and generates without collectives (on the sharded module, ranks that stop at
     different lengths deadlock).
 
-    exact_logprobs: in float32 at top_p = 1 its log-probs are pi_old (the same weights and
-    arithmetic, ~1e-6 off from the KV cache), so no old-log-prob pass is needed; in bf16 the
-    kernels' rounding makes them differ; with --max_staleness (partial.py) the carried tokens come
-    from older weights than pi_old's.
+    exact_logprobs: in float32 at the training rollouts' top_p = 1 its log-probs are pi_old (the
+    same weights and arithmetic, ~1e-6 off from the KV cache; sample_token renormalises over a
+    nucleus), so no old-log-prob pass is needed; in bf16 the kernels' rounding makes them differ.
+    With --max_staleness (partial.py) the carried tokens come from older weights than pi_old's:
+    exact_current_logprobs then says the same of the tokens pi_old's own weights sampled.
     """
 
     def __init__(self, model, tok, dist_info: DistInfo, dtype: str = "float32",
@@ -192,8 +193,8 @@ class HFRollout(CarriedRollouts):
         self.batch_size = batch_size
         self.dtype = dtype
         self.device = dist_info.device
-        # top_p: the training rollouts' (sample_token renormalises over the nucleus)
-        self.exact_logprobs = dtype == "float32" and top_p == 1 and not max_staleness
+        self.exact_current_logprobs = dtype == "float32" and top_p == 1  # (class docstring)
+        self.exact_logprobs = self.exact_current_logprobs and not max_staleness
         if is_dist():
             copied = copy.deepcopy(model).to(dist_info.device, getattr(torch, dtype))
             self.model = copied.eval().requires_grad_(False)
@@ -207,11 +208,6 @@ class HFRollout(CarriedRollouts):
         with autocast(self.dtype, self.device):
             return hf_generate(self.model, self.tok, prompts, max_new_tokens, temperature, top_p,
                                self.batch_size, n)
-
-    def current_logprobs_exact(self, cfg) -> bool:
-        """With --max_staleness (partial.old_logprobs): the log-probs of the tokens that pi_old's
-        own weights sampled are pi_old, as exact_logprobs says without it."""
-        return self.dtype == "float32" and cfg.top_p == 1
 
     def calibrate(self, model) -> float:
         """Nothing to calibrate: the weights are the trainer's own or copied from them."""

@@ -63,13 +63,12 @@ class CarriedRollouts:
     def carried_sampling(self, tok, stream, cfg, dist_info):
         return dynamic_sampling(self, tok, stream, cfg, dist_info)
 
+    # whether the log-probs of the tokens that pi_old's own weights sampled are pi_old: not vLLM's
+    # (our sampler in float32 at top_p = 1 sets it: engine.HFRollout)
+    exact_current_logprobs = False
+
     def carried_old_logprobs(self, model, batch, groups, cfg, device):
         return old_logprobs(self, model, batch, groups, cfg, device)
-
-    def current_logprobs_exact(self, cfg) -> bool:
-        """Whether the log-probs of the tokens that pi_old's own weights sampled are pi_old; not
-        vLLM's (our sampler in float32 at top_p = 1 says yes: engine.HFRollout)."""
-        return False
 
 
 def check(engine, cfg):
@@ -312,11 +311,11 @@ def _close(kept, generated, my_groups, num_batches, verify, buffer, sums, versio
 def old_logprobs(engine, model, batch: dict, groups: list[dict], cfg, device) -> dict:
     """common.old_logprobs with carried-over rollouts: a row whose tokens pi_old's own weights
     sampled (its group's "current", set by _close) keeps the engine's log-probs when they are pi_old
-    there (engine.current_logprobs_exact, as exact_logprobs would say without --max_staleness);
+    there (engine.exact_current_logprobs, as exact_logprobs would say without --max_staleness);
     every other row is recomputed. With vLLM or in bf16 all rows are, as before. Under torchrun
     each rank recomputes as many rows, the most any rank needs (an all-reduce), its own stale rows
     first and then rows the engine had right: FSDP's forwards stay in lockstep."""
-    if not engine.current_logprobs_exact(cfg):
+    if not engine.exact_current_logprobs:
         return common.recompute_old_logprobs(model, batch, cfg, device)
     current = torch.tensor([c for g in groups
                             for c in g.get("current", [False] * len(g["completions"]))])  # (B,)
