@@ -84,24 +84,21 @@ PRESETS = presets(OWN_PRESETS, off={"weighting": "none"})
 
 
 def check_algorithm_config(cfg: Config):
-    """DARO's flags that cannot work stop here, naming the flag (exit 2); config.check_config
-    calls this last."""
+    """DARO's flags that cannot work stop here, naming the flag (exit 2); check_config calls it."""
     if cfg.weighting not in ("learned", "closed", "uniform", "var", "none"):
         die(f"--weighting {cfg.weighting!r}: choose one of learned, closed, uniform, var, none")
     if cfg.weighting == "learned" and not cfg.weight_lr > 0:
         die(f"--weight_lr must be > 0 for --weighting learned (w = 1: uniform), "
             f"got {cfg.weight_lr}")
     if cfg.weighting == "closed" and cfg.daro_literal:
-        die("--weighting closed fits |L_mu| + delta: --daro_literal has no minimum in w where "
-            "L_mu <= 0")
+        die("--daro_literal does not apply to --weighting closed (it fits |L_mu| + delta)")
     if cfg.daro_delta < 0:
         die(f"--daro_delta must be >= 0 (it keeps |L_mu| + delta positive), got {cfg.daro_delta}")
     if cfg.shared_weight and cfg.weighting not in ("learned", "closed"):
         die(f"--shared_weight shares the weights of --weighting learned or closed, "
             f"not {cfg.weighting}")
     if not 0 < cfg.w_min <= 1 <= cfg.w_max:
-        die(f"--w_min and --w_max must satisfy 0 < w_min <= 1 <= w_max, "
-            f"got {cfg.w_min} and {cfg.w_max}")
+        die(f"--w_min and --w_max need 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,7 +189,8 @@ class DARO(Algorithm):
     mu = 1/G .. (G-1)/G, 0 at start, one tensor per bin (Adam skips an absent one), with an Adam of
     their own, apart from the model's weight decay and gradient clipping (docs/departures.md);
     --weighting closed sets s_mu itself. `bins` (3, G+1), per bin over the step's updates, the same
-    on every rank: L_mu summed, updates, groups."""
+    on every rank: L_mu summed, updates, groups. start_update sets the update's own: its tokens per
+    bin (bin_tokens), w_mu (w) and this rank's share of each L_mu (bin_loss), summed by loss()."""
 
     def __init__(self, cfg: Config, device: torch.device, state: dict):
         super().__init__(cfg, device, state)
@@ -203,19 +201,11 @@ class DARO(Algorithm):
         if "daro_neg_log_w" in state:  # a resumed run
             self.load_state_dict(state)
         self.bins = torch.zeros(3, self.G + 1)
-        # the current update's (set by start_update): tokens per bin, w_mu,
-        # this rank's share of each L_mu
-        self.bin_tokens = torch.zeros(self.G + 1, device=device)
-        self.w = bin_weights(self.neg_log_w, cfg.weighting, cfg.shared_weight)
-        self.bin_loss = torch.zeros(self.G + 1, device=device)
 
     def state_dict(self) -> dict:
-        """On the CPU, so that a checkpoint resumes on any device (Adam's load_state_dict moves its
-        moments to the weights' device)."""
-        weight_opt = self.weight_opt.state_dict()
-        moments = {i: {k: v.cpu() for k, v in s.items()} for i, s in weight_opt["state"].items()}
-        return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach().cpu(),
-                "weight_optimizer": {**weight_opt, "state": moments}}
+        """s_mu and their Adam, on the device they train on (a checkpoint loads onto the CPU)."""
+        return {"daro_neg_log_w": torch.stack(self.neg_log_w).detach(),
+                "weight_optimizer": self.weight_opt.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict):
@@ -265,11 +255,8 @@ class DARO(Algorithm):
         return (token_loss * (mb["weight"] * w_row)).sum()
 
     def after_update(self):
-        """The weights' step, after each applied update."""
-        self.step_weights()
-
-    def step_weights(self):
-        """L_mu over all ranks, then a weight step on each present bin (or the closed form)."""
+        """After each applied update: L_mu over all ranks, then a weight step on each bin present
+        (or the closed form)."""
         bin_loss = all_reduce_sum(self.bin_loss)  # (G+1,)
         present = self.bin_tokens > 0  # the bins in this update
         if self.cfg.weighting == "learned":
@@ -284,8 +271,7 @@ class DARO(Algorithm):
         (mean over the updates with bin mu, else 0), n_mu (groups trained on, all ranks); the next
         step's `bins` start at zero."""
         G = self.G
-        bins = self.bins
-        self.bins = torch.zeros(3, G + 1)  # the next step's
+        bins, self.bins = self.bins, torch.zeros(3, G + 1)  # the next step's start at zero
         w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()
         metrics = {}
         for i in range(G + 1):

@@ -54,11 +54,11 @@ class TracedDARO(daro.DARO):
                 self.grads[i] = self.grads.get(i, 0) + flat
         return total
 
-    def step_weights(self):
+    def after_update(self):
         w_used, s_before = self.w.clone(), torch.stack(self.neg_log_w).detach().clone()
         present = self.bin_tokens > 0
         L = ranks.all_reduce_sum(self.bin_loss).abs()  # |L_mu| (G+1,)
-        super().step_weights()
+        super().after_update()
         moved = (s_before - torch.stack(self.neg_log_w).detach()) / self.cfg.weight_lr  # ln w's step, in lr units
         cfg, loss_terms = self.cfg, {}
         norms = {i: g.norm().item() for i, g in self.grads.items()}

@@ -116,7 +116,7 @@ def test_shared_weight_is_the_mean_of_the_learned_ones_hand_worked():
 
 @pytest.mark.parametrize("flags, message", [
     ({"weighting": "closd"}, "--weighting 'closd': choose one of learned, closed"),
-    ({"weighting": "closed", "daro_literal": True}, "--weighting closed fits |L_mu| + delta"),
+    ({"weighting": "closed", "daro_literal": True}, "--daro_literal does not apply to --weighting closed"),
     ({"daro_delta": -1e-3}, "--daro_delta must be >= 0"),
     ({"weight_lr": 0.0}, "--weight_lr must be > 0 for --weighting learned"),
     ({"weighting": "uniform", "shared_weight": True}, "--shared_weight shares the weights of --weighting learned"),

@@ -256,7 +256,7 @@ def test_daro_advantages_bins_and_masking(weighting):
 
 
 def _daro_update(algo, batch, rows, rng):
-    """One update of DARO's methods on random token losses: start_update, loss over two micro-batches, step_weights.
+    """One update of DARO's methods on random token losses: start_update, loss over two micro-batches.
     Returns (the loss, the token losses)."""
     batch["weight"] = torch.zeros_like(batch["mask"])
     batch["weight"][rows] = algo.start_update(batch, rows)
@@ -285,8 +285,8 @@ def _reference_daro(seqs, trained, f, s, token_loss):
 
 @pytest.mark.parametrize("weighting,literal", [("learned", False), ("learned", True), ("uniform", False),
                                                ("var", False)])
-def test_daro_loss_step_weights_and_state_dict(weighting, literal):
-    """DARO.start_update, loss (over micro-batches), step_weights over three updates (bins absent from some, w
+def test_daro_loss_weight_steps_and_state_dict(weighting, literal):
+    """DARO.start_update, loss (over micro-batches), after_update over three updates (bins absent from some, w
     reaching its clamp) and a state_dict round trip after the second: the loss, L_mu and s_mu after each step equal
     the reference's (its objective's gradient in closed form, its written-out Adam; static weights do not move), and
     the resumed copy continues exactly as the original."""

@@ -429,6 +429,7 @@ def test_a_checkpoint_from_a_gpu_resumes_here_and_loads_onto_the_training_device
     if script is daro:
         algo = daro.DARO(cfg, torch.device("meta"), state)
         algo.load_step_state(pending.algo)
+        algo.start_update(pending.batch, pending.update_rows[pending.next_update])  # the update left
         assert all(s.device.type == "meta" for s in [*algo.neg_log_w, algo.w, algo.bin_loss, algo.bin_tokens])
         moments = [v for s in algo.weight_opt.state.values() for k, v in s.items() if k != "step"]
         steps = [s["step"] for s in algo.weight_opt.state.values()]

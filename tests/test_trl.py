@@ -256,7 +256,7 @@ def float64_default():
 
 def test_daro_two_updates_equal_daro_py(float64_model, tmp_path, float64_default):
     """One generation batch cut by TRL into 2 optimizer updates (the default): for each, the trainer's loss, its
-    gradient and the weights' step equal daro.py's DARO (start_update, loss, step_weights) on the same rows, with
+    gradient and the weights' step equal daro.py's DARO (start_update, loss, after_update) on the same rows, with
     the project's token_logprobs and policy_loss; the model takes the same step in between, so the second update
     is off-policy (its ratios move)."""
     model, tok = float64_model
@@ -300,7 +300,7 @@ def test_daro_two_updates_equal_daro_py(float64_model, tmp_path, float64_default
         if u == 1:
             assert clipped["clip_low"] + clipped["clip_high"] > 0  # the second update is off-policy
         t.step_weights()  # the callback's call after the optimizer step
-        ref.step_weights()
+        ref.after_update()
         assert torch.allclose(t.last_bin_loss, ref.bin_loss.cpu(), rtol=1e-12, atol=1e-15)
         assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(t.neg_log_w, ref.neg_log_w))
         with torch.no_grad():  # the same model step for both (a plain SGD step, lr 0.2)
