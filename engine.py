@@ -17,6 +17,7 @@ import copy
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from common import pad_prompt_completion
 from modeling import autocast, eos_ids, full_tensor, nucleus, positions
@@ -55,43 +56,27 @@ def _rows_that_fit(model, tokens: int) -> int:
     return max(1, free // 2 // per_row)
 
 
-
 # The sampler's attention. Under a mask, which left padding makes at every decode step,
 # transformers' sdpa copies each key/value head of a grouped-query model for its query heads:
-# the whole KV cache, at every token. sdpa's enable_gqa reads them in place (docs/results.md
-# gives the speed-up). It is registered in transformers' registries under a name of our own
-# when our sampler first runs, and used by its forwards only: importing this file leaves
-# transformers as it was.
+# the whole KV cache, at every token. sdpa's enable_gqa reads them in place (docs/results.md gives
+# the speed-up). hf_generate registers it in transformers' registries under a name of our own, and
+# switches a model on sdpa to it while it samples on a CPU; no other forward runs it.
 ROLLOUT_ATTENTION = "rollout_sdpa"
 
 
 def _rollout_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa, except for grouped-query attention under a mask on a CPU without
-    gradients: there sdpa's enable_gqa reads the key/value heads in place, the same output bit for
-    bit (tests/test_fast_paths.py). With gradients the key/value gradients would be summed in
-    another order, and on GPUs enable_gqa under a mask falls back to the slow math kernel."""
+    """transformers' sdpa, except for grouped-query attention under a mask: there sdpa's enable_gqa
+    reads the key/value heads in place, the same output bit for bit on a CPU without gradients, as
+    our sampler runs it (tests/test_fast_paths.py). On GPUs enable_gqa under a mask falls back to
+    the slow math kernel, and with gradients the key/value gradients are summed in another order."""
     grouped = getattr(module, "num_key_value_groups", 1) != 1
-    cpu_inference = query.device.type == "cpu" and not torch.is_grad_enabled()
     extras = (kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None
               or "cache" in kwargs)
-    if not (grouped and attention_mask is not None and cpu_inference) or extras:
+    if not grouped or attention_mask is None or extras:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None  # (B, L, heads, d), as transformers returns it
-
-
-def _use_rollout_attention(model) -> str:
-    """Switch a model on transformers' sdpa to _rollout_sdpa (with sdpa's masks); any other
-    attention stays. Returns the implementation to put back."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    saved = model.config._attn_implementation
-    if saved == "sdpa":
-        AttentionInterface.register(ROLLOUT_ATTENTION, _rollout_sdpa)  # (idempotent)
-        AttentionMaskInterface.register(ROLLOUT_ATTENTION, sdpa_mask)
-        model.config._attn_implementation = ROLLOUT_ATTENTION
-    return saved
 
 
 def _decode(model, cache, logits, attn, max_new_tokens: int, temperature: float, top_p: float,
@@ -143,7 +128,12 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int,
     logprobs = []
     was_training = model.training
     model.eval()  # gradient checkpointing is off in eval mode, so the KV cache is kept
-    attention = _use_rollout_attention(model)
+    attention = model.config._attn_implementation  # put back after sampling
+    if attention == "sdpa" and device.type == "cpu":  # grouped key/value heads read in place
+        from transformers import AttentionInterface  # (transformers' model code: loaded by now)
+        AttentionInterface.register(ROLLOUT_ATTENTION, _rollout_sdpa)  # (idempotent)
+        AttentionMaskInterface.register(ROLLOUT_ATTENTION, sdpa_mask)  # with sdpa's masks
+        model.config._attn_implementation = ROLLOUT_ATTENTION
     rows = batch_size
     if device.type == "cuda":  # as many as half the free memory holds the KV cache of
         rows = min(rows, _rows_that_fit(model, max(map(len, prompts)) + max_new_tokens))
