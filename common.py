@@ -101,9 +101,8 @@ class Algorithm:
 
 
 # --------------------------------------------------------------------------------------------------
-# 2. The step's record: numbers summed over micro-batches and updates on each rank,
-#    then over ranks in one all-reduce (Sums), and each phase's seconds (StepTimer);
-#    train_metrics turns them into metrics.jsonl's.
+# 2. The step's record: sums over micro-batches and updates on each rank, then over ranks in one
+#    all-reduce (Sums), and each phase's seconds (StepTimer); train_metrics makes the metrics.
 class Sums:
     """Named sums on this rank; reduce() sums each over all ranks (which hold the same names)."""
 
@@ -353,6 +352,8 @@ def rollout_metrics(generated: list[dict], num_kept: int, num_batches: int, veri
 #    rejected        (B, T)    rollout_correction  --rollout_is_mask: the tokens it took out of mask
 #    weight          (B, T)    algo.start_update   each token's share of its update's loss
 #    bin             (B,)      DARO.advantages     #correct of the row's group (mu = bin / G)
+#    amplified       (B,)      DAA.advantages      the rows whose advantage DAA scaled
+#    control         (B, T)    entropy_update      the tokens an entropy control acts on
 def plan_updates(summaries: list[dict], num_updates: int, dist_info: DistInfo,
                  balance: bool = False):
     """This rank's groups in each optimizer update of the step, brought to it (one scatter per
@@ -465,9 +466,8 @@ def micro_batches(batch: dict, index: torch.Tensor, size: int, max_tokens: int =
 
 
 # --------------------------------------------------------------------------------------------------
-# 5. pi and pi_old: the log-probs of a batch's completion tokens,
-#    from one padded forward (token_logprobs); pi_old once per step, before the first update,
-#    unless the engine's are exact; the rollout correction.
+# 5. pi and pi_old: a batch's completion log-probs from one padded forward (token_logprobs); pi_old
+#    once per step, before the first update, unless the engine's are exact; the rollout correction.
 def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float = 1.0,
                    with_entropy: bool = False, top_p: float = 1.0):
     """log pi (B, T) of each row's last T tokens at `temperature`, from one forward of the padded

@@ -240,11 +240,13 @@ class DAA(Algorithm):
             count_passes(self.pass_counts, generated)
 
     def advantages(self, batch: dict, groups: list[dict]) -> torch.Tensor:
-        """GRPO advantages (B,), then DAA on the correct completions of hard groups."""
+        """GRPO advantages (B,), then DAA on the correct completions of hard groups; and
+        batch["amplified"] (B,), the rows whose advantage DAA scaled (read by cov/amplified)."""
         G = self.cfg.group_size
-        advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm)  # (N, G)
+        grpo = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm)  # (N, G)
         correct = batch["correct"].view(-1, G)
-        advantage, counts = amplify(advantage, correct, groups, self.pass_counts, self.cfg)
+        advantage, counts = amplify(grpo, correct, groups, self.pass_counts, self.cfg)
+        batch["amplified"] = (advantage != grpo).flatten()
         largest = all_reduce_max(counts[3:])
         self.counts = torch.cat([all_reduce_sum(counts[:3]), largest])  # over all ranks
         return advantage.flatten()

@@ -9,7 +9,6 @@ import torch
 import common
 import entropy_control as ec
 from modeling import autocast, reshard
-from neighbours import NEIGHBOURS
 
 
 def start_update(model, batch: dict, rows: torch.Tensor, cfg, step: int, u: int, record: dict):
@@ -34,17 +33,9 @@ def start_update(model, batch: dict, rows: torch.Tensor, cfg, step: int, u: int,
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + u)
         selected = ec.random_share(candidates, cfg.clip_cov_ratio, n, generator)
     batch["control"][rows] = selected.float()
-    amplified = changed_advantage(batch, cfg)[rows].unsqueeze(-1) & mask.bool()
-    ec.add_metrics(record, cov, n, selected, amplified)
-
-
-def changed_advantage(batch: dict, cfg) -> torch.Tensor:
-    """The rows (B,) bool whose advantage the algorithm changed from GRPO's, recomputed from the
-    rewards by the same function: DA3PO's amplified completions (da3po.amplify); none for DARO and
-    the baselines, nor for the neighbours, whose advantages are not GRPO's at all."""
-    G = cfg.group_size
-    grpo = common.group_advantages(batch["reward"].view(-1, G), cfg.std_norm).flatten()
-    return (batch["advantage"] != grpo) & (cfg.algo not in NEIGHBOURS)
+    # DAA's amplified rows (DAA.advantages marks them); none under DARO, a baseline or a neighbour
+    amplified = batch.get("amplified", torch.zeros_like(batch["reward"], dtype=torch.bool))
+    ec.add_metrics(record, cov, n, selected, amplified[rows].unsqueeze(-1) & mask.bool())
 
 
 @torch.no_grad()

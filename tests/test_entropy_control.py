@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import da3po
 import entropy_control as ec
 import entropy_update
 import neighbours
@@ -167,32 +168,41 @@ def test_entropy_bonus_gradient(float64_model):
 
 def model_batch(model, tok, G=4, groups=3, seed=0):
     """An update of `groups` groups on the float64 demo model: log-probs 0.3 off pi_old, GRPO advantages with one
-    group's correct completions amplified x2 (as DAA does)."""
+    group's correct completions amplified x2 and marked (as DAA does)."""
     from tests.conftest import off_policy_batch
     g = torch.Generator().manual_seed(seed)
     batch = off_policy_batch(model, tok, G * groups, g)
     batch["reward"] = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0])[:G * groups]
-    adv = common.group_advantages(batch["reward"].view(-1, G)).flatten()
+    grpo = common.group_advantages(batch["reward"].view(-1, G)).flatten()
+    adv = grpo.clone()
     adv[:G] = torch.where(batch["reward"][:G] > 0, 2 * adv[:G], adv[:G])
     batch["advantage"] = adv.double()
+    batch["amplified"] = adv != grpo  # as DAA.advantages marks them
     batch["reward"] = batch["reward"].float()
     return batch
 
 
 def test_amplified_tokens_are_daas_only(float64_model):
-    """cov/amplified counts the tokens of DAA's amplified completions: under a neighbour (MaxRL here), whose
-    advantages differ from GRPO's on every row, it counts none; under DA3PO, the amplified group's correct tokens."""
+    """cov/amplified counts the tokens of the rows DAA.advantages marks as amplified (batch["amplified"]): under
+    DA3PO, the amplified group's correct tokens; under a neighbour (MaxRL here), whose advantages differ from GRPO's
+    on every row but which marks none, no token."""
     model, tok = float64_model
     counts = {}
     for algo in ("da3po", "maxrl"):
         batch = model_batch(model, tok)
-        if algo == "maxrl":
-            batch["advantage"] = neighbours.maxrl_advantages((batch["reward"] > 0).double().view(-1, 4)).flatten()
+        batch["correct"] = batch["reward"] > 0
+        del batch["amplified"]  # model_batch's mark: the hook writes its own, and a neighbour none
         cfg = Config(algo=algo, entropy_control="kl_cov", kl_cov_ratio=0.05, group_size=4)
+        if algo == "da3po":  # the hook amplifies what model_batch amplified by hand, and marks those rows
+            advantage = da3po.DAA(cfg, torch.device("cpu"), {}).advantages(batch, [{}] * 3)
+            assert torch.allclose(advantage.double(), batch["advantage"], rtol=1e-6)
+            assert batch["amplified"].tolist() == [True] + [False] * 11
+        else:
+            batch["advantage"] = neighbours.maxrl_advantages((batch["reward"] > 0).double().view(-1, 4)).flatten()
         record = {}
         entropy_update.start_update(model, batch, torch.arange(12), cfg, 1, 0, record)
         counts[algo] = record["cov/amplified"]
-    expected = (batch["mask"][:4] * (batch["reward"][:4] > 0).unsqueeze(-1)).sum().item()  # group 0's correct
+    expected = batch["mask"][0].sum().item()  # group 0's correct completion
     assert counts["maxrl"] == 0
     assert counts["da3po"] == expected > 0
 
