@@ -37,8 +37,8 @@ from bookkeeping import (Logger, PendingStep, evaluate_and_log, find_checkpoint,
                          load_checkpoint, load_policy, prepare_models, rng_state, save_checkpoint,
                          set_rng_state, step_bar)
 from common import (TRAIN_SUMS, Algorithm, StepTimer, Sums, UpdateGuard, dynamic_sampling,
-                    make_batch, micro_batches, old_logprobs, plan_updates, rollout_correction,
-                    token_losses, train_metrics)
+                    group_advantages, make_batch, micro_batches, old_logprobs, plan_updates,
+                    rollout_correction, token_losses, train_metrics)
 from config import BASELINES, TrainConfig, check_config, parse_config, presets
 from dataset import (PromptStream, load_datasets, resolve_max_model_len, resolve_template,
                      tokenize_datasets)
@@ -224,14 +224,14 @@ class DARO(Algorithm):
         """GRPO advantages (B,), and batch["bin"] (B,): the #correct of each completion's group,
         its bin mu = bin / G."""
         G = self.G
-        advantage = super().advantages(batch, groups)  # GRPO's
+        advantage = group_advantages(batch["reward"].view(-1, G), self.cfg.std_norm)  # (N, G)
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
         if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
         # this rank's groups in each bin
         groups_per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()
         self.bins[2] = all_reduce_sum(groups_per_bin)  # all ranks': the same on every rank
-        return advantage
+        return advantage.flatten()
 
     def start_update(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
         """Each token's weight in its bin's L_mu, Eq. (2), or a baseline's aggregation (no bins);
