@@ -271,7 +271,7 @@ class DARO(Algorithm):
         (mean over the updates with bin mu, else 0), n_mu (groups trained on, all ranks); the next
         step's `bins` start at zero."""
         G = self.G
-        bins, self.bins = self.bins, torch.zeros(3, G + 1)  # the next step's start at zero
+        bins, self.bins = self.bins, torch.zeros(3, G + 1)  # the next step's
         w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight).cpu()
         metrics = {}
         for i in range(G + 1):
