@@ -88,15 +88,13 @@ def check_algorithm_config(cfg: Config):
     if cfg.weighting not in ("learned", "closed", "uniform", "var", "none"):
         die(f"--weighting {cfg.weighting!r}: choose one of learned, closed, uniform, var, none")
     if cfg.weighting == "learned" and not cfg.weight_lr > 0:
-        die(f"--weight_lr must be > 0 for --weighting learned (w = 1: uniform), "
-            f"got {cfg.weight_lr}")
+        die(f"--weighting learned needs --weight_lr > 0 (w = 1: uniform), got {cfg.weight_lr}")
     if cfg.weighting == "closed" and cfg.daro_literal:
         die("--daro_literal does not apply to --weighting closed (it fits |L_mu| + delta)")
     if cfg.daro_delta < 0:
         die(f"--daro_delta must be >= 0 (it keeps |L_mu| + delta positive), got {cfg.daro_delta}")
     if cfg.shared_weight and cfg.weighting not in ("learned", "closed"):
-        die(f"--shared_weight shares the weights of --weighting learned or closed, "
-            f"not {cfg.weighting}")
+        die(f"--shared_weight needs --weighting learned or closed, got {cfg.weighting}")
     if not 0 < cfg.w_min <= 1 <= cfg.w_max:
         die(f"--w_min and --w_max need 0 < w_min <= 1 <= w_max, got {cfg.w_min} and {cfg.w_max}")
 
@@ -110,19 +108,14 @@ def tokens_per_bin(mask: torch.Tensor, bins: torch.Tensor, G: int) -> torch.Tens
     return mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))
 
 
-def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int,
-                      tokens: torch.Tensor | None = None):
+def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Per-token weights (B, T) that turn a sum of token losses into sum_mu L_mu, Eq. (2): a token
     of bin mu weighs 1 / (#tokens of bin mu in the WHOLE update); bins 0 and G weigh 0, and a bin of
-    one prompt weighs as much as one of twenty. tokens (G+1,): the update's tokens per bin, over
-    every micro-batch and rank (DARO.start_update sums tokens_per_bin over ranks; default: these
-    rows'). Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns (weights (B, T),
-    tokens per bin (G+1,))."""
-    mask = mask if mask.is_floating_point() else mask.float()  # a float64 mask stays float64
-    if tokens is None:
-        tokens = tokens_per_bin(mask, bins, G)
-    inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
-    return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
+    one prompt weighs as much as one of twenty. tokens (G+1,): tokens_per_bin over the update's
+    micro-batches and ranks. Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5."""
+    G = len(tokens) - 1
+    inside = ((bins > 0) & (bins < G)).to(tokens.dtype).unsqueeze(-1)  # (B, 1)
+    return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1)
 
 
 def bin_weights(neg_log_w: list[torch.Tensor], weighting: str,
@@ -164,11 +157,9 @@ def update_weights(neg_log_w: list[torch.Tensor], weight_opt, bin_loss: torch.Te
     weight_opt.zero_grad(set_to_none=True)
     weight_objective(neg_log_w, bin_loss, present, cfg.daro_delta, cfg.daro_literal).backward()
     weight_opt.step()
-    low = -math.log(cfg.w_max)  # s = -ln w: w_max is the lowest s
-    high = -math.log(cfg.w_min)
     with torch.no_grad():
-        for s in neg_log_w:
-            s.clamp_(low, high)  # w = exp(-s) in [w_min, w_max] [dev 1]
+        for s in neg_log_w:  # w = exp(-s) in [w_min, w_max] [dev 1]
+            s.clamp_(-math.log(cfg.w_max), -math.log(cfg.w_min))
 
 
 def closed_form_weights(neg_log_w: list[torch.Tensor], bin_loss: torch.Tensor,
@@ -228,9 +219,8 @@ class DARO(Algorithm):
         batch["bin"] = batch["correct"].view(-1, G).sum(-1).repeat_interleave(G)  # (B,)
         if self.cfg.weighting != "none":  # bins 0 and G are not in Eq. (1): not trained
             batch["mask"] = batch["mask"] * ((batch["bin"] > 0) & (batch["bin"] < G)).unsqueeze(-1)
-        # this rank's groups in each bin
-        groups_per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()
-        self.bins[2] = all_reduce_sum(groups_per_bin)  # all ranks': the same on every rank
+        per_bin = torch.bincount(batch["bin"][::G].cpu(), minlength=G + 1).float()  # this rank's
+        self.bins[2] = all_reduce_sum(per_bin)  # all ranks' groups per bin, the same on every rank
         return advantage.flatten()
 
     def start_update(self, batch: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -238,8 +228,8 @@ class DARO(Algorithm):
         the update's w_mu, and its L_mu to be summed from zero by loss()."""
         mask = batch["mask"][rows]
         bins = batch["bin"][rows]
-        tokens = all_reduce_sum(tokens_per_bin(mask, bins, self.G))  # the whole update's, all ranks
-        weight, self.bin_tokens = bin_token_weights(mask, bins, self.G, tokens)
+        self.bin_tokens = all_reduce_sum(tokens_per_bin(mask, bins, self.G))  # all ranks'
+        weight = bin_token_weights(mask, bins, self.bin_tokens)
         if self.cfg.weighting == "none":  # the baselines' own aggregation over the whole update
             weight = super().start_update(batch, rows)
         self.w = bin_weights(self.neg_log_w, self.cfg.weighting, self.cfg.shared_weight)  # (G+1,)

@@ -58,7 +58,8 @@ def project_daro(inp: dict) -> dict:
     neg_log_w = [torch.tensor(s, dtype=F64, requires_grad=True) for s in inp["neg_log_w"]]
     if len(neg_log_w) != G - 1:
         raise ValueError(f"G = {G} needs {G - 1} weights (mu = 1/G .. (G-1)/G), got {len(neg_log_w)}")
-    weight, bin_tokens = daro.bin_token_weights(mask, bins, G)
+    bin_tokens = daro.tokens_per_bin(mask, bins, G)
+    weight = daro.bin_token_weights(mask, bins, bin_tokens)
     w = daro.bin_weights(neg_log_w, inp["weighting"])  # (G+1,), detached
     bin_loss = torch.zeros(G + 1, dtype=F64).index_add_(0, bins, (token_loss * weight).sum(-1))  # L_mu
     present = bin_tokens > 0

@@ -94,16 +94,19 @@ def amplify(advantage: torch.Tensor, correct: torch.Tensor, groups: list[dict], 
                        "daa/lam_max": applied.max().item() if len(applied) else 0.0}
 
 
-def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int, tokens: torch.Tensor | None = None):
-    """Eq. (2)'s per-token weights (B, T): a token of bin mu weighs 1 / (#tokens of bin mu in the whole update);
-    bins 0 and G weigh 0. bins: (B,) #correct of each row's group; tokens (G+1,): the update's tokens per bin over
-    all processes (default: these rows'). Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns
-    (weights (B, T), tokens per bin (G+1,))."""
+def tokens_per_bin(mask: torch.Tensor, bins: torch.Tensor, G: int) -> torch.Tensor:
+    """(G+1,) the completion tokens of each bin mu among these rows; bins (B,): #correct of each row's group."""
     mask = mask if mask.is_floating_point() else mask.float()
-    if tokens is None:
-        tokens = mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))
-    inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
-    return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
+    return mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))
+
+
+def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Eq. (2)'s per-token weights (B, T): a token of bin mu weighs 1 / (#tokens of bin mu in the whole update);
+    bins 0 and G weigh 0. bins: (B,) #correct of each row's group; tokens (G+1,): tokens_per_bin over the update's
+    micro-batches and processes. Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5."""
+    G = len(tokens) - 1
+    inside = ((bins > 0) & (bins < G)).to(tokens.dtype).unsqueeze(-1)  # (B, 1)
+    return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1)
 
 
 def bin_weights(neg_log_w: list[torch.Tensor], weighting: str) -> torch.Tensor:
@@ -415,9 +418,9 @@ class DAROTrainer(_Common, GRPOTrainer):
         """Eq. (2)'s token weights of these slices' rows, the denominators over all processes' same slices. Returns
         (one (B, T) weight per slice, tokens per bin (G+1,))."""
         masks = [self._loss_mask(s).double() for s in slices]
-        local = sum(m.new_zeros(self.G + 1).index_add_(0, s["daro_bin"], m.sum(-1)) for m, s in zip(masks, slices))
+        local = sum(tokens_per_bin(m, s["daro_bin"], self.G) for m, s in zip(masks, slices))
         tokens = self.accelerator.reduce(local, reduction="sum")  # (G+1,), all processes
-        return [bin_token_weights(m, s["daro_bin"], self.G, tokens)[0] for m, s in zip(masks, slices)], tokens
+        return [bin_token_weights(m, s["daro_bin"], tokens) for m, s in zip(masks, slices)], tokens
 
     def _prepare_updates(self, slices: list[dict]):
         """For each optimizer update of the generation batch: Eq. (2)'s weights of its rows, L_mu's denominators

@@ -70,16 +70,19 @@ def adaptive_lam(p: torch.Tensor, G: int, lam_max: float) -> torch.Tensor:
     return ((1 - p ** (G - 1)) / (1 - (1 - p) ** (G - 1))).clamp(max=lam_max)
 
 
-def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, G: int, tokens: torch.Tensor | None = None):
-    """Eq. (2)'s per-token weights (B, T): a token of bin mu weighs 1 / (#tokens of bin mu in the whole update);
-    bins 0 and G weigh 0. bins: (B,) #correct of each row's group; tokens (G+1,): the update's tokens per bin over
-    all ranks (default: these rows'). Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5. Returns
-    (weights (B, T), tokens per bin (G+1,))."""
+def tokens_per_bin(mask: torch.Tensor, bins: torch.Tensor, G: int) -> torch.Tensor:
+    """(G+1,) the completion tokens of each bin mu among these rows; bins (B,): #correct of each row's group."""
     mask = mask if mask.is_floating_point() else mask.float()
-    if tokens is None:
-        tokens = mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))
-    inside = ((bins > 0) & (bins < G)).to(mask.dtype).unsqueeze(-1)  # (B, 1)
-    return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1), tokens
+    return mask.new_zeros(G + 1).index_add_(0, bins, mask.sum(-1))
+
+
+def bin_token_weights(mask: torch.Tensor, bins: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Eq. (2)'s per-token weights (B, T): a token of bin mu weighs 1 / (#tokens of bin mu in the whole update);
+    bins 0 and G weigh 0. bins: (B,) #correct of each row's group; tokens (G+1,): tokens_per_bin over the update's
+    micro-batches and ranks. Example: bins [1, 1, 3], lengths [2, 4, 5] -> 1/6, 1/6, 1/5."""
+    G = len(tokens) - 1
+    inside = ((bins > 0) & (bins < G)).to(tokens.dtype).unsqueeze(-1)  # (B, 1)
+    return mask * inside / tokens.clamp(min=1)[bins].unsqueeze(-1)
 
 
 def bin_weights(neg_log_w: list[torch.Tensor], weighting: str) -> torch.Tensor:
@@ -317,7 +320,7 @@ def _daro_micro_batch(inner, weights: DAROWeights, config, model_output, data, d
     for the DARO policy loss, passed through the config's per-micro-batch dict (global_batch_info), then verl's
     ppo_loss, which calls the registered loss."""
     bins, mask = _bins_and_mask(data)
-    eq2, _ = bin_token_weights(mask, bins, weights.G, weights.update["tokens"])
+    eq2 = bin_token_weights(mask, bins, weights.update["tokens"])
     config.global_batch_info["daro"] = {"bins": bins, "eq2": eq2, "w": weights.update["w"],
                                         "shares": weights.update["shares"]}
     return inner(model_output=model_output, data=data, dp_group=dp_group)
@@ -375,7 +378,7 @@ class DAROTrainingWorker(engine_workers.TrainingWorker):
         if self.daro is None:
             return super().train_batch(data)
         bins, mask = _bins_and_mask(data)  # this rank's rows of the update
-        self.daro.begin(self._all_ranks(mask.new_zeros(self.daro.G + 1).index_add_(0, bins, mask.sum(-1))))
+        self.daro.begin(self._all_ranks(tokens_per_bin(mask, bins, self.daro.G)))
         output = super().train_batch(data)
         metrics = self.daro.end(self._all_ranks(self.daro.update["shares"]))
         if output is not None:

@@ -23,8 +23,9 @@ def check_copied_formulas(drop_in, settings, g: torch.Generator, G: int = 8, B: 
 
     mask = (torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)).to(F64)
     bins = torch.randint(0, G + 1, (B,), generator=g)
-    ours, theirs = drop_in.bin_token_weights(mask, bins, G), daro.bin_token_weights(mask, bins, G)
-    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    tokens = drop_in.tokens_per_bin(mask, bins, G)
+    assert torch.equal(tokens, daro.tokens_per_bin(mask, bins, G))
+    assert torch.equal(drop_in.bin_token_weights(mask, bins, tokens), daro.bin_token_weights(mask, bins, tokens))
     for weighting in ("learned", "uniform", "var"):
         s = [torch.tensor(0.1 * i) for i in range(G - 1)]
         assert torch.equal(drop_in.bin_weights(s, weighting), daro.bin_weights(s, weighting))

@@ -15,7 +15,7 @@ import modeling
 import daro
 from tests.conftest import ROOT, accumulate, off_policy_batch
 from daro import (PRESETS, Config, bin_token_weights, bin_weights, check_algorithm_config, closed_form_weights,
-                  update_weights, weight_objective)
+                  tokens_per_bin, update_weights, weight_objective)
 from demo.build import warm_start
 
 G = 8  # group size K: bins mu = 0, 1/8, ..., 1
@@ -118,8 +118,8 @@ def test_shared_weight_is_the_mean_of_the_learned_ones_hand_worked():
     ({"weighting": "closd"}, "--weighting 'closd': choose one of learned, closed"),
     ({"weighting": "closed", "daro_literal": True}, "--daro_literal does not apply to --weighting closed"),
     ({"daro_delta": -1e-3}, "--daro_delta must be >= 0"),
-    ({"weight_lr": 0.0}, "--weight_lr must be > 0 for --weighting learned"),
-    ({"weighting": "uniform", "shared_weight": True}, "--shared_weight shares the weights of --weighting learned"),
+    ({"weight_lr": 0.0}, "--weighting learned needs --weight_lr > 0"),
+    ({"weighting": "uniform", "shared_weight": True}, "--shared_weight needs --weighting learned or closed"),
 ])
 def test_bad_weighting_flags_stop_with_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -133,8 +133,9 @@ def test_bad_weighting_flags_stop_with_one_line(flags, message, capsys):
 def test_bin_token_weights_hand_worked():
     mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
     bins = torch.tensor([1, 1, 3, 0, 8])  # bins 0 and G (mu = 0, 1) weigh nothing
-    weights, tokens = bin_token_weights(mask, bins, G)
+    tokens = tokens_per_bin(mask, bins, G)
     assert tokens.tolist() == [3, 6, 0, 5, 0, 0, 0, 0, 1]
+    weights = bin_token_weights(mask, bins, tokens)
     expected = mask.float() * torch.tensor([[1 / 6], [1 / 6], [1 / 5], [0.0], [0.0]])
     assert torch.allclose(weights, expected)
     assert bin_weights(make_log_w(), "uniform").tolist() == [0.0] + [1.0] * (G - 1) + [0.0]
@@ -159,7 +160,7 @@ def update_batch(float64_model):
     mask = batch["mask"] = batch["mask"].double()
     bins = torch.tensor([1, 1, 2, 0, 3, 3, 3, 8, 5, 5, 7, 1, 0, 2, 7, 5])  # bins 4/8 and 6/8 empty
     batch.update(bin=bins, advantage=torch.randn(n, generator=g, dtype=torch.float64),
-                 weight=bin_token_weights(mask, bins, G)[0])
+                 weight=bin_token_weights(mask, bins, tokens_per_bin(mask, bins, G)))
     log_w = make_log_w(torch.linspace(-0.5, 0.7, G - 1).tolist(), torch.float64)  # away from 1, all different
     return model, batch, log_w
 

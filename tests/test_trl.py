@@ -142,7 +142,8 @@ def test_daro_golden_vectors_through_the_drop_in(demo_dir, tmp_path):
             for s, value in zip(t.neg_log_w, inp["neg_log_w"]):
                 s.fill_(value)
         mask, bins = torch.tensor(inp["mask"], dtype=F64), torch.tensor(inp["bins"])
-        weight, tokens = drop_in.bin_token_weights(mask, bins, inp["G"])
+        tokens = drop_in.tokens_per_bin(mask, bins, inp["G"])
+        weight = drop_in.bin_token_weights(mask, bins, tokens)
         loss, shares = t.daro_loss(torch.tensor(inp["token_loss"], dtype=F64), weight, bins)
         objective = drop_in.weight_objective(t.neg_log_w, shares, tokens > 0, inp["delta"], inp["literal"])
         grads = torch.autograd.grad(objective, t.neg_log_w, allow_unused=True)

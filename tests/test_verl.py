@@ -236,7 +236,8 @@ def test_daro_golden_vectors_through_the_drop_in():
         G = inp["G"]
         mask, bins = torch.tensor(inp["mask"], dtype=F64), torch.tensor(inp["bins"])
         s = [torch.tensor(v, dtype=F64, requires_grad=True) for v in inp["neg_log_w"]]
-        eq2, tokens = drop_in.bin_token_weights(mask, bins, G)
+        tokens = drop_in.tokens_per_bin(mask, bins, G)
+        eq2 = drop_in.bin_token_weights(mask, bins, tokens)
         w = drop_in.bin_weights(s, "learned")
         # token losses as the loss computes them: at ratio 1 (old = new), -A, so A = -token_loss (exact in float64)
         token_loss = torch.tensor(inp["token_loss"], dtype=F64)
@@ -437,9 +438,11 @@ def test_verls_padding_at_24_gpus(script):
     assert alone.batch["advantages"].abs().sum() > 0
     if RECIPES[script] == "daro":  # the actor's side: each row's bin and Eq. (2) weights
         bins, mask = drop_in._bins_and_mask(padded.batch)
-        eq2, tokens = drop_in.bin_token_weights(mask, bins, n)
+        tokens = drop_in.tokens_per_bin(mask, bins, n)
+        eq2 = drop_in.bin_token_weights(mask, bins, tokens)
         bins_alone, mask_alone = drop_in._bins_and_mask(alone.batch)
-        eq2_alone, tokens_alone = drop_in.bin_token_weights(mask_alone, bins_alone, n)
+        tokens_alone = drop_in.tokens_per_bin(mask_alone, bins_alone, n)
+        eq2_alone = drop_in.bin_token_weights(mask_alone, bins_alone, tokens_alone)
         assert torch.equal(tokens, tokens_alone) and tokens[1:n].sum() > 0
         assert torch.equal(eq2[~padding], eq2_alone) and not eq2[padding].any()
 
