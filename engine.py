@@ -31,10 +31,8 @@ from vllm_engine import make_vllm_rollout, vllm_rollout_kind
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float):
     """One token per row of logits (B, V), from softmax(logits / temperature) cut to the top_p
     nucleus (as transformers' TopPLogitsWarper and vLLM cut it), or the argmax at temperature 0.
-
     Returns tokens (B,) and their log-probs (B,), renormalised over the nucleus as vLLM's are
-    (0 when greedy; token_logprobs' at top_p = 1).
-    """
+    (0 when greedy; token_logprobs' at top_p = 1)."""
     if temperature <= 0:
         return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
     logp = (logits.float() / temperature).log_softmax(-1)  # (B, V)
@@ -116,16 +114,12 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 256, n: int = 1):
     """n sampled completions of each prompt, grouped by prompt: each prefill runs once and its
     cache is repeated n times. Only the eos ids are read from generation_config.json (instruct
-    models set repetition_penalty or top_k there: silently off-policy rollouts).
-
-    Returns (completion ids up to and including the first eos, truncated flags,
-    sample_token's log-probs, or None when greedy).
-    """
+    models set repetition_penalty or top_k there: silently off-policy rollouts). Returns
+    (completion ids up to and including the first eos, truncated flags, sample_token's log-probs,
+    or None when greedy)."""
     device = next(model.parameters()).device
     eos = torch.tensor(eos_ids(model.generation_config.eos_token_id, tok), device=device)
-    completions = []
-    truncated = []
-    logprobs = []
+    completions, truncated, logprobs = [], [], []
     was_training = model.training
     model.eval()  # gradient checkpointing is off in eval mode, so the KV cache is kept
     attention = model.config._attn_implementation  # put back after sampling
@@ -142,9 +136,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int,
         for s in range(0, len(prompts), prompts_per_call):
             chunk = prompts[s:s + prompts_per_call]
             ids, attn, _ = pad_prompt_completion(chunk, [[]] * len(chunk), tok.pad_token_id)
-            # (N, P): the empty completion column cut
-            ids = ids[:, :-1].to(device)
-            attn = attn[:, :-1].to(device)
+            ids, attn = ids[:, :-1].to(device), attn[:, :-1].to(device)  # (N, P): empty column cut
             out = model(input_ids=ids, attention_mask=attn, position_ids=positions(attn),
                         use_cache=True, logits_to_keep=1)
             cache = out.past_key_values

@@ -122,9 +122,8 @@ _stop_signal = None  # set by the handler of SIGTERM and SIGINT
 
 
 def handle_stop_signals():
-    """Make SIGTERM (preemption) and Ctrl-C request a stop; a second Ctrl-C aborts.
-
-    torchrun forwards SIGTERM to every worker and kills them 30 s later (docs/gpu.md)."""
+    """Make SIGTERM (preemption) and Ctrl-C request a stop; a second Ctrl-C aborts. torchrun
+    forwards SIGTERM to every worker and kills them 30 s later (docs/gpu.md)."""
     global _stop_signal
     _stop_signal = None
 
