@@ -81,21 +81,16 @@ def problem_from_row(row, where: str, prompt_key: str = "", answer_key: str = ""
     first of PROMPT_KEYS and ANSWER_KEYS that the row fills (docs/data.md: the schemas)."""
     if not isinstance(row, dict):
         die(f"{where}: expected a JSON object per row, got {type(row).__name__}")
-    if prompt_key:
-        prompt = _field(row, prompt_key)
-    else:
-        prompt = next((row[k] for k in PROMPT_KEYS if row.get(k) not in EMPTY), None)
-    if answer_key:
-        answer = _field(row, answer_key)
-    else:
-        answer = next((v for k in ANSWER_KEYS if (v := _field(row, k)) not in EMPTY), None)
-    if prompt in EMPTY:
-        die(f"{where}: no problem text (looked for {prompt_key or 'problem, question, prompt'}; "
-            f"row keys: {', '.join(sorted(row))}; set --prompt_key)")
-    if answer in EMPTY:
-        die(f"{where}: no answer (looked for "
-            f"{answer_key or 'answer, final_answer, reward_model.ground_truth'}; "
-            f"row keys: {', '.join(sorted(row))}; set --answer_key)")
+    prompt_keys = [prompt_key] if prompt_key else PROMPT_KEYS
+    answer_keys = [answer_key] if answer_key else ANSWER_KEYS
+    prompt = next((v for k in prompt_keys if (v := _field(row, k)) not in EMPTY), None)
+    answer = next((v for k in answer_keys if (v := _field(row, k)) not in EMPTY), None)
+    if prompt is None:
+        die(f"{where}: no problem text (looked for {', '.join(prompt_keys)}; row keys: "
+            f"{', '.join(sorted(row))}; set --prompt_key)")
+    if answer is None:
+        die(f"{where}: no answer (looked for {', '.join(answer_keys)}; row keys: "
+            f"{', '.join(sorted(row))}; set --answer_key)")
     templated = isinstance(prompt, list)  # a chat-format prompt (DAPO-Math-17k), used as written
     if templated or not isinstance(answer, str) or "####" in answer:
         prompt, answer = _plain_text(prompt, answer)
@@ -276,12 +271,10 @@ def tokenize_problems(problems: list[dict], tok, template: str, max_prompt_lengt
 
 
 def parse_eval_data(eval_data: str, eval_samples: int) -> list[tuple[str, int]]:
-    """--eval_data as (set, k) pairs, k its samples per problem (for avg@k, pass@k, maj@k).
-
-    Sets are comma-separated, each with `@k` or else --eval_samples; a '/' or a file extension
-    after the last '@' means no k.
-    Example: 'aime24.jsonl@32,x@y.jsonl', 4 -> [('aime24.jsonl', 32), ('x@y.jsonl', 4)].
-    """
+    """--eval_data as (set, k) pairs, k its samples per problem (for avg@k, pass@k, maj@k). Sets
+    are comma-separated, each with `@k` or else --eval_samples; a '/' or a file extension after the
+    last '@' means no k.
+    Example: 'aime24.jsonl@32,x@y.jsonl', 4 -> [('aime24.jsonl', 32), ('x@y.jsonl', 4)]."""
     out = []
     for item in (i.strip() for i in eval_data.split(",")):
         spec, at, suffix = item.rpartition("@")
