@@ -324,14 +324,11 @@ def parse_config(cls, argv: list[str] | None = None, presets: dict[str, dict] | 
     user's own missing a DEMO_SIZED knob exits 2 naming them all (with --demo: a note naming the
     demo's values it gets)."""
     helps = field_help(cls)
-    parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]),
-                                     description=(cls.__doc__ or "").strip(),
-                                     epilog=EPILOG,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]), epilog=EPILOG,
+                                     description=(cls.__doc__ or "").strip(), allow_abbrev=False)
     for f in fields(cls):
         help_text = f"{helps.get(f.name, '')} (default: {f.default!r})".replace("%", "%%")
-        # SUPPRESS: only flags given
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)  # only flags given
         kind = type(f.default)
         if kind is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
@@ -428,21 +425,16 @@ def check_config(cfg, world_size: int, check_algorithm=None):
         die(f"--overlong_buffer {cfg.overlong_buffer} must be below --max_new_tokens "
             f"{cfg.max_new_tokens}")
     if cfg.rollout_is_cap <= 1:
-        die(f"--rollout_is_cap must be > 1 (weights are kept in [1/cap, cap]), got "
-            f"{cfg.rollout_is_cap}")
+        die(f"--rollout_is_cap must be > 1 (weights in [1/cap, cap]), got {cfg.rollout_is_cap}")
     if not (cfg.temperature > 0 and 0 < cfg.top_p <= 1):
-        die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature} and "
-            f"{cfg.top_p}")
-    if cfg.crosscheck_train and not cfg.verifier_crosscheck:
-        die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
-    if cfg.verifier_crosscheck and crosscheck.missing():
-        die(f"--verifier_crosscheck: {crosscheck.missing()}")
+        die(f"--temperature must be > 0 and --top_p in (0, 1], got {cfg.temperature}, {cfg.top_p}")
+    if cfg.verifier_crosscheck or cfg.crosscheck_train:  # crosscheck.py: the pair, Math-Verify
+        crosscheck.check_flags(cfg)
     if cfg.max_staleness and cfg.rollout_is == "none":  # tokens of older weights: partial.py
         die(f"--max_staleness {cfg.max_staleness} needs --rollout_is token or sequence")
     if cfg.entropy_control != "none":  # the controls' pairs and upper bounds
         entropy_control.check_flags(cfg)
-    # a bad set@k stops here, before anything is loaded
-    parse_eval_data(cfg.eval_data, cfg.eval_samples)
+    parse_eval_data(cfg.eval_data, cfg.eval_samples)  # a bad set@k stops here
     check_lora_config(cfg)
     if cfg.logprob_path == "auto":  # the rule: the shipped demos run the plain path a reader copies
         cfg.logprob_path = "plain" if is_demo_model(cfg.model) else "shortcuts"

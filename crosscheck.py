@@ -26,7 +26,7 @@ import time
 import torch
 
 import verifier
-from ranks import all_gather_list, all_reduce_sum, print0
+from ranks import all_gather_list, all_reduce_sum, die, print0
 
 MATH_VERIFY_HINT = "pip install -r requirements/crosscheck.txt (Math-Verify)"
 
@@ -104,6 +104,14 @@ def missing() -> str:
     except ImportError:
         return f"Math-Verify is not installed: {MATH_VERIFY_HINT}"
     return ""
+
+
+def check_flags(cfg):
+    """The cross-check's flags that cannot work stop here, naming the flag (exit 2)."""
+    if cfg.crosscheck_train and not cfg.verifier_crosscheck:
+        die(f"--crosscheck_train {cfg.crosscheck_train} needs --verifier_crosscheck")
+    if cfg.verifier_crosscheck and missing():
+        die(f"--verifier_crosscheck: {missing()}")
 
 
 def summary(scores: dict, judge: str) -> str:
