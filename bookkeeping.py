@@ -136,8 +136,7 @@ class Logger:
                 self.tracker = Tracker(cfg.report_to, cfg.out_dir, config, cfg.wandb_project)
 
     def log(self, record: dict, name: str = "metrics.jsonl"):
-        # --verifier_crosscheck's disagreements: a file of their own
-        if "crosscheck_samples" in record:
+        if "crosscheck_samples" in record:  # the cross-check's disagreements: their own file
             record = self.log_disagreements(record)
         if self.enabled:
             with open(os.path.join(self.out_dir, name), "a", encoding="utf-8") as f:
