@@ -3,8 +3,8 @@ Golden vectors for DA3PO's advantages and DARO's loss: a checker that any codeba
 
 tests/data/golden.json (schema in tests/data/README.md) holds cases in three sections, each case
 {"name", "inputs", "expected"}, every number computed in float64 by integrations/make_golden.py from this project's
-functions (da3po.daa, da3po.adaptive_lam, common.group_advantages, common.loss_weights, daro.bin_token_weights,
-daro.bin_weights, daro.weight_objective):
+functions (da3po.daa, da3po.adaptive_lam, common.group_advantages, common.loss_weights, daro.tokens_per_bin,
+daro.bin_token_weights, daro.bin_weights, daro.weight_objective):
   advantages  (rewards, correctness, lengths, G, lam, tau, p estimate) -> GRPO advantages before and after DAA
   daro        (token losses, mask, bins, s = -ln w) -> per-bin losses L_mu, the model loss, the weight objective and
               its gradient
