@@ -245,6 +245,18 @@ def test_the_readme_file_map_and_reading_order_match_the_tree():
     assert cited and not cited - set(top_py), f"the reading order names files not at the top: {cited - set(top_py)}"
 
 
+def test_the_readme_is_short_and_explains_the_algorithm_before_any_integration():
+    """The README in 250 lines at most, its sections in a newcomer's order: Quick start, the algorithm, the files and
+    reading order, before the TRL and verl section."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 250, f"README.md: {len(lines)} lines, over 250"
+    headings = [line[3:] for line in lines if line.startswith("## ")]
+    order = ["Quick start", "The algorithm, one RL step", "Files, and where to start reading", "In TRL and verl"]
+    assert all(h in headings for h in order), f"README.md's sections: {headings}"
+    assert [headings.index(h) for h in order] == sorted(headings.index(h) for h in order), headings
+
+
 # ------------------------------------------------------------------------------------------------------------
 # One loop protocol: the two main()s are the same loop, written twice on purpose (each script reads top to
 # bottom), and every hook that loop calls on the algorithm is written down once, on common.Algorithm.
