@@ -679,10 +679,11 @@ def token_losses(model, ref_model, mb: dict, cfg, device: torch.device, sums: Su
         kl_coef=cfg.kl_coef, is_weight=mb.get("is_weight"))
     if "control" in mb:  # --entropy_coef, --entropy_control
         token_loss = entropy_control.apply(token_loss, logp, entropy, mb, cfg)
-    ran, real = mb["attention_mask"].numel(), mb["attention_mask"].sum().item()  # a padded forward
     if cfg.logprob_path == "shortcuts":  # the positions its forwards ran, and those they needed
         ran, real = shortcuts.forward_tokens(model, mb["attention_mask"], mb["mask"].shape[1],
                                              mb.get("group"), cfg.pack)
+    else:  # one padded forward: every position runs
+        ran, real = mb["attention_mask"].numel(), mb["attention_mask"].sum().item()
     sums.add(entropy=(entropy * mb["mask"]).sum().item(),
              clip_low=clipped["clip_low"].item(),
              clip_high=clipped["clip_high"].item(),
