@@ -70,6 +70,8 @@ def test_field_names_can_be_given_by_flag(tmp_path):
     ("c.json", '[{"problem": "x", "answer": "1"}, {"problem": "y"}]', "c.json: row 2: no answer"),
     ("d.json", '{"problem": "x"', "d.json:1: not valid JSON"),
     ("e.jsonl", '["just", "a", "list"]\n', "e.jsonl:1: expected a JSON object per row"),
+    ("f.jsonl", '{"question": "x", "answer": ""}\n',
+     "f.jsonl:1: no answer (looked for answer, final_answer, reward_model.ground_truth, ground_truth; row keys:"),
 ])
 def test_malformed_files_name_the_file_and_line(name, content, message, tmp_path, capsys):
     (tmp_path / name).write_text(content)
@@ -78,6 +80,16 @@ def test_malformed_files_name_the_file_and_line(name, content, message, tmp_path
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
+
+
+def test_a_field_named_by_flag_is_the_only_one_tried(tmp_path, capsys):
+    """--prompt_key q on a row whose q is empty: no fallback to PROMPT_KEYS' `problem`, and the error names q."""
+    path = tmp_path / "custom.jsonl"
+    path.write_text(json.dumps({"q": "", "problem": "1+1", "answer": "2"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        dataset.load_data(str(path), "train", prompt_key="q")
+    assert e.value.code == 2
+    assert "custom.jsonl:1: no problem text (looked for q; row keys: answer, problem, q;" in capsys.readouterr().err
 
 
 def test_templates():
